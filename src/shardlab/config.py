@@ -1,0 +1,277 @@
+"""RunConfig: one validated description of a run, from YAML plus CLI overrides.
+
+Every other module reads its settings from here. Unknown keys and wrong types are
+errors (pydantic ``extra="forbid"``, strict scalars), reported as one line by
+``load_config``. The batch triple (micro, accumulation, global) is resolved
+against the data-parallel world size by ``RunConfig.resolve_batch``, the single
+source of truth for it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import UserError
+
+STRATEGIES = (
+    "dp",
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero1_offload",
+    "zero2_offload",
+    "zero3_offload",
+    "infinity",
+    "fsdp",
+    "fsdp_offload",
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class DatasetConfig(_Strict):
+    """Where examples come from and how they become token blocks."""
+
+    source: str = Field(
+        "offline",
+        description="'offline' (CPython docs corpus), 'synthetic', a hub name "
+        "(wikitext-2-raw-v1, squad, owner/name) or a local file/directory",
+    )
+    format: Literal["lm", "qa"] = "lm"
+    num_samples: int | None = Field(None, gt=0, description="keep only the first N training examples")
+    eval_split: float = Field(0.05, ge=0.0, lt=1.0, description="fraction held out when the source has no eval split")
+    eval_samples: int | None = Field(None, gt=0, description="cap on eval examples")
+    packing: Literal["pack", "pad"] = Field(
+        "pack", description="'pack' concatenates into full seq_len blocks; 'pad' pads/truncates each example"
+    )
+    answer_only_loss: bool = Field(False, description="qa format: compute loss on answer tokens only")
+    text_field: str | None = Field(None, description="column holding text (default: 'text')")
+    hub_config: str | None = Field(None, description="hub dataset configuration name, e.g. wikitext-2-raw-v1")
+    synthetic_tokens: int = Field(200_000, gt=0, description="synthetic source: number of random tokens")
+
+
+class StrategyOptions(_Strict):
+    """Knobs of the memory strategies; each is ignored by strategies it does not concern."""
+
+    pin_memory: bool = Field(True, description="page-locked CPU buffers for offload")
+    nvme_path: str | None = Field(None, description="infinity: directory on a fast local NVMe disk")
+    nvme_min_free_gb: float = Field(0.0, ge=0.0, description="infinity: extra free space to demand beyond the estimate")
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = Field(500_000_000, gt=0)
+    allgather_bucket_size: int = Field(500_000_000, gt=0)
+    stage3_prefetch_bucket_size: int = Field(50_000_000, gt=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
+    fsdp_reshard_after_forward: bool = True
+
+
+class CurriculumStage(_Strict):
+    name: str | None = None
+    dataset: DatasetConfig
+    epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+
+
+class RunConfig(_Strict):
+    # model
+    model: str = Field("tiny-gpt2", description="preset name, hub id or local directory")
+    tokenizer: str | None = Field(None, description="hub id or local dir (default: the model's own)")
+    trust_remote_code: bool = False
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    gradient_checkpointing: bool = False
+    # data
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    seq_len: int = Field(128, gt=0)
+    # batch triple: any two determine the third (with the data-parallel world size)
+    micro_batch: int | None = Field(None, gt=0)
+    grad_accum: int | None = Field(None, gt=0)
+    global_batch: int | None = Field(None, gt=0)
+    # length of training
+    epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    # optimisation
+    lr: float = Field(5e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    adam_beta2: float = Field(0.999, gt=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    compile: bool = False
+    # strategy
+    strategy: str = "dp"
+    strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
+    deepspeed_config: str | None = Field(None, description="user DeepSpeed JSON; 'auto' values are filled from this config")
+    # where it runs
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    gpus: int | None = Field(None, ge=0, description="processes (GPUs) per node; default: all visible, 1 on CPU")
+    nodes: int = Field(1, gt=0)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, gt=0, lt=65536)
+    seed: int = 42
+    # outputs
+    output_dir: str = "runs/latest"
+    resume: str | None = Field(None, description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    log_every: int = Field(10, gt=0)
+    eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
+    save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
+    export: bool = Field(True, description="save the final model in HF format under output_dir/model")
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "shardlab"
+    curriculum: list[CurriculumStage] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nodes {self.nodes}")
+        if self.epochs is not None and self.max_steps is not None:
+            pass  # max_steps caps epochs; both are allowed
+        return self
+
+    # ---- derived -------------------------------------------------------------------------------
+    def resolve_batch(self, dp_world: int) -> tuple[int, int, int]:
+        """Return (micro_batch, grad_accum, global_batch) with global = micro * accum * dp_world.
+
+        Any two given determine the third; all three given must agree; with fewer than two the
+        defaults are micro 8 (or global/world) and accumulation 1.
+        """
+        micro, accum, glob = self.micro_batch, self.grad_accum, self.global_batch
+        if glob is not None and glob % dp_world:
+            raise UserError(
+                f"global_batch {glob} is not divisible by the data-parallel world size {dp_world}",
+                f"use a global batch that is a multiple of {dp_world}, or change --gpus",
+            )
+        if micro is not None and accum is not None:
+            derived = micro * accum * dp_world
+            if glob is not None and glob != derived:
+                raise UserError(
+                    f"batch sizes disagree: micro_batch {micro} x grad_accum {accum} x world {dp_world} = "
+                    f"{derived}, but global_batch is {glob}",
+                    "give only two of --micro-batch, --grad-accum, --global-batch and shardlab derives the third",
+                )
+            return micro, accum, derived
+        if glob is not None:
+            per_rank = glob // dp_world
+            if micro is None and accum is None:
+                micro, accum = per_rank, 1
+            elif micro is not None:
+                if per_rank % micro:
+                    raise UserError(
+                        f"global_batch {glob} / world {dp_world} = {per_rank} is not divisible by micro_batch {micro}",
+                        "choose a micro batch that divides the per-rank batch, or set --grad-accum instead",
+                    )
+                accum = per_rank // micro
+            else:
+                assert accum is not None
+                if per_rank % accum:
+                    raise UserError(
+                        f"global_batch {glob} / world {dp_world} = {per_rank} is not divisible by grad_accum {accum}",
+                        "choose a gradient accumulation that divides the per-rank batch, or set --micro-batch",
+                    )
+                micro = per_rank // accum
+            return micro, accum, glob
+        micro = micro or 8
+        accum = accum or 1
+        return micro, accum, micro * accum * dp_world
+
+    def stages(self) -> list[CurriculumStage]:
+        """The training stages: the curriculum, or one stage from the top-level dataset/epochs."""
+        if self.curriculum:
+            return list(self.curriculum)
+        epochs = self.epochs if (self.epochs is not None or self.max_steps is not None) else 1.0
+        return [CurriculumStage(name="train", dataset=self.dataset, epochs=epochs, max_steps=self.max_steps)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: YAML file + overrides -> RunConfig, with one-line errors
+
+
+def _format_validation_error(err: ValidationError) -> UserError:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return UserError(f"unknown config key {where!r}", "remove it or check its spelling (`shardlab train --help` lists the keys)")
+    if kind == "value_error":
+        msg = str(first.get("ctx", {}).get("error", first["msg"]))
+        return UserError(f"invalid config: {msg}", "fix the value in your YAML or flags")
+    got = first.get("input")
+    return UserError(
+        f"invalid value for {where!r}: {first['msg'].lower()} (got {got!r})",
+        "fix the value in your YAML or flags",
+    )
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"cannot set {dotted!r}: {key!r} is not a mapping", "check the key path")
+        node = child
+    node[keys[-1]] = value
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``5e-5`` as a float (YAML 1.1 demands ``5.0e-5``, a classic trap)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} not found", "check the path given to --config")
+    try:
+        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file {str(path)!r} is not valid YAML{where}", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {str(path)!r} must hold a mapping of keys", "write `key: value` lines")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Build a RunConfig from an optional YAML file and dotted-key overrides (None values skipped)."""
+    data: dict[str, Any] = read_yaml(path) if path else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise _format_validation_error(err) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,31 @@
+"""The one place user mistakes become one-line errors.
+
+A ``UserError`` carries what went wrong and how to fix it; the CLI prints
+``error: <message> (fix: <hint>)`` and exits with status 2, no traceback.
+Anything else that escapes is a bug in shardlab and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment, with the fix."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message.rstrip(".")
+        self.hint = hint
+
+    def __str__(self) -> str:
+        one_line = self.message.replace("\n", " ")
+        if self.hint:
+            return f"{one_line} (fix: {self.hint.replace(chr(10), ' ')})"
+        return one_line
+
+
+class OutOfMemory(UserError):
+    """CUDA ran out of memory; reported with the peak and the next thing to try."""
+
+    exit_code = 3

@@ -88,6 +88,7 @@ class RunConfig(_Strict):
     trust_remote_code: bool = False
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
+    dropout: float | None = Field(None, ge=0.0, lt=1.0, description="override every dropout probability of the model")
     # data
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     seq_len: int = Field(128, gt=0)
@@ -128,6 +129,7 @@ class RunConfig(_Strict):
     log_every: int = Field(10, gt=0)
     eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
+    keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
     export: bool = Field(True, description="save the final model in HF format under output_dir/model")
     tensorboard: bool = False
     wandb: bool = False

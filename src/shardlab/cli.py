@@ -1,0 +1,179 @@
+"""The `shardlab` command line: thin parsing in front of library functions.
+
+Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), so
+`--micro-batch 2` and `micro_batch: 2` in YAML are the same thing; flags override YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .errors import UserError
+
+# (flag, config key, type, help). type "bool" gives --flag / --no-flag.
+FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "model", str, "preset (tiny-gpt2, gpt2-medium, bloom-560m, ...), hub id or local directory"),
+    ("--tokenizer", "tokenizer", str, "tokenizer hub id or directory (default: the model's own / offline GPT-2 BPE)"),
+    ("--dataset", "dataset.source", str, "'offline', 'synthetic', wikitext-2-raw-v1, squad, a hub id or a local file/dir"),
+    ("--format", "dataset.format", str, "lm (plain text) or qa (Question/Context/Answer)"),
+    ("--num-samples", "dataset.num_samples", int, "use only the first N training examples"),
+    ("--eval-split", "dataset.eval_split", float, "fraction held out for eval when the source has no eval split"),
+    ("--packing", "dataset.packing", str, "pack (full blocks, default) or pad (per example, as the tutorials do)"),
+    ("--answer-only-loss", "dataset.answer_only_loss", "bool", "qa: loss on answer tokens only"),
+    ("--seq-len", "seq_len", int, "tokens per sequence"),
+    ("--micro-batch", "micro_batch", int, "sequences per GPU per forward pass"),
+    ("--grad-accum", "grad_accum", int, "micro-batches accumulated per optimizer step"),
+    ("--global-batch", "global_batch", int, "sequences per optimizer step over all GPUs (= micro x accum x world)"),
+    ("--epochs", "epochs", float, "epochs to train (fractions allowed)"),
+    ("--max-steps", "max_steps", int, "stop after this many optimizer steps"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--warmup-steps", "warmup_steps", int, "linear warm-up steps"),
+    ("--schedule", "schedule", str, "cosine, linear or constant after warm-up"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
+    ("--max-grad-norm", "max_grad_norm", float, "gradient clipping norm"),
+    ("--precision", "precision", str, "auto, bf16, fp16 or fp32"),
+    ("--strategy", "strategy", str, "dp, zero0-3, zero1/2/3_offload, infinity, fsdp, fsdp_offload"),
+    ("--deepspeed-config", "deepspeed_config", str, "your own DeepSpeed JSON ('auto' values are filled in)"),
+    ("--pin-memory", "strategy_options.pin_memory", "bool", "page-locked CPU buffers for offload"),
+    ("--nvme-path", "strategy_options.nvme_path", str, "infinity: swap directory on local NVMe"),
+    ("--gradient-checkpointing", "gradient_checkpointing", "bool", "recompute activations in backward"),
+    ("--attn-implementation", "attn_implementation", str, "auto, sdpa, eager or flash_attention_2"),
+    ("--dropout", "dropout", float, "override the model's dropout probabilities"),
+    ("--trust-remote-code", "trust_remote_code", "bool", "allow model code from the hub (off by default)"),
+    ("--compile", "compile", "bool", "torch.compile the model"),
+    ("--device", "device", str, "auto, cuda or cpu"),
+    ("--gpus", "gpus", int, "processes (GPUs) per node; on CPU the number of worker processes"),
+    ("--nodes", "nodes", int, "number of nodes"),
+    ("--node-rank", "node_rank", int, "this node's index"),
+    ("--master-addr", "master_addr", str, "address of node 0"),
+    ("--master-port", "master_port", int, "port on node 0"),
+    ("--seed", "seed", int, "random seed"),
+    ("--output-dir", "output_dir", str, "run directory"),
+    ("--resume", "resume", str, "'auto' or a checkpoint directory"),
+    ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
+    ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
+    ("--save-every", "save_every", int, "optimizer steps between checkpoints"),
+    ("--export", "export", "bool", "save the final model in HF format"),
+    ("--tensorboard", "tensorboard", "bool", "log to TensorBoard"),
+    ("--wandb", "wandb", "bool", "log to Weights & Biases"),
+]
+
+
+@dataclass
+class _Status:
+    code: int = 0
+
+
+@contextlib.contextmanager
+def report_errors():
+    """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
+    from .launch import WorkerFailed
+
+    status = _Status()
+    try:
+        yield status
+    except UserError as err:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        status.code = err.exit_code
+    except WorkerFailed as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        status.code = err.exitcode
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status.code = 130
+
+
+def _parse_set(values: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in values:
+        if "=" not in item:
+            raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw)
+    return out
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML run configuration (flags override it)")
+    for flag, key, typ, help_text in FLAGS:
+        dest = key.replace(".", "__")
+        if typ == "bool":
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config key, dotted (YAML value)")
+
+
+def config_from_args(args: argparse.Namespace):
+    from .config import load_config
+
+    overrides = {key: getattr(args, key.replace(".", "__")) for _, key, _, _ in FLAGS}
+    overrides.update(_parse_set(args.set))
+    return load_config(args.config, overrides)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage wall -> our one line
+        raise UserError(message, f"see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shardlab", description="Fine-tune HF causal LMs under DDP, DeepSpeed ZeRO and FSDP2, measured honestly.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    tr = sub.add_parser("train", help="train a model (spawns its own worker processes)")
+    add_run_flags(tr)
+    tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    cfg = config_from_args(args)
+    if args.dry_run:
+        _dry_run(cfg)
+        return
+    from .launch import train
+
+    train(cfg)
+
+
+def _dry_run(cfg) -> None:
+    import json
+
+    from .config import dump_config
+    from .launch import preflight
+    from .optim import resolve_precision
+    from .strategies import uses_deepspeed
+
+    device_type, nproc = preflight(cfg)
+    world = nproc * cfg.nodes
+    micro, accum, glob = cfg.resolve_batch(world)
+    print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
+    if uses_deepspeed(cfg.strategy):
+        from .strategies.deepspeed_zero import build_ds_config, merge_user_config
+
+        precision = resolve_precision(cfg.precision, device_type).name
+        ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
+        if cfg.deepspeed_config:
+            ds = merge_user_config(ds, cfg.deepspeed_config, precision)
+        print("# DeepSpeed config")
+        print(json.dumps(ds, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    with report_errors() as status:
+        args = build_parser().parse_args(argv)
+        {"train": cmd_train}[args.command](args)
+    return status.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

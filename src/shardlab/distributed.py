@@ -1,0 +1,115 @@
+"""Who am I in the job: rank, world size, device; process-group setup and teardown.
+
+Works in three situations without the user choosing anything: a single process with
+no launcher (world 1, no process group needed by DDP-free strategies but created anyway so
+every engine sees the same world), a worker spawned by shardlab's own launcher or by
+torchrun / deepspeed (RANK, WORLD_SIZE, LOCAL_RANK set), and a SLURM task started by srun
+(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID mapped onto the torch variables).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index or 0])
+            else:
+                dist.barrier()
+
+
+def in_launched_job() -> bool:
+    """True when some launcher (ours, torchrun, deepspeed, srun with >1 task) already made us a rank."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def _adopt_slurm_env() -> None:
+    """Map srun's variables onto torch's, so `srun shardlab train` joins instead of relaunching."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_ADDR", _first_slurm_host() or "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def _first_slurm_host() -> str | None:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    # "gpu[01-04],cpu1" -> "gpu01"; scontrol would do it, but it may not be on PATH inside containers.
+    first = nodelist.split(",")[0]
+    if "[" in first:
+        prefix, rest = first.split("[", 1)
+        first = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return first
+
+
+def pick_device_type(requested: str) -> str:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' requested but no CUDA GPU is visible", "run on a GPU node or use --device cpu")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_type: str, timeout_minutes: int = 30) -> DistEnv:
+    """Create the process group (gloo on CPU, nccl on GPU) and return this process's place in it."""
+    _adopt_slurm_env()
+    if "RANK" not in os.environ:  # plain `python`/`shardlab train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

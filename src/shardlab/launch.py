@@ -1,0 +1,101 @@
+"""Start the worker processes, or join the ones a launcher already started.
+
+A user never chooses a launcher: `shardlab train --gpus 4` spawns 4 workers through
+torch.distributed's elastic launcher (the engine behind `torchrun`; DeepSpeed joins the
+same process group, so its own launcher is not needed). Inside torchrun, `deepspeed`
+or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig, dump_config
+from .distributed import free_port, in_launched_job, pick_device_type
+from .errors import UserError
+from .optim import resolve_precision
+from .strategies.deepspeed_zero import sanitize_cuda_arch_list
+
+
+def processes_per_node(cfg: RunConfig, device_type: str) -> int:
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if cfg.gpus is None:
+            return visible
+        if cfg.gpus > visible:
+            raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
+        if cfg.gpus == 0:
+            raise UserError("--gpus 0 with a CUDA device selected", "use --device cpu to train on the CPU")
+        return cfg.gpus
+    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs.
+    return max(1, cfg.gpus or 1)
+
+
+def preflight(cfg: RunConfig) -> tuple[str, int]:
+    """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
+    device_type = pick_device_type(cfg.device)
+    resolve_precision(cfg.precision, device_type)
+    nproc = processes_per_node(cfg, device_type)
+    world = int(os.environ["WORLD_SIZE"]) if in_launched_job() and "WORLD_SIZE" in os.environ else nproc * cfg.nodes
+    cfg.resolve_batch(world)
+    if cfg.deepspeed_config and not (cfg.strategy.startswith("zero") or cfg.strategy == "infinity"):
+        raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
+    from .models import build_hf_config
+
+    build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    return device_type, nproc
+
+
+def train(cfg: RunConfig):
+    """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
+    sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
+    device_type, nproc = preflight(cfg)
+    if in_launched_job() or nproc * cfg.nodes == 1:
+        from .train import run_worker
+
+        return run_worker(cfg)
+    return spawn(cfg, nproc)
+
+
+def spawn(cfg: RunConfig, nproc: int) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    port = cfg.master_port
+    if cfg.nodes == 1 and port == RunConfig.model_fields["master_port"].default:
+        port = free_port()  # two single-node jobs on one machine must not fight over 29500
+    with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
+        cfg_file = Path(tmp) / "config.yaml"
+        cfg_file.write_text(dump_config(cfg))
+        launch = LaunchConfig(
+            min_nodes=cfg.nodes,
+            max_nodes=cfg.nodes,
+            nproc_per_node=nproc,
+            run_id=f"shardlab-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="static",
+            rdzv_endpoint=f"{cfg.master_addr}:{port}",
+            rdzv_configs={"rank": cfg.node_rank},
+            max_restarts=0,
+            monitor_interval=0.5,
+        )
+        print(f"[shardlab] launching {nproc} worker(s) on node {cfg.node_rank} of {cfg.nodes} (master {cfg.master_addr}:{port})", flush=True)
+        try:
+            elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file))
+        except ChildFailedError as err:
+            first = min(err.failures.values(), key=lambda f: f.timestamp) if err.failures else None
+            code = first.exitcode if first else 1
+            raise WorkerFailed(code) from None
+
+
+class WorkerFailed(Exception):
+    """A worker exited non-zero; it has already printed its own error."""
+
+    def __init__(self, exitcode: int):
+        super().__init__(f"a worker process failed with exit code {exitcode} (its error is printed above)")
+        self.exitcode = exitcode if exitcode and exitcode > 0 else 1

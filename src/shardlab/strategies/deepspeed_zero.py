@@ -1,0 +1,312 @@
+"""`zero0`..`zero3`, `*_offload`, `infinity`: DeepSpeed ZeRO engines built from the RunConfig.
+
+The DeepSpeed JSON is generated here, so the batch triple, precision, clipping and optimizer
+hyper-parameters always agree with the run; a user's own JSON is merged on top, with its
+HF-style "auto" values filled from the run config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import optim
+from ..config import RunConfig
+from ..errors import UserError
+from .base import Strategy
+
+STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_offload": 1, "zero2_offload": 2, "zero3_offload": 3, "infinity": 3}
+CKPT_TAG = "deepspeed"
+# ZeRO-Infinity keeps fp32 master + Adam m and v (12 B) and a 16-bit param copy (2 B) per parameter on NVMe.
+NVME_BYTES_PER_PARAM = 14
+
+
+def offload_kind(strategy: str) -> str | None:
+    if strategy == "infinity":
+        return "nvme"
+    return "cpu" if strategy.endswith("_offload") else None
+
+
+def build_ds_config(
+    cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str
+) -> dict[str, Any]:
+    """The DeepSpeed JSON for this run (before any user JSON is merged)."""
+    stage = STAGE[cfg.strategy]
+    opts = cfg.strategy_options
+    offload = offload_kind(cfg.strategy)
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": opts.overlap_comm,
+        "contiguous_gradients": opts.contiguous_gradients,
+        "reduce_bucket_size": opts.reduce_bucket_size,
+        "allgather_bucket_size": opts.allgather_bucket_size,
+    }
+    if stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=opts.stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=opts.stage3_param_persistence_threshold,
+            stage3_max_live_parameters=opts.stage3_max_live_parameters,
+            # Export gathers weights itself (full_state_dict); no 16-bit copy needed at save time.
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": opts.pin_memory}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": opts.pin_memory}
+    elif offload == "nvme":
+        nvme = str(Path(opts.nvme_path or "").resolve())
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": opts.pin_memory}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": opts.pin_memory}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+        "gradient_clipping": cfg.max_grad_norm or 0.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,  # shardlab logs; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    if use_deepspeed_optimizer(cfg, device_type):
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.lr,
+                "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay,
+            },
+        }
+    else:
+        ds["zero_allow_untested_optimizer"] = True
+    return ds
+
+
+def use_deepspeed_optimizer(cfg: RunConfig, device_type: str) -> bool:
+    """DeepSpeed's own AdamW (FusedAdam on GPU, CPU-Adam when offloading) where it has a kernel;
+    on a CPU-only machine without offload, torch's AdamW, which needs no JIT-compiled op."""
+    return device_type == "cuda" or offload_kind(cfg.strategy) is not None
+
+
+# ---- user JSON with "auto" values -------------------------------------------------------------------
+
+
+def _auto_values(base: dict[str, Any]) -> dict[str, Any]:
+    opt = base.get("optimizer", {}).get("params", {})
+    return {
+        "train_micro_batch_size_per_gpu": base["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": base["gradient_accumulation_steps"],
+        "train_batch_size": base["train_batch_size"],
+        "gradient_clipping": base["gradient_clipping"],
+        "lr": opt.get("lr"),
+        "betas": opt.get("betas"),
+        "eps": opt.get("eps"),
+        "weight_decay": opt.get("weight_decay"),
+        "reduce_bucket_size": base["zero_optimization"]["reduce_bucket_size"],
+        "stage3_prefetch_bucket_size": base["zero_optimization"].get("stage3_prefetch_bucket_size"),
+        "stage3_param_persistence_threshold": base["zero_optimization"].get("stage3_param_persistence_threshold"),
+    }
+
+
+def _fill_auto(node: Any, values: dict[str, Any], key: str | None = None) -> Any:
+    if isinstance(node, dict):
+        return {k: _fill_auto(v, values, k) for k, v in node.items()}
+    if node == "auto":
+        if key == "enabled":
+            return None  # resolved by the precision merge below
+        if key not in values or values[key] is None:
+            raise UserError(f"DeepSpeed config value {key!r} is 'auto' but shardlab cannot fill it", f"give {key!r} a number")
+        return values[key]
+    return node
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def merge_user_config(base: dict[str, Any], path: str, precision: str) -> dict[str, Any]:
+    """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"DeepSpeed config {path!r} not found", "check the path given to --deepspeed-config")
+    try:
+        import hjson  # DeepSpeed accepts hjson (comments, trailing commas); so do we
+
+        user = hjson.loads(p.read_text())
+        user = json.loads(json.dumps(user))
+    except Exception:
+        raise UserError(f"DeepSpeed config {path!r} is not valid JSON", "fix its syntax") from None
+    user = _fill_auto(user, _auto_values(base))
+    for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
+        if section in user and user[section].get("enabled") is None:
+            user[section]["enabled"] = wanted
+        elif section in user and bool(user[section].get("enabled")) != wanted:
+            raise UserError(
+                f"DeepSpeed config enables {section} = {user[section].get('enabled')} but the run's precision is {precision}",
+                f"set {section}.enabled to \"auto\" or pass --precision to match",
+            )
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if key in user and user[key] != base[key]:
+            raise UserError(
+                f"DeepSpeed config sets {key}={user[key]} but the run resolves it to {base[key]}",
+                f"set {key} to \"auto\" in the JSON, or pass the matching --micro-batch/--grad-accum/--global-batch",
+            )
+    return _deep_merge(base, user)
+
+
+# ---- NVMe checks --------------------------------------------------------------------------------------
+
+
+def check_nvme_path(path: str | None, n_params: int, extra_gb: float = 0.0) -> Path:
+    """ZeRO-Infinity swap directory: must exist (or be creatable), be writable and have room."""
+    if not path:
+        raise UserError("strategy 'infinity' needs an NVMe directory", "pass strategy_options.nvme_path (or --nvme-path /local/nvme/dir)")
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".shardlab-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"NVMe path {path!r} is not writable ({exc.strerror})", "point nvme_path at a writable local disk, e.g. /local/scratch/$USER") from None
+    need = n_params * NVME_BYTES_PER_PARAM + extra_gb * 2**30
+    free = shutil.disk_usage(p).free
+    if free < need:
+        raise UserError(
+            f"NVMe path {path!r} has {free / 2**30:.1f} GiB free but ZeRO-Infinity needs about {need / 2**30:.1f} GiB",
+            "free space there or choose a larger disk",
+        )
+    return p
+
+
+def sanitize_cuda_arch_list(log=print) -> None:
+    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as ints; '9.0a' (set by some images) crashes it."""
+    raw = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not raw:
+        return
+    parts = raw.replace(";", " ").replace(",", " ").split()
+    clean = []
+    for part in parts:
+        ptx = part.endswith("+PTX")
+        base = part[:-4] if ptx else part
+        base = base.rstrip("abf") if "." in base else base
+        clean.append(base + ("+PTX" if ptx else ""))
+    fixed = " ".join(dict.fromkeys(clean))
+    if fixed != raw:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+        log(f"TORCH_CUDA_ARCH_LIST={raw!r} cannot be parsed by DeepSpeed's op builder; using {fixed!r}")
+
+
+# ---- the strategy -------------------------------------------------------------------------------------
+
+
+class DeepSpeedStrategy(Strategy):
+    supports_compile = False  # DeepSpeed's engine.compile exists but is not measured here yet
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = self.cfg.strategy
+
+    def ds_config(self) -> dict[str, Any]:
+        base = build_ds_config(
+            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type
+        )
+        if self.cfg.deepspeed_config:
+            base = merge_user_config(base, self.cfg.deepspeed_config, self.precision.name)
+        return base
+
+    def setup(self, model: nn.Module, total_steps: int) -> None:
+        sanitize_cuda_arch_list()
+        import deepspeed
+
+        ds = self.ds_config()
+        if self.cfg.strategy == "infinity":
+            n_params = sum(p.numel() for p in model.parameters())
+            check_nvme_path(self.cfg.strategy_options.nvme_path, n_params, self.cfg.strategy_options.nvme_min_free_gb)
+        self.hf_model = model
+        groups = optim.param_groups(model, self.cfg.weight_decay)
+        kwargs: dict[str, Any] = {"model": model, "config": ds}
+        if "optimizer" in ds:
+            kwargs["model_parameters"] = groups
+        else:
+            kwargs["optimizer"] = torch.optim.AdamW(
+                groups, lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps
+            )
+        if "scheduler" not in ds:
+            lr_fn = optim.lr_lambda(self.cfg, total_steps)
+            kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn)
+        self.ds_json = ds
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
+        self.model = self.engine
+
+    def autocast(self):
+        # The engine casts the module to bf16/fp16 itself; autocast would only add casts.
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside
+        if not last_micro:
+            self.engine.step()  # advances DeepSpeed's micro-step counter; no optimizer step yet
+
+    def optimizer_step(self) -> float | None:
+        grad_norm = None
+        if STAGE[self.cfg.strategy] == 0 and not self.precision.is_mixed:
+            # Stage 0 in fp32 leaves grads in place and reports no norm; compute it as DDP does.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None:
+            grad_norm = float(norm)
+        return grad_norm
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def save_checkpoint(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=CKPT_TAG, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise UserError(f"no DeepSpeed checkpoint in {str(directory)!r}", "resume from a checkpoint written by a DeepSpeed strategy")
+
+    def full_state_dict(self):
+        module = self.engine.module
+        if STAGE[self.cfg.strategy] < 3:
+            if not self.env.is_main:
+                return None
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        import deepspeed
+
+        out: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters():
+            # One parameter at a time keeps the gather's peak at the largest tensor, not the whole model.
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if self.env.is_main:
+                    out[name] = param.detach().cpu().clone()
+        if not self.env.is_main:
+            return None
+        for name, buf in module.named_buffers():
+            out.setdefault(name, buf.detach().cpu().clone())
+        return out
+
+    def memory_note(self) -> str:
+        stage = STAGE[self.cfg.strategy]
+        where = {None: "GPU", "cpu": "CPU", "nvme": "NVMe"}[offload_kind(self.cfg.strategy)]
+        sharded = {0: "nothing sharded", 1: "optimizer states sharded", 2: "optimizer states and gradients sharded", 3: "parameters, gradients and optimizer states sharded"}[stage]
+        return f"ZeRO-{stage}: {sharded} across ranks; optimizer states on {where}"

@@ -1,0 +1,121 @@
+"""`fsdp`, `fsdp_offload`: PyTorch FSDP2 (`fully_shard`), the PyTorch-native peer of ZeRO-3.
+
+Each transformer block is its own FSDP unit (so only one block's full weights live at a
+time), then the root; parameters become DTensors sharded on dim 0 across the mesh.
+Mixed precision is FSDP's own policy: bf16/fp16 compute copies, fp32 sharded master
+weights and fp32 gradient reduction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import optim
+from .base import Strategy
+
+CKPT_DIR = "fsdp_dcp"
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`)."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if best is None or sum(p.numel() for p in module.parameters()) > sum(p.numel() for p in best.parameters()):
+                best = module
+    return list(best) if best is not None else []
+
+
+class FSDPStrategy(Strategy):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = self.cfg.strategy
+
+    def setup(self, model: nn.Module, total_steps: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.cfg.strategy_options.fsdp_reshard_after_forward}
+        if self.precision.is_mixed:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+        if self.cfg.strategy == "fsdp_offload":
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.cfg.strategy_options.pin_memory)
+        else:
+            model = model.to(self.env.device)
+        for block in transformer_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        self.hf_model = model
+        self.model = torch.compile(model) if self.cfg.compile else model
+        self.optimizer = optim.adamw(model, self.cfg, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type)
+        self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
+        self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()  # MixedPrecisionPolicy already computes in low precision
+
+    def accumulate(self, last_micro: bool):
+        import contextlib
+
+        # Reduce-scatter only once per optimizer step, like DDP's no_sync.
+        self.hf_model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        self.scaler.scale(loss / self.grad_accum).backward()
+
+    def optimizer_step(self) -> float | None:
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def _state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        # Distributed checkpoint: every rank writes its own shards, no gather to rank 0.
+        dcp.save(self._state(), checkpoint_id=str(directory / CKPT_DIR))
+        if self.env.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}, directory / "fsdp_extra.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(directory / CKPT_DIR))
+        set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(directory / "fsdp_extra.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scaler.load_state_dict(extra["scaler"])
+
+    def full_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.env.is_main else None
+
+    def memory_note(self) -> str:
+        where = "CPU" if self.cfg.strategy == "fsdp_offload" else "GPU"
+        return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}"

@@ -1,0 +1,415 @@
+"""The training loop: one worker process's whole run, strategy-agnostic.
+
+    model + tokenizer -> datasets -> strategy.setup -> [resume] -> for each stage, epoch, step:
+        for each micro-batch: with strategy.accumulate(last): loss = strategy.forward(b); strategy.backward(loss, last)
+        strategy.optimizer_step(); log; eval; checkpoint
+    -> export (HF format) -> summary
+
+The loop never asks which strategy it runs; everything engine-specific is behind the
+Strategy verbs (strategies/base.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from . import checkpoint, metrics
+from .config import RunConfig, dump_config
+from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
+from .errors import OutOfMemory, UserError
+from .optim import Precision, resolve_precision
+from .strategies import strategy_class
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    step_losses: list[float] = field(default_factory=list)
+
+
+def log0(env: DistEnv, *msg: Any) -> None:
+    if env.is_main:
+        print("[shardlab]", *msg, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device_type": env.device.type,
+        "precision": precision.name,
+        "argv": sys.argv,
+    }
+    for pkg in ("deepspeed", "datasets"):
+        try:
+            info[pkg] = __import__(pkg).__version__
+        except Exception:  # noqa: BLE001 - absent or broken optional engine: just not recorded
+            info[pkg] = None
+    if env.device.type == "cuda":
+        info["gpus"] = [
+            {"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),
+             "memory_gib": torch.cuda.get_device_properties(i).total_memory / 2**30}
+            for i in range(torch.cuda.device_count())
+        ]
+    return info
+
+
+def apply_dropout(model: nn.Module, p: float | None) -> None:
+    if p is None:
+        return
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+    for attr in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout"):
+        if hasattr(model.config, attr):
+            setattr(model.config, attr, p)
+
+
+def _all_reduce_mean(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if env.is_distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= env.world_size
+    return values
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
+    """Token-weighted mean loss over the eval split, across all ranks."""
+    strategy.eval()
+    t0 = time.perf_counter()
+    totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss*tokens, tokens, samples
+    for batch in loader:
+        batch = _to_device(batch, env.device)
+        loss = strategy.forward(batch)
+        # HF averages over predicted positions: labels != -100 after the shift by one.
+        n_tok = (batch["labels"][:, 1:] != -100).sum()
+        totals += torch.stack([loss.double() * n_tok, n_tok.double(), torch.tensor(len(batch["input_ids"]), device=env.device, dtype=torch.float64)])
+    if env.is_distributed:
+        dist.all_reduce(totals)
+    metrics.sync(env.device)
+    dt = time.perf_counter() - t0
+    strategy.train()
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)), "eval_time_s": dt, "eval_samples_per_s": totals[2].item() / dt if dt else 0.0}
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.device_type = pick_device_type(cfg.device)
+        self.precision = resolve_precision(cfg.precision, self.device_type)
+        self.env = init_distributed(self.device_type)
+        self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.env.world_size)
+        self.run_dir = Path(cfg.output_dir)
+        self.step_losses: list[float] = []
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> None:
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            resolved = self.cfg.model_copy(update={"micro_batch": self.micro, "grad_accum": self.accum, "global_batch": self.global_batch})
+            (self.run_dir / "config.yaml").write_text(dump_config(resolved))
+            (self.run_dir / "env.json").write_text(json.dumps(environment_info(self.env, self.precision), indent=1))
+        self.env.barrier()
+
+    def _build_data(self, stage_dataset, tokenizer):
+        from .data import build_datasets
+
+        # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
+        if self.env.is_main:
+            splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
+        self.env.barrier()
+        if not self.env.is_main:
+            splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
+        return splits
+
+    def _loaders(self, splits) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
+        sampler = DistributedSampler(splits.train, num_replicas=self.env.world_size, rank=self.env.rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
+        pin = self.device_type == "cuda"
+        train = DataLoader(splits.train, batch_size=self.micro, sampler=sampler, drop_last=True, pin_memory=pin)
+        evl = None
+        if splits.eval is not None and len(splits.eval) > 0:
+            es = DistributedSampler(splits.eval, num_replicas=self.env.world_size, rank=self.env.rank, shuffle=False, drop_last=False)
+            evl = DataLoader(splits.eval, batch_size=self.micro, sampler=es, pin_memory=pin)
+        return train, sampler, evl
+
+    def _steps_per_epoch(self, train_loader: DataLoader) -> int:
+        return len(train_loader) // self.accum
+
+    def _stage_steps(self, stage, steps_per_epoch: int) -> int:
+        if steps_per_epoch == 0:
+            raise UserError(
+                f"the training data has fewer blocks than one global batch ({self.global_batch} x {self.cfg.seq_len} tokens)",
+                "use more data (--num-samples), a shorter --seq-len or a smaller batch",
+            )
+        if stage.epochs is not None:
+            steps = math.ceil(stage.epochs * steps_per_epoch)
+            if stage.max_steps:
+                steps = min(steps, stage.max_steps)
+        else:
+            steps = stage.max_steps or steps_per_epoch
+        return int(steps)
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        from .models import build_model, load_tokenizer, model_summary
+
+        cfg, env = self.cfg, self.env
+        seed_everything(cfg.seed)
+        self._prepare_run_dir()
+        log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
+                  f"micro {self.micro} x accum {self.accum} x world {env.world_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
+        tokenizer = load_tokenizer(cfg)
+        stages = cfg.stages()
+        stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
+        stage_loaders = [self._loaders(sp) for sp in stage_data]
+        stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
+        total_steps = sum(stage_steps)
+        for st, sp, n in zip(stages, stage_data, stage_steps):
+            log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
+                      f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
+
+        seed_everything(cfg.seed)  # identical initial weights whatever the data pipeline consumed
+        model = build_model(cfg)
+        apply_dropout(model, cfg.dropout)
+        info = model_summary(model)
+        log0(env, f"model {cfg.model}: {info.get('human', info)}")
+        strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
+        if cfg.compile and not strategy.supports_compile:
+            raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
+        strategy.setup(model, total_steps)
+        log0(env, strategy.memory_note())
+
+        state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
+        if cfg.resume:
+            resume_dir = checkpoint.find_resume_dir(cfg.resume, self.run_dir)
+            if resume_dir is not None:
+                state = checkpoint.load(strategy, resume_dir)
+                log0(env, f"resumed from {resume_dir} at step {state['global_step']}")
+            else:
+                log0(env, "no checkpoint to resume from; starting fresh")
+
+        wandb_run = None
+        if cfg.wandb and env.is_main:
+            try:
+                import wandb
+
+                wandb_run = wandb.init(project=cfg.wandb_project, config=cfg.model_dump(mode="json"), dir=str(self.run_dir))
+            except ImportError:
+                log0(env, "wandb is not installed; `pip install wandb` to enable it (continuing without)")
+        writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run)
+        try:
+            summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
+            if cfg.export:
+                path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
+                if path:
+                    log0(env, f"exported HF model to {path}")
+                    summary["export_dir"] = str(path)
+        except torch.OutOfMemoryError:
+            peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else float("nan")
+            raise OutOfMemory(
+                f"CUDA out of memory with strategy {cfg.strategy} at micro batch {self.micro} (peak allocated {peak:.1f} GiB on rank {env.rank})",
+                f"try --micro-batch {max(1, self.micro // 2)} with --grad-accum {self.accum * 2}, --gradient-checkpointing, or a strategy that shards more ({next_strategy(cfg.strategy)})",
+            ) from None
+        finally:
+            writer.close()
+        if env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return RunResult(self.run_dir, summary, self.step_losses)
+
+    def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
+        cfg, env = self.cfg, self.env
+        timer = metrics.StepTimer(env.device)
+        tokens_per_step = self.global_batch * cfg.seq_len
+        useful_per_step: list[float] = []
+        epochs_summary: list[dict[str, Any]] = []
+        last_eval: dict[str, float] = {}
+        global_step = state["global_step"]
+        t_start = time.perf_counter()
+        progress = _progress(env, total_steps, global_step)
+        strategy.train()
+        loss_window = torch.zeros(2, device=env.device, dtype=torch.float64)  # sum of step losses, count
+        for si in range(state["stage"], len(stages)):
+            stage, (train_loader, sampler, eval_loader) = stages[si], stage_loaders[si]
+            steps_per_epoch = self._steps_per_epoch(train_loader)
+            stage_end = sum(stage_steps[: si + 1])
+            first_epoch = state["epoch"] if si == state["stage"] else 0
+            n_epochs = math.ceil(stage_steps[si] / steps_per_epoch)
+            for epoch in range(first_epoch, n_epochs):
+                if global_step >= stage_end:
+                    break
+                sampler.set_epoch(epoch)
+                skip = state["step_in_epoch"] if (si == state["stage"] and epoch == state["epoch"]) else 0
+                batches = iter(train_loader)
+                for _ in range(skip * self.accum):  # replay the sampler to where the checkpoint stopped
+                    next(batches)
+                epoch_t0, epoch_losses, epoch_steps = time.perf_counter(), [], 0
+                for step_in_epoch in range(skip, steps_per_epoch):
+                    if global_step >= stage_end:
+                        break
+                    timer.start()
+                    step_loss = torch.zeros((), device=env.device, dtype=torch.float32)
+                    useful = torch.zeros((), device=env.device, dtype=torch.float32)
+                    for micro in range(self.accum):
+                        batch = _to_device(next(batches), env.device)
+                        useful += batch["attention_mask"].sum()
+                        last = micro == self.accum - 1
+                        with strategy.accumulate(last):
+                            loss = strategy.forward(batch)
+                            strategy.backward(loss, last)
+                        step_loss += loss.detach().float()
+                    grad_norm = strategy.optimizer_step()
+                    reduced = _all_reduce_mean(torch.stack([step_loss / self.accum, useful * env.world_size]), env)
+                    timer.stop()
+                    global_step += 1
+                    loss_value = reduced[0].item()
+                    useful_per_step.append(reduced[1].item())
+                    self.step_losses.append(loss_value)
+                    epoch_losses.append(loss_value)
+                    epoch_steps += 1
+                    loss_window += torch.tensor([loss_value, 1.0], dtype=torch.float64, device=env.device)
+                    if not math.isfinite(loss_value):
+                        raise UserError(f"loss became {loss_value} at step {global_step}", "lower --lr, use bf16 instead of fp16, or enable clipping")
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
+                    if global_step % cfg.log_every == 0 or global_step == total_steps:
+                        row = {"step": global_step, "stage": si, "epoch": epoch + (step_in_epoch + 1) / steps_per_epoch,
+                               "loss": (loss_window[0] / loss_window[1]).item(), "lr": strategy.current_lr(), "grad_norm": grad_norm,
+                               "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
+                               "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
+                               "samples_per_s": self.global_batch / timer.times[-1]}
+                        row.update(metrics.memory_snapshot(env.device))
+                        writer.log(row)
+                        loss_window.zero_()
+                    if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
+                        last_eval = evaluate(strategy, eval_loader, env)
+                        writer.log({"step": global_step, **last_eval})
+                    if cfg.save_every and global_step % cfg.save_every == 0:
+                        done_epoch = step_in_epoch + 1 == steps_per_epoch
+                        nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch, "step_in_epoch": 0 if done_epoch else step_in_epoch + 1}
+                        checkpoint.save(strategy, self.run_dir, nxt, cfg.keep_checkpoints)
+                # epoch end
+                epoch_time = time.perf_counter() - epoch_t0
+                ev = evaluate(strategy, eval_loader, env) if eval_loader is not None else {}
+                last_eval = ev or last_eval
+                if epoch_steps:
+                    summary = {"stage": si, "epoch": epoch, "steps": epoch_steps, "train_loss": statistics.fmean(epoch_losses), **ev,
+                               "epoch_time_s": epoch_time, "samples_per_s": epoch_steps * self.global_batch / epoch_time,
+                               "steps_per_s": epoch_steps / epoch_time, **_peak(env)}
+                    epochs_summary.append(summary)
+                    writer.log({"step": global_step, "epoch_summary": summary})
+        if progress is not None:
+            progress.close()
+        total_time = time.perf_counter() - t_start
+        steady = timer.steady()
+        mean_useful = statistics.fmean(useful_per_step[-len(steady):]) if steady else 0.0
+        summary: dict[str, Any] = {
+            "model": cfg.model, "strategy": cfg.strategy, "precision": self.precision.name, "device_type": env.device.type,
+            "world_size": env.world_size, "micro_batch": self.micro, "grad_accum": self.accum, "global_batch": self.global_batch,
+            "seq_len": cfg.seq_len, "steps": global_step, "tokens_per_step": tokens_per_step,
+            "n_params": model_info.get("n_params"), "param_bytes": model_info.get("param_bytes"),
+            "final_train_loss": self.step_losses[-1] if self.step_losses else None,
+            "final_eval_loss": last_eval.get("eval_loss"), "final_eval_ppl": last_eval.get("eval_ppl"),
+            "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
+            "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
+            "total_time_s": total_time, "compile": cfg.compile, "gradient_checkpointing": cfg.gradient_checkpointing,
+            **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
+            "epochs": epochs_summary,
+        }
+        if env.is_main:
+            print_summary(summary)
+        return summary
+
+
+def _peak(env: DistEnv) -> dict[str, float]:
+    """Peak memory, maximised over ranks (the rank that OOMs first is the one that matters)."""
+    snap = metrics.memory_snapshot(env.device)
+    keys = [k for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_gib") if k in snap]
+    vals = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
+    if env.is_distributed:
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    out = dict(zip(keys, vals.tolist()))
+    if "cpu_rss_gib" in out:
+        out["cpu_rss_max_rank_gib"] = out.pop("cpu_rss_gib")
+    return out
+
+
+def _progress(env: DistEnv, total: int, done: int):
+    if not env.is_main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
+
+
+NEXT = {"dp": "zero2", "zero0": "zero2", "zero1": "zero2", "zero2": "zero3", "zero3": "zero3_offload", "fsdp": "fsdp_offload",
+        "zero1_offload": "zero2_offload", "zero2_offload": "zero3_offload", "zero3_offload": "infinity", "fsdp_offload": "zero3_offload", "infinity": "more GPUs"}
+
+
+def next_strategy(name: str) -> str:
+    return NEXT.get(name, "zero3")
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"shardlab run: {summary['model']} / {summary['strategy']} / {summary['precision']}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "final_eval_loss", "final_eval_ppl",
+                "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
+                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "total_time_s"):
+        if summary.get(key) is not None:
+            table.add_row(key, fmt(summary[key]))
+    Console().print(table)
+
+
+def run_worker(cfg: RunConfig) -> RunResult:
+    """Entry point of one worker process (also the whole run when there is one process)."""
+    try:
+        return Trainer(cfg).run()
+    finally:
+        shutdown_distributed()

@@ -56,11 +56,23 @@ def train(cfg: RunConfig):
     """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
     device_type, nproc = preflight(cfg)
+    quiet_engines(device_type)
     if in_launched_job() or nproc * cfg.nodes == 1:
         from .train import run_worker
 
         return run_worker(cfg)
     return spawn(cfg, nproc)
+
+
+def quiet_engines(device_type: str) -> None:
+    """Silence what engines print on every rank that a user cannot act on; inherited by spawned workers."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns it "could not detect" a GPU
+    # DeepSpeed calls torch collectives that torch has deprecated; one warning per call per rank.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning:torch.distributed.c10d_logger")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
 
 
 def spawn(cfg: RunConfig, nproc: int) -> None:

@@ -307,6 +307,6 @@ class DeepSpeedStrategy(Strategy):
 
     def memory_note(self) -> str:
         stage = STAGE[self.cfg.strategy]
-        where = {None: "GPU", "cpu": "CPU", "nvme": "NVMe"}[offload_kind(self.cfg.strategy)]
+        where = {None: self.env.device.type.upper(), "cpu": "CPU", "nvme": "NVMe"}[offload_kind(self.cfg.strategy)]
         sharded = {0: "nothing sharded", 1: "optimizer states sharded", 2: "optimizer states and gradients sharded", 3: "parameters, gradients and optimizer states sharded"}[stage]
         return f"ZeRO-{stage}: {sharded} across ranks; optimizer states on {where}"

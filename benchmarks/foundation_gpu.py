@@ -108,13 +108,15 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = [run_cell(label, args) for label in args.cells.split(",")]
+    results = Path(args.out) / "foundation.json"
+    previous = json.loads(results.read_text()) if results.is_file() else []
+    rows = []
+    for label in args.cells.split(","):
+        rows.append(run_cell(label, args))
+        results.write_text(json.dumps(previous + rows, indent=1))  # a killed session keeps what finished
     bare = load_bare(args.bare)
     md = table(rows, bare)
     print(md)
-    results = Path(args.out) / "foundation.json"
-    previous = json.loads(results.read_text()) if results.is_file() else []
-    results.write_text(json.dumps(previous + rows, indent=1))
     with open(Path(args.out) / "foundation.md", "a") as f:
         f.write(md + "\n\n")
     os.sync()

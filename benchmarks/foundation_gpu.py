@@ -38,7 +38,7 @@ MIN_RATIO = {"dp": 1.0, "dp-compile": 1.0, "zero0": 0.95, "zero1": 0.95, "zero2"
 
 def run_cell(label: str, args: argparse.Namespace) -> dict:
     strategy, micro, extra, _ = CELLS[label]
-    run_dir = Path(args.out) / "runs" / label
+    run_dir = Path(args.runs) / label
     tokens = int((args.steps + 2) * micro * args.seq * 1.08)  # one epoch covers every step
     cmd = [
         sys.executable, "-m", "shardlab", "train", "--model", args.model, "--seq-len", str(args.seq),
@@ -100,7 +100,8 @@ def table(rows: list[dict], bare: dict[str, dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bare", default=None, help="JSON Lines written by bare_reference.py in the same session")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="where foundation.json / foundation.md go")
+    p.add_argument("--runs", default="/tmp/shardlab-runs", help="run directories (kept out of --out: only a few files travel back)")
     p.add_argument("--cells", default="dp,dp-compile,zero2,zero3,zero2_offload,fsdp")
     p.add_argument("--model", default="gpt2-medium")
     p.add_argument("--seq", type=int, default=1024)

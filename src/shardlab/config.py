@@ -64,7 +64,7 @@ class StrategyOptions(_Strict):
     pin_memory: bool = Field(True, description="page-locked CPU buffers for offload")
     nvme_path: str | None = Field(None, description="infinity: directory on a fast local NVMe disk")
     nvme_min_free_gb: float = Field(0.0, ge=0.0, description="infinity: extra free space to demand beyond the estimate")
-    overlap_comm: bool = True
+    overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
     contiguous_gradients: bool = True
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)

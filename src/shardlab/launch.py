@@ -20,6 +20,7 @@ from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, pick_device_type
 from .errors import UserError
 from .optim import resolve_precision
+from .strategies import strategy_class
 from .strategies.deepspeed_zero import sanitize_cuda_arch_list
 
 
@@ -48,7 +49,17 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     from .models import build_hf_config
 
-    build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
+        raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
+    if cfg.strategy == "infinity":  # NVMe path missing, not writable or too small: before any run dir exists
+        from transformers import AutoModelForCausalLM
+
+        from .strategies.deepspeed_zero import check_nvme_path
+
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
+        check_nvme_path(cfg.strategy_options.nvme_path, n_params, cfg.strategy_options.nvme_min_free_gb)
     return device_type, nproc
 
 

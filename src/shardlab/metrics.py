@@ -82,9 +82,10 @@ def throughput(step_times: list[float], tokens_per_step: int, useful_tokens_per_
 class MetricsWriter:
     """metrics.jsonl (one row per logged step) plus optional TensorBoard / W&B; rank 0 only."""
 
-    def __init__(self, run_dir: Path | None, enabled: bool, tensorboard: bool = False, wandb_run: Any = None):
+    def __init__(self, run_dir: Path | None, enabled: bool, tensorboard: bool = False, wandb_run: Any = None, append: bool = True):
         self.enabled = enabled and run_dir is not None
-        self._file = open(run_dir / "metrics.jsonl", "a") if self.enabled else None  # noqa: SIM115
+        # A resumed run continues the file; a fresh run into an old output_dir starts it over (no mixed runs).
+        self._file = open(run_dir / "metrics.jsonl", "a" if append else "w") if self.enabled else None  # noqa: SIM115
         self._tb = None
         self._wandb = wandb_run if self.enabled else None
         if self.enabled and tensorboard:

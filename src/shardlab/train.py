@@ -103,6 +103,20 @@ def _all_reduce_mean(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return values
 
 
+def _without_trivial_mask(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """Drop an all-ones attention mask (packed data) and count non-pad tokens, on the CPU.
+
+    An all-ones mask can make transformers build an explicit 4-D mask (or check the mask on the
+    GPU), keeping SDPA off its fused `is_causal` kernels; the bare loops we compare with pass
+    no mask either. Counting on the CPU avoids a GPU sync.
+    """
+    mask = batch["attention_mask"]
+    n_useful = int(mask.sum())
+    if n_useful == mask.numel():
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch, n_useful
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -114,7 +128,7 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
     t0 = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss*tokens, tokens, samples
     for batch in loader:
-        batch = _to_device(batch, env.device)
+        batch = _to_device(_without_trivial_mask(batch)[0], env.device)
         loss = strategy.forward(batch)
         # HF averages over predicted positions: labels != -100 after the shift by one.
         n_tok = (batch["labels"][:, 1:] != -100).sum()
@@ -151,9 +165,19 @@ class Trainer:
         from .data import build_datasets
 
         # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
+        failure: UserError | None = None
         if self.env.is_main:
-            splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
-        self.env.barrier()
+            try:
+                splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
+            except UserError as err:
+                failure = err
+        if self.env.is_distributed:  # tell the others, instead of leaving them to crash in a barrier
+            ok = torch.tensor([0 if failure else 1], device=self.env.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not self.env.is_main and not ok.item():
+                raise UserError("rank 0 could not build the training data", "see rank 0's error")
+        if failure is not None:
+            raise failure
         if not self.env.is_main:
             splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
         return splits
@@ -191,15 +215,16 @@ class Trainer:
 
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
-        self._prepare_run_dir()
-        log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
-                  f"micro {self.micro} x accum {self.accum} x world {env.world_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
+        # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
         tokenizer = load_tokenizer(cfg)
         stages = cfg.stages()
         stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
         stage_loaders = [self._loaders(sp) for sp in stage_data]
         stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
         total_steps = sum(stage_steps)
+        self._prepare_run_dir()
+        log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
+                  f"micro {self.micro} x accum {self.accum} x world {env.world_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
         for st, sp, n in zip(stages, stage_data, stage_steps):
             log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
                       f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
@@ -232,7 +257,7 @@ class Trainer:
                 wandb_run = wandb.init(project=cfg.wandb_project, config=cfg.model_dump(mode="json"), dir=str(self.run_dir))
             except ImportError:
                 log0(env, "wandb is not installed; `pip install wandb` to enable it (continuing without)")
-        writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run)
+        writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
         try:
             summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
             if cfg.export:
@@ -284,17 +309,18 @@ class Trainer:
                         break
                     timer.start()
                     step_loss = torch.zeros((), device=env.device, dtype=torch.float32)
-                    useful = torch.zeros((), device=env.device, dtype=torch.float32)
+                    useful = 0
                     for micro in range(self.accum):
-                        batch = _to_device(next(batches), env.device)
-                        useful += batch["attention_mask"].sum()
+                        batch, n_useful = _without_trivial_mask(next(batches))
+                        useful += n_useful
+                        batch = _to_device(batch, env.device)
                         last = micro == self.accum - 1
                         with strategy.accumulate(last):
                             loss = strategy.forward(batch)
                             strategy.backward(loss, last)
                         step_loss += loss.detach().float()
                     grad_norm = strategy.optimizer_step()
-                    reduced = _all_reduce_mean(torch.stack([step_loss / self.accum, useful * env.world_size]), env)
+                    reduced = _all_reduce_mean(torch.stack([step_loss / self.accum, torch.tensor(float(useful * env.world_size), device=env.device)]), env)
                     timer.stop()
                     global_step += 1
                     loss_value = reduced[0].item()

@@ -49,7 +49,8 @@ class Strategy(ABC):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.model is not None
         with self.autocast():
-            return self.model(**batch).loss
+            # No KV cache in training: it only costs memory and time here.
+            return self.model(**batch, use_cache=False).loss
 
     def accumulate(self, last_micro: bool):
         """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""

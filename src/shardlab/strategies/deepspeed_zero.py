@@ -42,7 +42,9 @@ def build_ds_config(
     offload = offload_kind(cfg.strategy)
     zero: dict[str, Any] = {
         "stage": stage,
-        "overlap_comm": opts.overlap_comm,
+        # Overlapping reduction with backward pays off only when there is communication to hide;
+        # on one GPU it only adds stream synchronisation (DeepSpeed's own default is off).
+        "overlap_comm": opts.overlap_comm if opts.overlap_comm is not None else world > 1,
         "contiguous_gradients": opts.contiguous_gradients,
         "reduce_bucket_size": opts.reduce_bucket_size,
         "allgather_bucket_size": opts.allgather_bucket_size,

@@ -1,0 +1,75 @@
+# shardlab developer entry points.
+#
+#   make demo    set up (once), then train tiny-gpt2 on the offline CPython-docs corpus into runs/demo
+#   make test    set up (once), then run the test suite
+#   make setup   install shardlab and its dependencies into the current Python (idempotent)
+#
+# Setup installs into whatever `$(PYTHON)` is (activate a virtualenv first if you want one).
+# It is skipped while its stamp, build/setup-<env>.stamp, is newer than pyproject.toml (build/ is
+# git-ignored); `make clean` removes the stamps.
+
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# torch for machines without a GPU. PyPI's Linux wheels of torch bundle CUDA (several GB); where a
+# CPU-only build of this version is reachable (a local wheel via pip's find-links, or
+# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu") pip picks it.
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+# One stamp per Python environment (keyed by sys.prefix), so switching virtualenvs re-runs setup.
+STAMP := build/setup-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])" 2>/dev/null || echo none).stamp
+# The demo needs no network: preset model, offline corpus. (.ci/run exports the same for the tests.)
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+export PIP_ROOT_USER_ACTION := ignore
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help setup demo test gpu-wheelhouse clean
+
+help:
+	@echo "make demo            train tiny-gpt2 on the offline corpus (examples/quick-test.yaml -> runs/demo)"
+	@echo "make test            run the test suite (python -m pytest tests -q)"
+	@echo "make setup           install shardlab + test deps into $(PYTHON) (done once, automatically)"
+	@echo "make gpu-wheelhouse  build .whl/ for offline GPU machines (benchmarks/build_wheelhouse.sh)"
+	@echo "make clean           remove the setup stamps and runs/demo"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@# 1. torch first, so that installing shardlab never pulls a CUDA build onto a machine without a GPU.
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	  echo "setup: keeping the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "setup: GPU machine without torch: pip installs PyPI's (CUDA) torch with shardlab"; \
+	else \
+	  echo "setup: no GPU and no torch: installing torch==$(TORCH_VERSION) (CPU build where available)"; \
+	  $(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
+	fi
+	@# 2. libaio-dev: DeepSpeed's async I/O op, needed only by strategy 'infinity' (NVMe offload).
+	@if [ -e /usr/include/libaio.h ]; then \
+	  echo "setup: libaio-dev present (strategy infinity can build DeepSpeed's async_io op)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "setup: installing libaio-dev with apt-get (for strategy infinity)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; } \
+	    || echo "setup: NOTE: apt-get could not install libaio-dev; strategy infinity will not work (its tests skip)"; \
+	else \
+	  echo "setup: NOTE: libaio-dev is missing; strategy 'infinity' (NVMe offload) needs it:"; \
+	  echo "       sudo apt-get install libaio-dev   (tests of infinity are skipped until then)"; \
+	fi
+	@# 3. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
+	$(PIP) install -e ".[test]"
+	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
+
+demo: $(STAMP)
+	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/quick-test.yaml --output-dir runs/demo
+	@echo "demo: run directory runs/demo (summary.json, metrics.jsonl, config.yaml, env.json, model/)"
+
+test: $(STAMP)
+	$(PYTHON) -m pytest tests -q
+
+gpu-wheelhouse:
+	bash benchmarks/build_wheelhouse.sh
+	@echo "now carry .whl/ to the GPU machine and run: bash benchmarks/install_gpu_deps.sh (benchmarks/README_bare_reference.md)"
+
+clean:
+	rm -f build/setup-*.stamp
+	rm -rf runs/demo

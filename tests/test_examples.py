@@ -1,0 +1,133 @@
+"""examples/: every YAML loads, dry-runs offline through the real CLI, and quick-test trains for real.
+
+The dry-runs run `python -m shardlab train --config F --dry-run` in a subprocess, as a user would,
+with the Hugging Face offline switches set and a guard (a sitecustomize on PYTHONPATH) that makes
+any outgoing connection fail and reports whether `datasets` was imported: a dry run resolves the
+config and the DeepSpeed JSON only, so it must touch neither the network nor any dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardlab.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+YAMLS = sorted(EXAMPLES.glob("*.yaml"))
+DATASETS_MARK = "SHARDLAB-TEST: datasets was imported"
+
+GUARD = f"""
+import atexit, socket, sys
+
+def _no_network(*args, **kwargs):
+    raise OSError("network access attempted during a dry run: " + repr(args[1:] or args))
+
+socket.socket.connect = _no_network
+socket.socket.connect_ex = _no_network
+socket.create_connection = _no_network
+
+@atexit.register
+def _report():
+    if "datasets" in sys.modules:
+        sys.stderr.write({DATASETS_MARK!r} + "\\n")
+"""
+
+
+def subprocess_env(extra_path: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)  # never look like a worker of some outer launcher
+    env.pop("WORLD_SIZE", None)
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def guard_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("guard")
+    (d / "sitecustomize.py").write_text(GUARD)
+    return d
+
+
+def test_examples_exist():
+    names = {p.name for p in YAMLS}
+    for required in ("quick-test.yaml", "gpt2-quick-test.yaml", "curriculum-zero3.yaml", "bloom-1b7-multigpu.yaml"):
+        assert required in names
+    assert (EXAMPLES / "ds-config-auto.json").is_file()
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_example_loads_and_documents_itself(path: Path):
+    cfg = load_config(path)
+    text = path.read_text()
+    assert text.startswith("# Scenario:"), f"{path.name} must open with its comment block"
+    for field in ("# Run:", "# Expect:"):
+        assert field in text, f"{path.name} lacks a {field!r} line"
+    assert f"examples/{path.name}" in text, f"{path.name}'s comment should show the command that runs it"
+    given = [k for k in ("micro_batch", "grad_accum", "global_batch") if getattr(cfg, k) is not None]
+    assert len(given) == 2, f"{path.name}: give exactly two of micro_batch/grad_accum/global_batch, got {given}"
+    if cfg.deepspeed_config:
+        assert (ROOT / cfg.deepspeed_config).is_file(), "deepspeed_config is relative to the repository root"
+
+
+def test_ds_config_example_is_json_with_auto_values():
+    data = json.loads((EXAMPLES / "ds-config-auto.json").read_text())
+    assert data["train_micro_batch_size_per_gpu"] == "auto"
+    assert data["train_batch_size"] == "auto"
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_example_dry_run_offline(path: Path, guard_dir: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardlab", "train", "--config", str(path.relative_to(ROOT)), "--dry-run"],
+        cwd=ROOT, env=subprocess_env(guard_dir), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"dry run of {path.name} failed:\n{proc.stderr[-3000:]}"
+    assert DATASETS_MARK not in proc.stderr, f"dry run of {path.name} imported `datasets`"
+    assert "network access attempted" not in proc.stderr
+    resolved = yaml.safe_load(proc.stdout.split("# DeepSpeed config")[0])
+    cfg = load_config(path)
+    assert resolved["model"] == cfg.model and resolved["strategy"] == cfg.strategy
+    assert resolved["micro_batch"] and resolved["grad_accum"] and resolved["global_batch"]
+    if cfg.strategy.startswith("zero") or cfg.strategy == "infinity":
+        ds = json.loads(proc.stdout.split("# DeepSpeed config", 1)[1])
+        assert ds["train_micro_batch_size_per_gpu"] == resolved["micro_batch"]
+        assert ds["gradient_accumulation_steps"] == resolved["grad_accum"]
+        assert ds["train_batch_size"] == resolved["global_batch"]
+    else:
+        assert "# DeepSpeed config" not in proc.stdout
+
+
+def test_quick_test_trains_for_real(tmp_path: Path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardlab", "train", "--config", "examples/quick-test.yaml",
+         "--max-steps", "3", "--output-dir", str(out)],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "tiny-gpt2" and summary["strategy"] == "dp"
+    assert summary["steps"] == 3
+    assert summary["global_batch"] == summary["micro_batch"] * summary["grad_accum"] * summary["world_size"]
+    assert summary["final_train_loss"] is not None and summary["final_train_loss"] < 11.5  # ~ln(50257) at init
+    for name in ("config.yaml", "env.json", "metrics.jsonl"):
+        assert (out / name).is_file(), name
+    assert (out / "model" / "config.json").is_file()
+
+
+def test_readme_mentions_only_existing_examples():
+    readme = ROOT / "README.md"
+    if not readme.is_file():
+        pytest.skip("no README.md")
+    for name in set(re.findall(r"examples/([\w.-]+\.(?:yaml|json))", readme.read_text())):
+        assert (EXAMPLES / name).is_file(), f"README.md names examples/{name}, which does not exist"

@@ -1,0 +1,333 @@
+"""`shardlab train` end to end on CPU: every strategy trains, agrees with DDP, exports, resumes.
+
+Each run is a `python -m shardlab train` subprocess (gloo workers for --gpus N), made once per
+module by the `runs` registry and read by several tests. Runs use fp32, dropout 0 and the same
+seed and data, so strategies that only move memory around must produce the same losses.
+
+The single-rank runs use a constant learning rate: then the first 14 steps of the 20-step run
+*are* an uninterrupted 14-step run, which the resume tests compare against. The 2-rank runs use
+the default cosine schedule with warm-up, so the engines' schedulers are compared too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+STRATEGIES_1 = ["dp", "zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "fsdp", "fsdp_offload"]
+STRATEGIES_2 = ["dp", "zero2", "zero3", "fsdp"]
+N_PARAMS_TINY_GPT2 = 3_382_080
+
+
+def train_args(*, model="tiny-gpt2", steps=20, gpus=1, strategy="dp", extra=()):
+    args = [
+        "--model", model, "--strategy", strategy, "--max-steps", str(steps),
+        "--seq-len", "64", "--micro-batch", "2", "--lr", "1e-3", "--dropout", "0", "--precision", "fp32",
+        "--log-every", "1", "--seed", "1234",
+        "--set", "dataset.eval_samples=1",  # a few eval blocks keep epoch-end eval cheap
+    ]  # fmt: skip
+    if gpus == 1:
+        args += ["--schedule", "constant"]
+    else:
+        args += ["--gpus", str(gpus), "--grad-accum", "2", "--warmup-steps", "3"]  # cosine after warm-up
+    return args + list(extra)
+
+
+class Runs:
+    """Each named run happens once per module, however many tests read it."""
+
+    def __init__(self, root: Path, train):
+        self.root = root
+        self.train = train
+        self._done: dict[str, object] = {}
+
+    def get(self, name: str, args: list[str], out: str | None = None):
+        """Run `shardlab train ARGS` into root/OUT (default root/NAME) unless NAME already ran."""
+        if name not in self._done:
+            self._done[name] = self.train(args, self.root / (out or name))
+        return self._done[name]
+
+    def strategy(self, strategy: str, gpus: int = 1):
+        extra = ["--nvme-path", str(self.root / "nvme")] if strategy == "infinity" else []
+        return self.get(f"{strategy}-{gpus}rank", train_args(strategy=strategy, gpus=gpus, extra=extra))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, train_cli):
+    return Runs(tmp_path_factory.mktemp("runs"), train_cli)
+
+
+def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: int = 1, micro: int = 2, seq: int = 64):
+    run.check()
+    rows = run.rows
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["lr"] > 0 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
+    first, last = statistics.fmean(run.losses[:5]), statistics.fmean(run.losses[-5:])
+    assert last < first, f"{strategy}: loss did not fall ({first:.4f} -> {last:.4f}): {run.losses}"
+
+    s = run.summary
+    assert s["strategy"] == strategy and s["model"] == run.config["model"]
+    assert s["steps"] == steps and s["world_size"] == world and s["precision"] == "fp32" and s["device_type"] == "cpu"
+    assert (s["micro_batch"], s["grad_accum"], s["global_batch"]) == (micro, grad_accum, micro * grad_accum * world)
+    assert s["tokens_per_step"] == s["global_batch"] * seq
+    assert s["tokens_per_s"] > 0 and s["useful_tokens_per_s"] > 0 and s["samples_per_s"] > 0 and s["step_time_median_s"] > 0
+    assert s["final_train_loss"] == pytest.approx(rows[-1]["loss"])
+    assert math.isfinite(s["final_eval_loss"]) and s["final_eval_ppl"] == pytest.approx(math.exp(s["final_eval_loss"]))
+    assert s["non_pad_fraction"] == 1.0 and s["n_params"] > 0 and s["total_time_s"] > 0
+    assert s["epochs"] and s["epochs"][0]["steps"] == steps
+
+    env = json.loads((run.out / "env.json").read_text())
+    assert env["world_size"] == world and env["precision"] == "fp32" and env["backend"] == "gloo"
+    assert run.config["strategy"] == strategy and run.config["global_batch"] == s["global_batch"]
+    model_dir = run.out / "model"
+    assert (model_dir / "config.json").is_file() and list(model_dir.glob("*.safetensors"))
+    assert not (run.out / "model.tmp").exists()
+
+
+# ---- every strategy, one rank ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES_1)
+def test_single_rank_trains(runs, strategy):
+    run = runs.strategy(strategy)
+    assert_trained(run, steps=20, world=1, strategy=strategy)
+    assert run.summary["n_params"] == N_PARAMS_TINY_GPT2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES_2)
+def test_two_ranks_train_with_accumulation(runs, strategy):
+    run = runs.strategy(strategy, gpus=2)
+    assert_trained(run, steps=20, world=2, strategy=strategy, grad_accum=2)
+    assert "launching 2 worker(s)" in run.stdout
+
+
+# ---- equivalence: a strategy changes memory, not the mathematics ------------------------------------------
+
+
+def assert_same_losses(run, ref, n=10, rel=1e-3):
+    run.check(), ref.check()
+    got, want = run.rows[:n], ref.rows[:n]
+    assert len(got) == len(want) == n
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=rel), f"step {a['step']}: {a['loss']} vs dp {b['loss']}"
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-6), f"step {a['step']}: lr {a['lr']} vs dp {b['lr']}"
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_1 if s != "dp"])
+def test_single_rank_losses_match_dp(runs, strategy):
+    assert_same_losses(runs.strategy(strategy), runs.strategy("dp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_2 if s != "dp"])
+def test_two_rank_losses_match_dp(runs, strategy):
+    assert_same_losses(runs.strategy(strategy, gpus=2), runs.strategy("dp", gpus=2))
+
+
+# ---- ZeRO-Infinity (NVMe swap) ------------------------------------------------------------------------
+
+
+def _aio_compatible() -> bool:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def test_infinity_trains_with_nvme_swap(runs):
+    if not _aio_compatible():
+        pytest.skip("DeepSpeed's async_io op is not compatible here (libaio-dev missing?), so ZeRO-Infinity cannot swap to NVMe")
+    run = runs.strategy("infinity")
+    assert_trained(run, steps=20, world=1, strategy="infinity")
+    swap = runs.root / "nvme"
+    assert swap.is_dir() and any(swap.rglob("*")), "nothing was swapped to the NVMe path"
+    assert_same_losses(run, runs.strategy("dp"))
+
+
+def test_nvme_path_checks(tmp_path):
+    from shardlab.errors import UserError
+    from shardlab.strategies.deepspeed_zero import check_nvme_path
+
+    ok = check_nvme_path(str(tmp_path / "new" / "swap"), 1000)
+    assert ok.is_dir() and not list(ok.iterdir())  # created, and the write probe cleaned up
+    with pytest.raises(UserError, match="needs an NVMe directory"):
+        check_nvme_path(None, 1000)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "below"):
+        with pytest.raises(UserError, match="not writable") as err:
+            check_nvme_path(str(bad), 1000)
+        assert str(bad) in str(err.value)
+    with pytest.raises(UserError, match=r"GiB free but ZeRO-Infinity needs about") as err:
+        check_nvme_path(str(tmp_path / "swap"), 10**15)  # 14 PB of optimizer state
+    assert "free space" in str(err.value)
+    with pytest.raises(UserError, match="GiB free"):
+        check_nvme_path(str(tmp_path / "swap"), 1, extra_gb=1e9)
+
+
+# ---- BLOOM ---------------------------------------------------------------------------------------------
+
+
+def test_tiny_bloom_trains(runs):
+    run = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp"))
+    assert_trained(run, steps=10, world=1, strategy="dp")
+    assert json.loads((run.out / "model" / "config.json").read_text())["model_type"] == "bloom"
+
+
+# ---- export: the HF directory reproduces the run's eval loss ------------------------------------------------
+
+
+def _eval_loss_like_the_trainer(model, dataset, world: int) -> float:
+    """Token-weighted mean loss, over the blocks DistributedSampler(drop_last=False) gives `world` ranks."""
+    n = len(dataset)
+    indices = list(range(n))
+    indices += indices[: math.ceil(n / world) * world - n]
+    total = tokens = 0.0
+    with torch.no_grad():
+        for i in indices:
+            batch = {k: v.unsqueeze(0) for k, v in dataset[i].items()}
+            n_tok = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch).loss.double()) * n_tok
+            tokens += n_tok
+    return total / tokens
+
+
+@pytest.mark.parametrize("strategy,gpus", [("dp", 1), pytest.param("zero3", 2, marks=pytest.mark.slow), pytest.param("fsdp", 2, marks=pytest.mark.slow)])
+def test_export_reloads_and_reproduces_eval_loss(runs, strategy, gpus):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlab.config import load_config
+    from shardlab.data import build_datasets
+    from shardlab.models import load_tokenizer
+
+    run = runs.strategy(strategy, gpus).check()
+    assert run.summary["export_dir"] == str(run.out / "model")
+    model = AutoModelForCausalLM.from_pretrained(run.out / "model").eval()
+    tok = AutoTokenizer.from_pretrained(run.out / "model")
+    assert sum(p.numel() for p in model.parameters()) == run.summary["n_params"]  # full tensors, not shards
+
+    cfg = load_config(run.out / "config.yaml")
+    ref_tok = load_tokenizer(cfg)
+    text = "def train(model):\n    return model  # shardlab"
+    assert tok(text)["input_ids"] == ref_tok(text)["input_ids"]
+    splits = build_datasets(cfg.dataset, ref_tok, cfg.seq_len, cfg.seed)
+    assert splits.eval is not None and len(splits.eval) > 0
+    loss = _eval_loss_like_the_trainer(model, splits.eval, run.summary["world_size"])
+    assert loss == pytest.approx(run.summary["final_eval_loss"], rel=1e-4)
+
+
+# ---- checkpoints and resume -----------------------------------------------------------------------------
+
+RESUMABLE = ["dp", "zero2", "fsdp"]
+
+
+def resume_runs(runs, strategy):
+    """10 steps saving every 5, then `--max-steps 14 --resume auto` into the same output dir."""
+    first = runs.get(f"resume-{strategy}", train_args(strategy=strategy, steps=10, extra=["--save-every", "5"]))
+    first.check()
+    second = runs.get(f"resume-{strategy}-continued", train_args(strategy=strategy, steps=14, extra=["--resume", "auto"]), out=f"resume-{strategy}")
+    return first, second
+
+
+@pytest.mark.parametrize("strategy", RESUMABLE)
+def test_checkpoints_are_written(runs, strategy):
+    first, _ = resume_runs(runs, strategy)
+    root = first.out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-0000005", "step-0000010"]
+    assert (root / "latest").read_text().strip() == "step-0000010"
+    assert not list(root.glob("*.tmp*"))
+    state = json.loads((root / "step-0000010" / "trainer_state.json").read_text())
+    assert state["global_step"] == 10 and state["stage"] == 0
+
+
+@pytest.mark.parametrize("strategy", RESUMABLE)
+def test_resume_continues_like_an_uninterrupted_run(runs, strategy):
+    first, second = resume_runs(runs, strategy)
+    second.check()
+    assert "resumed from" in second.stdout and "step-0000010" in second.stdout
+    rows = second.rows  # the resumed run appends to the first run's metrics.jsonl
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert second.summary["steps"] == 14
+    straight = runs.strategy(strategy).check()  # constant lr: its first 14 steps are a 14-step run
+    for r in rows:
+        want = straight.rows[r["step"] - 1]["loss"]
+        assert r["loss"] == pytest.approx(want, rel=1e-4), f"{strategy} step {r['step']}: {r['loss']} vs uninterrupted {want}"
+
+
+def test_fresh_run_into_old_output_dir_restarts_metrics(runs):
+    """Without --resume, a run into an existing dir must not append to the previous run's metrics."""
+    out = runs.root / "rerun"
+    args = train_args(steps=3, extra=["--no-export"])
+    runs.train(args, out).check()
+    again = runs.train(args, out).check()
+    assert [r["step"] for r in again.rows] == [1, 2, 3]
+
+
+# ---- data formats: QA with answer-only loss, curriculum ------------------------------------------------------
+
+
+def test_qa_answer_only_loss_with_padding(runs, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    cities = ["Paris", "Rome", "Madrid", "Berlin", "Vienna", "Lisbon", "Athens", "Dublin", "Oslo", "Prague"]
+    rows = []
+    for i in range(60):
+        city = cities[i % len(cities)]
+        rows.append({
+            "question": f"Which city is number {i} on the list?",
+            "context": f"The list has many cities. Number {i} on the list is {city}, a capital in Europe.",
+            "answer": city,
+        })  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = runs.get("qa", [
+        "--model", "tiny-gpt2", "--dataset", str(data), "--format", "qa", "--answer-only-loss", "--packing", "pad",
+        "--seq-len", "64", "--micro-batch", "2", "--max-steps", "8", "--lr", "1e-3", "--dropout", "0", "--log-every", "1",
+    ]).check()  # fmt: skip
+    assert [r["step"] for r in run.rows] == list(range(1, 9))
+    assert all(math.isfinite(x) for x in run.losses)
+    s = run.summary
+    assert 0 < s["non_pad_fraction"] < 1  # each example padded to 64 tokens
+    assert s["useful_tokens_per_s"] < s["tokens_per_s"]
+    assert run.config["dataset"]["format"] == "qa" and run.config["dataset"]["answer_only_loss"] is True
+    assert "non-pad" in run.stdout
+
+
+def test_curriculum_trains_through_both_stages(runs, tmp_path):
+    text = tmp_path / "notes.txt"
+    paragraphs = [f"Note {i}: sharding splits the optimizer state of model {i} across {i % 7 + 2} ranks, then gathers it." for i in range(120)]
+    text.write_text("\n\n".join(paragraphs) + "\n")
+    cfg = tmp_path / "curriculum.yaml"
+    cfg.write_text(
+        f"""
+model: tiny-gpt2
+seq_len: 64
+micro_batch: 2
+lr: 1e-3
+schedule: constant
+dropout: 0
+precision: fp32
+log_every: 1
+curriculum:
+  - name: docs
+    dataset: {{source: offline, eval_samples: 1}}
+    max_steps: 4
+  - name: notes
+    dataset: {{source: {text}}}
+    max_steps: 3
+"""
+    )
+    run = runs.get("curriculum", ["--config", str(cfg)]).check()
+    assert [(r["step"], r["stage"]) for r in run.rows] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1), (7, 1)]
+    assert run.summary["steps"] == 7
+    assert [e["stage"] for e in run.summary["epochs"]] == [0, 1]
+    assert "stage docs" in run.stdout and "stage notes" in run.stdout
+    assert run.config["curriculum"][1]["dataset"]["source"] == str(text)

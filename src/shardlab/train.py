@@ -117,6 +117,31 @@ def _without_trivial_mask(batch: dict[str, torch.Tensor]) -> tuple[dict[str, tor
     return batch, n_useful
 
 
+class DevicePrefetcher:
+    """Wraps a batch iterator: `preload()` fetches, collates and copies the next batch to the
+    device (non-blocking, from pinned memory) while the GPU is still busy, as nanoGPT does."""
+
+    _END = object()
+
+    def __init__(self, iterator, device: torch.device):
+        self.iterator, self.device, self._next = iterator, device, None
+
+    def preload(self) -> None:
+        if self._next is None:
+            try:
+                batch, n_useful = _without_trivial_mask(next(self.iterator))
+                self._next = (_to_device(batch, self.device), n_useful)
+            except StopIteration:
+                self._next = self._END
+
+    def __next__(self) -> tuple[dict[str, torch.Tensor], int]:
+        self.preload()
+        item, self._next = self._next, None
+        if item is self._END:
+            raise StopIteration
+        return item
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -303,6 +328,7 @@ class Trainer:
                 batches = iter(train_loader)
                 for _ in range(skip * self.accum):  # replay the sampler to where the checkpoint stopped
                     next(batches)
+                batches = DevicePrefetcher(batches, env.device)
                 epoch_t0, epoch_losses, epoch_steps = time.perf_counter(), [], 0
                 for step_in_epoch in range(skip, steps_per_epoch):
                     if global_step >= stage_end:
@@ -311,13 +337,13 @@ class Trainer:
                     step_loss = torch.zeros((), device=env.device, dtype=torch.float32)
                     useful = 0
                     for micro in range(self.accum):
-                        batch, n_useful = _without_trivial_mask(next(batches))
+                        batch, n_useful = next(batches)
                         useful += n_useful
-                        batch = _to_device(batch, env.device)
                         last = micro == self.accum - 1
                         with strategy.accumulate(last):
                             loss = strategy.forward(batch)
                             strategy.backward(loss, last)
+                        batches.preload()  # the next batch's host work overlaps this step's GPU tail
                         step_loss += loss.detach().float()
                     grad_norm = strategy.optimizer_step()
                     reduced = _all_reduce_mean(torch.stack([step_loss / self.accum, torch.tensor(float(useful * env.world_size), device=env.device)]), env)

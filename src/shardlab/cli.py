@@ -93,12 +93,17 @@ def report_errors():
 
 
 def _parse_set(values: list[str]) -> dict[str, Any]:
+    from .config import _YamlLoader
+
     out: dict[str, Any] = {}
     for item in values:
         if "=" not in item:
             raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw)
+        try:
+            out[key.strip()] = yaml.load(raw, Loader=_YamlLoader)  # noqa: S506 - SafeLoader subclass; reads 5e-5 as a float like --config does
+        except yaml.YAMLError:
+            raise UserError(f"--set {item!r}: {raw!r} is not a valid YAML value", "quote strings, e.g. --set 'key=\"a: b\"'") from None
     return out
 
 
@@ -158,12 +163,10 @@ def _dry_run(cfg) -> None:
     micro, accum, glob = cfg.resolve_batch(world)
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if uses_deepspeed(cfg.strategy):
-        from .strategies.deepspeed_zero import build_ds_config, merge_user_config
+        from .strategies.deepspeed_zero import resolved_ds_config
 
         precision = resolve_precision(cfg.precision, device_type).name
-        ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
-        if cfg.deepspeed_config:
-            ds = merge_user_config(ds, cfg.deepspeed_config, precision)
+        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type)
         print("# DeepSpeed config")
         print(json.dumps(ds, indent=2))
 

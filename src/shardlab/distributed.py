@@ -51,6 +51,15 @@ def in_launched_job() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
+def launched_world_size() -> int | None:
+    """WORLD_SIZE of an already-launched job (torchrun/deepspeed, or srun's SLURM_NTASKS), else None."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if in_launched_job():
+        return int(os.environ["SLURM_NTASKS"])
+    return None
+
+
 def _adopt_slurm_env() -> None:
     """Map srun's variables onto torch's, so `srun shardlab train` joins instead of relaunching."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
@@ -98,8 +107,10 @@ def init_distributed(device_type: str, timeout_minutes: int = 30) -> DistEnv:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        # `srun --gpus-per-task 1` shows each task only its own GPU: index modulo what is visible.
+        index = local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
         backend = "nccl"
     else:
         device = torch.device("cpu")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig, dump_config
-from .distributed import free_port, in_launched_job, pick_device_type
+from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from .errors import UserError
 from .optim import resolve_precision
 from .strategies import strategy_class
@@ -43,7 +43,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     device_type = pick_device_type(cfg.device)
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
-    world = int(os.environ["WORLD_SIZE"]) if in_launched_job() and "WORLD_SIZE" in os.environ else nproc * cfg.nodes
+    world = launched_world_size() or nproc * cfg.nodes
     cfg.resolve_batch(world)
     if cfg.deepspeed_config and not (cfg.strategy.startswith("zero") or cfg.strategy == "infinity"):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")

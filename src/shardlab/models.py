@@ -163,7 +163,7 @@ def _preset_list() -> str:
 
 
 _OFFLINE_HINT = (
-    "download it on a login node (`huggingface-cli download {name}` or "
+    "download it on a login node (`hf download {name}` or "
     "`python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}')\"`) "
     "and point HF_HOME at that cache, pass a local directory, or use a preset such as tiny-gpt2, gpt2-medium"
 )

@@ -246,6 +246,8 @@ class Trainer:
         stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
         stage_loaders = [self._loaders(sp) for sp in stage_data]
         stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
+        if cfg.curriculum and cfg.max_steps:  # a top-level --max-steps caps the whole curriculum
+            stage_steps = _cap(stage_steps, cfg.max_steps)
         total_steps = sum(stage_steps)
         self._prepare_run_dir()
         log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
@@ -407,6 +409,15 @@ class Trainer:
         if env.is_main:
             print_summary(summary)
         return summary
+
+
+def _cap(steps: list[int], limit: int) -> list[int]:
+    """Cut a list of per-stage step counts so that their sum is at most `limit`."""
+    out = []
+    for n in steps:
+        out.append(min(n, limit))
+        limit -= out[-1]
+    return out
 
 
 def _peak(env: DistEnv) -> dict[str, float]:

@@ -102,20 +102,24 @@ def use_deepspeed_optimizer(cfg: RunConfig, device_type: str) -> bool:
 # ---- user JSON with "auto" values -------------------------------------------------------------------
 
 
-def _auto_values(base: dict[str, Any]) -> dict[str, Any]:
-    opt = base.get("optimizer", {}).get("params", {})
+def _auto_values(base: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """What HF-style "auto" means, taken from the run config (not from the generated optimizer
+    section, which is absent when shardlab passes torch's AdamW)."""
+    zero = base["zero_optimization"]
     return {
         "train_micro_batch_size_per_gpu": base["train_micro_batch_size_per_gpu"],
         "gradient_accumulation_steps": base["gradient_accumulation_steps"],
         "train_batch_size": base["train_batch_size"],
         "gradient_clipping": base["gradient_clipping"],
-        "lr": opt.get("lr"),
-        "betas": opt.get("betas"),
-        "eps": opt.get("eps"),
-        "weight_decay": opt.get("weight_decay"),
-        "reduce_bucket_size": base["zero_optimization"]["reduce_bucket_size"],
-        "stage3_prefetch_bucket_size": base["zero_optimization"].get("stage3_prefetch_bucket_size"),
-        "stage3_param_persistence_threshold": base["zero_optimization"].get("stage3_param_persistence_threshold"),
+        "lr": cfg.lr,
+        "betas": [cfg.adam_beta1, cfg.adam_beta2],
+        "eps": cfg.adam_eps,
+        "weight_decay": cfg.weight_decay,
+        "warmup_num_steps": cfg.warmup_steps,
+        "warmup_max_lr": cfg.lr,
+        "reduce_bucket_size": zero["reduce_bucket_size"],
+        "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
+        "stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
     }
 
 
@@ -138,7 +142,7 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge_user_config(base: dict[str, Any], path: str, precision: str) -> dict[str, Any]:
+def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig) -> dict[str, Any]:
     """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
     p = Path(path)
     if not p.is_file():
@@ -150,7 +154,13 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str) -> dict[s
         user = json.loads(json.dumps(user))
     except Exception:
         raise UserError(f"DeepSpeed config {path!r} is not valid JSON", "fix its syntax") from None
-    user = _fill_auto(user, _auto_values(base))
+    user = _fill_auto(user, _auto_values(base, cfg))
+    stage = user.get("zero_optimization", {}).get("stage")
+    if stage is not None and stage != base["zero_optimization"]["stage"]:
+        raise UserError(
+            f"DeepSpeed config sets zero_optimization.stage={stage} but strategy {cfg.strategy!r} is ZeRO-{base['zero_optimization']['stage']}",
+            f"pass --strategy zero{stage} (or its _offload variant), or remove the stage from the JSON",
+        )
     for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
         if section in user and user[section].get("enabled") is None:
             user[section]["enabled"] = wanted
@@ -166,6 +176,14 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str) -> dict[s
                 f"set {key} to \"auto\" in the JSON, or pass the matching --micro-batch/--grad-accum/--global-batch",
             )
     return _deep_merge(base, user)
+
+
+def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str) -> dict[str, Any]:
+    """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top."""
+    ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
+    if cfg.deepspeed_config:
+        ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg)
+    return ds
 
 
 # ---- NVMe checks --------------------------------------------------------------------------------------
@@ -222,12 +240,9 @@ class DeepSpeedStrategy(Strategy):
         self.name = self.cfg.strategy
 
     def ds_config(self) -> dict[str, Any]:
-        base = build_ds_config(
+        return resolved_ds_config(
             self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type
         )
-        if self.cfg.deepspeed_config:
-            base = merge_user_config(base, self.cfg.deepspeed_config, self.precision.name)
-        return base
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         sanitize_cuda_arch_list()

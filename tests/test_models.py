@@ -163,7 +163,7 @@ def test_missing_hub_id_fails_fast_offline():
         models.build_model(RunConfig(model="nobody-here/no-such-model"))
     assert time.monotonic() - start < 10
     assert "model 'nobody-here/no-such-model' is not available offline" in str(err.value)
-    assert "huggingface-cli download nobody-here/no-such-model" in err.value.hint
+    assert "hf download nobody-here/no-such-model" in err.value.hint
     assert "tiny-gpt2" in err.value.hint
     with pytest.raises(UserError, match="not available offline"):
         models.build_hf_config(RunConfig(model="bigscience/bloom-560m"))  # a hub id, not the preset

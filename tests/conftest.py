@@ -97,12 +97,3 @@ def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEO
 @pytest.fixture(scope="session")
 def train_cli():
     return shardlab_train
-
-
-def rel_close(a: float, b: float, rel: float) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b))
-
-
-@pytest.fixture(scope="session")
-def rel_close_fn():
-    return rel_close

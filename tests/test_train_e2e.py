@@ -4,9 +4,10 @@ Each run is a `python -m shardlab train` subprocess (gloo workers for --gpus N),
 module by the `runs` registry and read by several tests. Runs use fp32, dropout 0 and the same
 seed and data, so strategies that only move memory around must produce the same losses.
 
-The single-rank runs use a constant learning rate: then the first 14 steps of the 20-step run
-*are* an uninterrupted 14-step run, which the resume tests compare against. The 2-rank runs use
-the default cosine schedule with warm-up, so the engines' schedulers are compared too.
+The runs use a constant learning rate (the 2-rank ones after 3 warm-up steps, so the engines'
+schedulers are compared too): then the first 14 steps of a 20-step run *are* an uninterrupted
+14-step run, which the resume tests compare against. The cosine shape is unit-tested in
+test_config.py.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def train_args(*, model="tiny-gpt2", steps=20, gpus=1, strategy="dp", extra=()):
     ]  # fmt: skip
     if gpus == 1:
         args += ["--schedule", "constant"]
-    else:
-        args += ["--gpus", str(gpus), "--grad-accum", "2", "--warmup-steps", "3"]  # cosine after warm-up
+    else:  # warm-up, so the engines' schedulers are compared too; constant after it, so resume has a reference
+        args += ["--gpus", str(gpus), "--grad-accum", "2", "--warmup-steps", "3", "--schedule", "constant"]
     return args + list(extra)
 
 
@@ -62,16 +63,16 @@ def runs(tmp_path_factory, train_cli):
     return Runs(tmp_path_factory.mktemp("runs"), train_cli)
 
 
-def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: int = 1, micro: int = 2, seq: int = 64):
+def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: int = 1, micro: int = 2, seq: int = 64, loss_falls: bool = True):
     run.check()
     rows = run.rows
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-        assert r["lr"] > 0 or (r["step"] == steps and r["lr"] == 0)  # cosine reaches 0 after the last step
+        assert r["lr"] > 0
         assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
     first, last = statistics.fmean(run.losses[:5]), statistics.fmean(run.losses[-5:])
-    assert last < first, f"{strategy}: loss did not fall ({first:.4f} -> {last:.4f}): {run.losses}"
+    assert last < first or not loss_falls, f"{strategy}: loss did not fall ({first:.4f} -> {last:.4f}): {run.losses}"
 
     s = run.summary
     assert s["strategy"] == strategy and s["model"] == run.config["model"]
@@ -108,6 +109,8 @@ def test_two_ranks_train_with_accumulation(runs, strategy):
     run = runs.strategy(strategy, gpus=2)
     assert_trained(run, steps=20, world=2, strategy=strategy, grad_accum=2)
     assert "launching 2 worker(s)" in run.stdout
+    # 3 warm-up steps: the lr logged after step k is the one step k+1 uses
+    assert [r["lr"] for r in run.rows] == pytest.approx([2e-3 / 3] + [1e-3] * 19)
 
 
 # ---- equivalence: a strategy changes memory, not the mathematics ------------------------------------------
@@ -180,9 +183,17 @@ def test_nvme_path_checks(tmp_path):
 
 
 def test_tiny_bloom_trains(runs):
-    run = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp"))
-    assert_trained(run, steps=10, world=1, strategy="dp")
-    assert json.loads((run.out / "model" / "config.json").read_text())["model_type"] == "bloom"
+    # A stale metrics.jsonl from some earlier run in the same output dir: a fresh run must start it over.
+    (runs.root / "bloom").mkdir()
+    (runs.root / "bloom" / "metrics.jsonl").write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
+    run = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"]))
+    # 10 noisy steps of batch 2 are too few for the train loss to fall reliably; the fixed eval set shows it
+    assert_trained(run, steps=10, world=1, strategy="dp", loss_falls=False)
+    evals = [r for r in run.all_rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [5, 10]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"] < math.log(50257) + 0.1
+    config = json.loads((run.out / "model" / "config.json").read_text())
+    assert config["model_type"] == "bloom" and config["architectures"] == ["BloomForCausalLM"]
 
 
 # ---- export: the HF directory reproduces the run's eval loss ------------------------------------------------
@@ -229,20 +240,26 @@ def test_export_reloads_and_reproduces_eval_loss(runs, strategy, gpus):
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------
 
-RESUMABLE = ["dp", "zero2", "fsdp"]
+RESUMABLE = [("dp", 1), ("zero2", 1), ("fsdp", 1), pytest.param("zero3", 2, marks=pytest.mark.slow)]
 
 
-def resume_runs(runs, strategy):
+def resume_runs(runs, strategy, gpus):
     """10 steps saving every 5, then `--max-steps 14 --resume auto` into the same output dir."""
-    first = runs.get(f"resume-{strategy}", train_args(strategy=strategy, steps=10, extra=["--save-every", "5"]))
+    name = f"resume-{strategy}-{gpus}rank"
+    first = runs.get(name, train_args(strategy=strategy, gpus=gpus, steps=10, extra=["--save-every", "5"]))
     first.check()
-    second = runs.get(f"resume-{strategy}-continued", train_args(strategy=strategy, steps=14, extra=["--resume", "auto"]), out=f"resume-{strategy}")
+    if f"{name}-continued" not in runs._done:
+        assert [r["step"] for r in first.rows] == list(range(1, 11))
+        # as if the job had been killed at step 12, after logging two steps past its last checkpoint
+        with open(first.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n")
+    second = runs.get(f"{name}-continued", train_args(strategy=strategy, gpus=gpus, steps=14, extra=["--resume", "auto"]), out=name)
     return first, second
 
 
-@pytest.mark.parametrize("strategy", RESUMABLE)
-def test_checkpoints_are_written(runs, strategy):
-    first, _ = resume_runs(runs, strategy)
+@pytest.mark.parametrize("strategy,gpus", RESUMABLE)
+def test_checkpoints_are_written(runs, strategy, gpus):
+    first, _ = resume_runs(runs, strategy, gpus)
     root = first.out / "checkpoints"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-0000005", "step-0000010"]
     assert (root / "latest").read_text().strip() == "step-0000010"
@@ -251,27 +268,18 @@ def test_checkpoints_are_written(runs, strategy):
     assert state["global_step"] == 10 and state["stage"] == 0
 
 
-@pytest.mark.parametrize("strategy", RESUMABLE)
-def test_resume_continues_like_an_uninterrupted_run(runs, strategy):
-    first, second = resume_runs(runs, strategy)
+@pytest.mark.parametrize("strategy,gpus", RESUMABLE)
+def test_resume_continues_like_an_uninterrupted_run(runs, strategy, gpus):
+    first, second = resume_runs(runs, strategy, gpus)
     second.check()
     assert "resumed from" in second.stdout and "step-0000010" in second.stdout
     rows = second.rows  # the resumed run appends to the first run's metrics.jsonl
     assert [r["step"] for r in rows] == list(range(1, 15))
     assert second.summary["steps"] == 14
-    straight = runs.strategy(strategy).check()  # constant lr: its first 14 steps are a 14-step run
+    straight = runs.strategy(strategy, gpus).check()  # constant lr: its first 14 steps are a 14-step run
     for r in rows:
         want = straight.rows[r["step"] - 1]["loss"]
         assert r["loss"] == pytest.approx(want, rel=1e-4), f"{strategy} step {r['step']}: {r['loss']} vs uninterrupted {want}"
-
-
-def test_fresh_run_into_old_output_dir_restarts_metrics(runs):
-    """Without --resume, a run into an existing dir must not append to the previous run's metrics."""
-    out = runs.root / "rerun"
-    args = train_args(steps=3, extra=["--no-export"])
-    runs.train(args, out).check()
-    again = runs.train(args, out).check()
-    assert [r["step"] for r in again.rows] == [1, 2, 3]
 
 
 # ---- data formats: QA with answer-only loss, curriculum ------------------------------------------------------

@@ -84,7 +84,7 @@ def load(strategy, directory: Path) -> dict[str, Any]:
     strategy.load_checkpoint(directory)
     rng_file = directory / f"rng_rank{strategy.env.rank}.pt"
     if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))  # our own file; holds numpy/python RNG tuples
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((directory / TRAINER_STATE).read_text())
 
 

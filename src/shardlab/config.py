@@ -205,11 +205,15 @@ class RunConfig(_Strict):
 
 
 def _format_validation_error(err: ValidationError) -> UserError:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key is also a missing one: name the misspelling, the root cause
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(p) for p in first["loc"]) or "config"
     kind = first["type"]
     if kind == "extra_forbidden":
         return UserError(f"unknown config key {where!r}", "remove it or check its spelling (`shardlab train --help` lists the keys)")
+    if kind == "missing":
+        return UserError(f"missing config key {where!r}", "add it to your YAML")
     if kind == "value_error":
         msg = str(first.get("ctx", {}).get("error", first["msg"]))
         return UserError(f"invalid config: {msg}", "fix the value in your YAML or flags")

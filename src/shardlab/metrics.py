@@ -79,6 +79,14 @@ def throughput(step_times: list[float], tokens_per_step: int, useful_tokens_per_
     }
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """On resume, forget what a killed run logged after its last checkpoint: those steps are run and logged again."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
 class MetricsWriter:
     """metrics.jsonl (one row per logged step) plus optional TensorBoard / W&B; rank 0 only."""
 

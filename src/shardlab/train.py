@@ -284,6 +284,8 @@ class Trainer:
                 wandb_run = wandb.init(project=cfg.wandb_project, config=cfg.model_dump(mode="json"), dir=str(self.run_dir))
             except ImportError:
                 log0(env, "wandb is not installed; `pip install wandb` to enable it (continuing without)")
+        if env.is_main and state["global_step"] > 0:
+            metrics.drop_rows_after(self.run_dir / "metrics.jsonl", state["global_step"])
         writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
         try:
             summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)

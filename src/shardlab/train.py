@@ -96,11 +96,17 @@ def apply_dropout(model: nn.Module, p: float | None) -> None:
             setattr(model.config, attr, p)
 
 
-def _all_reduce_mean(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    if env.is_distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        values /= env.world_size
-    return values
+def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv) -> tuple[float, float]:
+    """This step's loss averaged over ranks and its non-pad tokens summed over ranks.
+
+    One process needs no collective and no host-to-device copy: one `.item()` is the only sync.
+    """
+    if not env.is_distributed:
+        return loss.item(), float(useful_tokens)
+    values = torch.stack([loss.float(), torch.tensor(float(useful_tokens), device=loss.device)])
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    total_loss, total_useful = values.tolist()
+    return total_loss / env.world_size, total_useful
 
 
 def _without_trivial_mask(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -294,17 +300,20 @@ class Trainer:
                 if path:
                     log0(env, f"exported HF model to {path}")
                     summary["export_dir"] = str(path)
-        except torch.OutOfMemoryError:
-            peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else float("nan")
-            raise OutOfMemory(
-                f"CUDA out of memory with strategy {cfg.strategy} at micro batch {self.micro} (peak allocated {peak:.1f} GiB on rank {env.rank})",
-                f"try --micro-batch {max(1, self.micro // 2)} with --grad-accum {self.accum * 2}, --gradient-checkpointing, or a strategy that shards more ({next_strategy(cfg.strategy)})",
-            ) from None
         finally:
             writer.close()
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return RunResult(self.run_dir, summary, self.step_losses)
+
+    def oom_error(self) -> OutOfMemory:
+        env, cfg = self.env, self.cfg
+        peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else float("nan")
+        return OutOfMemory(
+            f"CUDA out of memory with strategy {cfg.strategy} at micro batch {self.micro} (peak allocated {peak:.1f} GiB on rank {env.rank})",
+            f"try --micro-batch {max(1, self.micro // 2)} with --grad-accum {self.accum * 2}, --gradient-checkpointing, "
+            f"or a strategy that shards more ({next_strategy(cfg.strategy)})",
+        )
 
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
@@ -317,7 +326,7 @@ class Trainer:
         t_start = time.perf_counter()
         progress = _progress(env, total_steps, global_step)
         strategy.train()
-        loss_window = torch.zeros(2, device=env.device, dtype=torch.float64)  # sum of step losses, count
+        window_losses: list[float] = []  # step losses since the last metrics row
         for si in range(state["stage"], len(stages)):
             stage, (train_loader, sampler, eval_loader) = stages[si], stage_loaders[si]
             steps_per_epoch = self._steps_per_epoch(train_loader)
@@ -350,15 +359,14 @@ class Trainer:
                         batches.preload()  # the next batch's host work overlaps this step's GPU tail
                         step_loss += loss.detach().float()
                     grad_norm = strategy.optimizer_step()
-                    reduced = _all_reduce_mean(torch.stack([step_loss / self.accum, torch.tensor(float(useful * env.world_size), device=env.device)]), env)
+                    loss_value, useful_total = _reduce_step(step_loss / self.accum, useful, env)
                     timer.stop()
                     global_step += 1
-                    loss_value = reduced[0].item()
-                    useful_per_step.append(reduced[1].item())
+                    useful_per_step.append(useful_total)
                     self.step_losses.append(loss_value)
                     epoch_losses.append(loss_value)
                     epoch_steps += 1
-                    loss_window += torch.tensor([loss_value, 1.0], dtype=torch.float64, device=env.device)
+                    window_losses.append(loss_value)
                     if not math.isfinite(loss_value):
                         raise UserError(f"loss became {loss_value} at step {global_step}", "lower --lr, use bf16 instead of fp16, or enable clipping")
                     if progress is not None:
@@ -366,13 +374,13 @@ class Trainer:
                         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
                     if global_step % cfg.log_every == 0 or global_step == total_steps:
                         row = {"step": global_step, "stage": si, "epoch": epoch + (step_in_epoch + 1) / steps_per_epoch,
-                               "loss": (loss_window[0] / loss_window[1]).item(), "lr": strategy.current_lr(), "grad_norm": grad_norm,
+                               "loss": statistics.fmean(window_losses), "lr": strategy.current_lr(), "grad_norm": grad_norm,
                                "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
                                "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
                                "samples_per_s": self.global_batch / timer.times[-1]}
                         row.update(metrics.memory_snapshot(env.device))
                         writer.log(row)
-                        loss_window.zero_()
+                        window_losses.clear()
                     if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
                         last_eval = evaluate(strategy, eval_loader, env)
                         writer.log({"step": global_step, **last_eval})
@@ -475,6 +483,10 @@ def print_summary(summary: dict[str, Any]) -> None:
 def run_worker(cfg: RunConfig) -> RunResult:
     """Entry point of one worker process (also the whole run when there is one process)."""
     try:
-        return Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        try:
+            return trainer.run()
+        except torch.OutOfMemoryError:  # model placement, engine setup, the loop or the export
+            raise trainer.oom_error() from None
     finally:
         shutdown_distributed()

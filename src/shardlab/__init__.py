@@ -1,6 +1,22 @@
-"""shardlab: fine-tune Hugging Face causal LMs under every memory/parallelism strategy, measured honestly."""
+"""shardlab: fine-tune Hugging Face causal LMs under every memory/parallelism strategy, measured honestly.
+
+Library use mirrors the CLI:
+
+    from shardlab import load_config, train
+    result = train(load_config("examples/quick-test.yaml", {"max_steps": 5}))
+"""
 
 __version__ = "0.1.0"
 
 from .config import RunConfig, load_config  # noqa: E402,F401
 from .errors import UserError  # noqa: E402,F401
+
+
+def train(cfg: RunConfig):
+    """Train as `shardlab train` does: in this process (returns a RunResult) or across spawned workers."""
+    from .launch import train as _train  # torch and the engines load only when training
+
+    return _train(cfg)
+
+
+__all__ = ["RunConfig", "UserError", "load_config", "train"]

@@ -20,7 +20,7 @@ from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from .errors import UserError
 from .optim import resolve_precision
-from .strategies import strategy_class
+from .strategies import strategy_class, uses_deepspeed
 from .strategies.deepspeed_zero import sanitize_cuda_arch_list
 
 
@@ -45,7 +45,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
     cfg.resolve_batch(world)
-    if cfg.deepspeed_config and not (cfg.strategy.startswith("zero") or cfg.strategy == "infinity"):
+    if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     from .models import build_hf_config
 

@@ -268,8 +268,6 @@ class Trainer:
         info = model_summary(model)
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
-        if cfg.compile and not strategy.supports_compile:
-            raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
         strategy.setup(model, total_steps)
         log0(env, strategy.memory_note())
 
@@ -328,7 +326,7 @@ class Trainer:
         strategy.train()
         window_losses: list[float] = []  # step losses since the last metrics row
         for si in range(state["stage"], len(stages)):
-            stage, (train_loader, sampler, eval_loader) = stages[si], stage_loaders[si]
+            train_loader, sampler, eval_loader = stage_loaders[si]
             steps_per_epoch = self._steps_per_epoch(train_loader)
             stage_end = sum(stage_steps[: si + 1])
             first_epoch = state["epoch"] if si == state["stage"] else 0

@@ -24,6 +24,7 @@ from ..optim import Precision
 class Strategy(ABC):
     name: str = "base"
     supports_compile: bool = True
+    uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
 
     def __init__(self, cfg: RunConfig, env: DistEnv, precision: Precision, grad_accum: int, micro_batch: int):
         self.cfg = cfg
@@ -41,8 +42,8 @@ class Strategy(ABC):
 
     # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------
     def autocast(self):
-        """Autocast context for forward passes (engines that cast weights themselves return a no-op)."""
-        if self.precision.is_mixed:
+        """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
+        if self.uses_autocast and self.precision.is_mixed:
             return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
         return contextlib.nullcontext()
 

@@ -234,6 +234,7 @@ def sanitize_cuda_arch_list(log=print) -> None:
 
 class DeepSpeedStrategy(Strategy):
     supports_compile = False  # DeepSpeed's engine.compile exists but is not measured here yet
+    uses_autocast = False  # the engine casts the module to bf16/fp16 itself
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -248,10 +249,7 @@ class DeepSpeedStrategy(Strategy):
         sanitize_cuda_arch_list()
         import deepspeed
 
-        ds = self.ds_config()
-        if self.cfg.strategy == "infinity":
-            n_params = sum(p.numel() for p in model.parameters())
-            check_nvme_path(self.cfg.strategy_options.nvme_path, n_params, self.cfg.strategy_options.nvme_min_free_gb)
+        ds = self.ds_config()  # (the NVMe path was checked in launch.preflight, before any process started)
         self.hf_model = model
         groups = optim.param_groups(model, self.cfg.weight_decay)
         kwargs: dict[str, Any] = {"model": model, "config": ds}
@@ -267,12 +265,6 @@ class DeepSpeedStrategy(Strategy):
         self.ds_json = ds
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
-
-    def autocast(self):
-        # The engine casts the module to bf16/fp16 itself; autocast would only add casts.
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside

@@ -30,6 +30,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class FSDPStrategy(Strategy):
+    uses_autocast = False  # MixedPrecisionPolicy already computes in low precision
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
@@ -56,11 +57,6 @@ class FSDPStrategy(Strategy):
         self.optimizer = optim.adamw(model, self.cfg, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type)
         self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
         self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
-
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()  # MixedPrecisionPolicy already computes in low precision
 
     def accumulate(self, last_micro: bool):
         import contextlib

@@ -340,3 +340,11 @@ curriculum:
     assert [e["stage"] for e in run.summary["epochs"]] == [0, 1]
     assert "stage docs" in run.stdout and "stage notes" in run.stdout
     assert run.config["curriculum"][1]["dataset"]["source"] == str(text)
+
+
+def test_compiled_dp_matches_eager(runs):
+    """--compile (torch.compile, inductor's CPU backend here) changes speed, not the losses."""
+    run = runs.get("dp-compile-1rank", train_args(strategy="dp", steps=6, extra=["--compile"]))
+    run.check()
+    assert run.summary["compile"] is True and len(run.losses) == 6
+    assert_same_losses(run, runs.strategy("dp"), n=6)

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model (spawns its own worker processes)")
     add_run_flags(tr)
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
+    from .pipesim.cli import add_pipeline_parser
+
+    add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
     return parser
 
 
@@ -171,10 +174,16 @@ def _dry_run(cfg) -> None:
         print(json.dumps(ds, indent=2))
 
 
+def cmd_pipeline(args: argparse.Namespace) -> None:
+    from .pipesim.cli import cmd_pipeline as run
+
+    run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train}[args.command](args)
+        {"train": cmd_train, "pipeline": cmd_pipeline}[args.command](args)
     return status.code
 
 

@@ -1,0 +1,73 @@
+"""`shardlab pipeline simulate`: argument parsing and the terminal report (library calls only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .schedules import SCHEDULES
+
+
+def add_pipeline_parser(sub, parser_class) -> None:
+    """Register `pipeline simulate` on the top-level subparsers `sub`."""
+    pl = sub.add_parser("pipeline", help="pipeline-parallel schedule tools")
+    psub = pl.add_subparsers(dest="pipeline_command", metavar="simulate", required=True, parser_class=parser_class)
+    sim = psub.add_parser("simulate", help="simulate a pipeline schedule: timeline, bubble, memory, staleness, diagrams")
+    sim.add_argument("--stages", "-P", type=int, default=4, help="pipeline stages = devices (default 4)")
+    sim.add_argument("--microbatches", "-M", type=int, default=8, help="micro-batches per step (default 8)")
+    sim.add_argument("--schedule", "-s", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    sim.add_argument("--chunks", "-V", type=int, default=1, help="model chunks per device, interleaved-1f1b only (default 1)")
+    sim.add_argument("--fwd", default="1", help="forward time of one micro-batch per stage: a number or a list, e.g. 1,1,2,1 (default 1)")
+    sim.add_argument("--bwd", default="2", help="backward time per stage: a number or a list (default 2)")
+    sim.add_argument("--comm", type=float, default=0.0, help="delay to send activations/gradients between devices (default 0)")
+    sim.add_argument("--steps", type=int, default=1, help="optimizer steps to simulate (default 1)")
+    sim.add_argument("--layers", type=int, default=None, help="model layers: checks that every stage gets one")
+    sim.add_argument("--out", default=None, help="directory for timeline.png/.svg, timeline.json and the tutorial diagrams")
+    sim.add_argument("--no-tutorial", action="store_true", help="with --out: skip the five tutorial diagrams")
+    sim.add_argument("--no-ascii", action="store_true", help="do not print the ASCII timeline")
+
+
+def cmd_pipeline(args: argparse.Namespace) -> None:
+    from . import render_timeline, simulate, tutorial_diagrams
+
+    tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=args.steps, layers=args.layers)
+    print(report(tl))
+    if not args.no_ascii:
+        print()
+        print(tl.ascii())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        files = render_timeline(tl, out / "timeline")
+        (out / "timeline.json").write_text(json.dumps(tl.to_dict(), indent=1))
+        files.append(out / "timeline.json")
+        if not args.no_tutorial:
+            files += tutorial_diagrams(out)
+        print()
+        for f in files:
+            print(f"wrote {f}")
+
+
+def report(tl) -> str:
+    m = tl.metrics
+    fmt = lambda xs: ",".join(f"{x:g}" for x in xs)  # noqa: E731
+    head = f"{tl.schedule}: {tl.stages} stages x {tl.microbatches} micro-batches"
+    if tl.chunks > 1:
+        head += f", {tl.chunks} chunks/device"
+    head += f", {tl.steps} step(s); fwd {fmt(tl.fwd)}  bwd {fmt(tl.bwd)}  comm {tl.comm:g}"
+    lines = [head]
+    bubble = f"bubble {m['bubble_fraction']:.2%} (idle / (P x makespan))"
+    if m["bubble_theory"] is not None:
+        bubble += f", closed form {m['bubble_theory']:.2%}"
+    lines.append(f"makespan {m['makespan']:g}   {bubble}")
+    lines.append(f"throughput {m['throughput_vs_naive']:.2f}x naive ({m['microbatches_per_time']:.3f} micro-batches per time unit; naive makespan {m['naive_makespan']:g})")
+    lines.append("")
+    lines.append(f"{'device':>6} {'busy':>8} {'idle':>8} {'util':>7} {'peak in-flight':>15} {'activations':>12} {'weight versions':>16} {'max staleness':>14}")
+    for d in range(tl.stages):
+        lines.append(
+            f"{d:>6} {m['busy'][d]:>8g} {m['idle'][d]:>8g} {m['utilisation'][d]:>7.1%} {m['peak_inflight'][d]:>15} "
+            f"{m['peak_activations'][d]:>12g} {m['weight_versions'][d]:>16} {m['max_staleness'][d]:>14}"
+        )
+    lines.append("activations: peak held, in micro-batches through the device's whole share of layers; staleness: weight updates missed vs sequential SGD")
+    return "\n".join(lines)

@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model (spawns its own worker processes)")
     add_run_flags(tr)
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
+    _add_plan_parser(sub)  # `plan`: predicted memory per strategy
     from .pipesim.cli import add_pipeline_parser
 
     add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
@@ -180,10 +181,30 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
     run(args)
 
 
+def _add_plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="predict per-GPU/CPU/NVMe memory of every strategy and recommend one (no GPU needed)")
+    add_run_flags(pl)
+    pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: detected; required without a GPU)")
+    pl.add_argument("--host-ram-gb", type=float, default=None, help="CPU RAM per node in GB (checked for offload)")
+    pl.add_argument("--nvme-free-gb", type=float, default=None, help="free NVMe space per node in GB (checked for infinity)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from .plan import plan, render
+
+    cfg = config_from_args(args)
+    result = plan(cfg, gpu_memory_gb=args.gpu_memory_gb, host_ram_gb=args.host_ram_gb, nvme_free_gb=args.nvme_free_gb)
+    if args.json:
+        print(result.to_json())
+    else:
+        render(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train, "pipeline": cmd_pipeline}[args.command](args)
+        {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan}[args.command](args)
     return status.code
 
 

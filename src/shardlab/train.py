@@ -313,6 +313,23 @@ class Trainer:
             f"or a strategy that shards more ({next_strategy(cfg.strategy)})",
         )
 
+    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None]:
+        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm)."""
+        step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        useful = 0
+        for micro in range(self.accum):
+            batch, n_useful = next(batches)
+            useful += n_useful
+            last = micro == self.accum - 1
+            with strategy.accumulate(last):
+                loss = strategy.forward(batch)
+                strategy.backward(loss, last)
+            batches.preload()  # the next batch's host work overlaps this step's GPU tail
+            step_loss += loss.detach().float()
+        grad_norm = strategy.optimizer_step()
+        loss_value, useful_total = _reduce_step(step_loss / self.accum, useful, self.env)
+        return loss_value, useful_total, grad_norm
+
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         timer = metrics.StepTimer(env.device)
@@ -345,19 +362,7 @@ class Trainer:
                     if global_step >= stage_end:
                         break
                     timer.start()
-                    step_loss = torch.zeros((), device=env.device, dtype=torch.float32)
-                    useful = 0
-                    for micro in range(self.accum):
-                        batch, n_useful = next(batches)
-                        useful += n_useful
-                        last = micro == self.accum - 1
-                        with strategy.accumulate(last):
-                            loss = strategy.forward(batch)
-                            strategy.backward(loss, last)
-                        batches.preload()  # the next batch's host work overlaps this step's GPU tail
-                        step_loss += loss.detach().float()
-                    grad_norm = strategy.optimizer_step()
-                    loss_value, useful_total = _reduce_step(step_loss / self.accum, useful, env)
+                    loss_value, useful_total, grad_norm = self._train_step(strategy, batches)
                     timer.stop()
                     global_step += 1
                     useful_per_step.append(useful_total)

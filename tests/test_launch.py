@@ -1,0 +1,70 @@
+"""Joining a job someone else launched: torchrun, and srun (SLURM variables only) — no relaunch, same losses.
+
+The reference is shardlab's own launcher (`--gpus 2`): a strategy's losses must not depend on who
+started the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ARGS = ["--model", "tiny-gpt2", "--max-steps", "6", "--micro-batch", "2", "--seq-len", "64", "--lr", "1e-3",
+        "--dropout", "0", "--precision", "fp32", "--strategy", "zero2", "--log-every", "1", "--no-export",
+        "--set", "dataset.eval_samples=1"]  # fmt: skip
+TIMEOUT = 420
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("own-launcher")
+    proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ARGS, "--gpus", "2", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(out)
+
+
+def test_joins_torchrun(reference, tmp_path):
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "shardlab", "train", *ARGS, "--output-dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launching" not in proc.stdout  # joined: shardlab did not start workers of its own
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert losses(out) == pytest.approx(reference, rel=1e-5)
+
+
+def test_joins_srun_from_slurm_variables(reference, tmp_path):
+    """Two processes that carry only what `srun -n2` sets (SLURM_PROCID, SLURM_NTASKS, ...): they map it
+    onto torch's variables, pick node list's first host as master, and train as one world of two."""
+    out = tmp_path / "srun"
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_NODELIST="localhost",
+                   MASTER_PORT=port)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardlab", "train", *ARGS, "--output-dir", str(out)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert losses(out) == pytest.approx(reference, rel=1e-5)

@@ -19,4 +19,11 @@ def train(cfg: RunConfig):
     return _train(cfg)
 
 
-__all__ = ["RunConfig", "UserError", "load_config", "train"]
+def plan(cfg: RunConfig, **kwargs):
+    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.plan.plan)."""
+    from .plan import plan as _plan
+
+    return _plan(cfg, **kwargs)
+
+
+__all__ = ["RunConfig", "UserError", "load_config", "plan", "train"]

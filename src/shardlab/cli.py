@@ -184,9 +184,9 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
 def _add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="predict per-GPU/CPU/NVMe memory of every strategy and recommend one (no GPU needed)")
     add_run_flags(pl)
-    pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: detected; required without a GPU)")
-    pl.add_argument("--host-ram-gb", type=float, default=None, help="CPU RAM per node in GB (checked for offload)")
-    pl.add_argument("--nvme-free-gb", type=float, default=None, help="free NVMe space per node in GB (checked for infinity)")
+    pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GiB, e.g. 80 for an H100 80GB (default: detected; required without a GPU)")
+    pl.add_argument("--host-ram-gb", type=float, default=None, help="CPU RAM per node in GiB (checked for offload)")
+    pl.add_argument("--nvme-free-gb", type=float, default=None, help="free NVMe space per node in GiB (checked for infinity)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

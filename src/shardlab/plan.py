@@ -1,0 +1,793 @@
+"""`shardlab plan`: predict per-GPU, CPU and NVMe memory of every strategy before a run.
+
+What is predicted
+-----------------
+The **peak of ``torch.cuda.max_memory_allocated()``** per GPU (what ``shardlab train`` and
+``benchmarks/results/`` report as ``gpu_mem_peak_gib``). Memory that the caching allocator
+reserves but has not handed out (fragmentation) and the CUDA context (~0.5 GiB per process,
+never in torch's counters) are *not* in that number; they are added only when deciding
+whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED`` below).
+
+How
+---
+* Parameter counts come from the model built on the meta device (no weights): total unique
+  parameters, DeepSpeed's "largest layer" (largest parameter count held directly by one module,
+  as ``estimate_zero3_model_states_mem_needs_all_live`` computes it), the largest transformer
+  block (one FSDP unit) and the parameters outside the blocks (FSDP's root unit).
+* Model states follow the mixed-precision recipe each engine *actually* uses in shardlab
+  (see ``_model_states``): dp = torch autocast over fp32 weights (4 + 4 + 8 B/param); DeepSpeed
+  bf16/fp16 = 16-bit params (2) + 16-bit grads (2) + fp32 master, m, v (12), sharded per stage;
+  fp32 runs 4 + 4 + 8; FSDP2 with ``MixedPrecisionPolicy`` = fp32 sharded params, grads and
+  AdamW states plus 16-bit unsharded copies of the units being computed.
+* Activations are counted per architecture family from the HF config, tensor by tensor, as
+  autograd saves them in the transformers 5 implementations (``_layer_bytes``). The starting
+  point is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198), eq. (1): 34·s·b·h + 5·a·s²·b bytes per layer in 16-bit. The counts
+  here differ where the implementation differs: fused SDPA/flash kernels keep no s² tensors
+  (only a fp32 log-sum-exp per row), GPT-2's ``gelu_new`` is a Python composite that saves four
+  4h-wide tensors instead of one, RMSNorm saves a fp32 copy, torch autocast keeps the residual
+  stream and LayerNorm in fp32, and CUDA dropout masks are 1-byte bools. The per-family counts
+  were checked on CPU against the exact saved-tensor bytes (``tests/test_plan.py``).
+* The loss: transformers' ``ForCausalLMLoss`` upcasts the logits to fp32 and calls
+  ``cross_entropy``; log-softmax saves its fp32 output (4·b·s·V B) and its backward holds that,
+  the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of backward.
+* The peak is the larger of two moments: the start of backward (all activations + the loss'
+  12·b·s·V + communication buckets + gathered parameters; gradients that ``zero_grad
+  (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
+  backward / optimizer step (all gradients, step temporaries, no activations).
+
+Nothing here is fitted to measurements except the two allowances named below, whose source
+files are given. ``PLAN_VS_MEASURED`` at the bottom documents the current error against the
+H100 runs in ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from .config import STRATEGIES, RunConfig
+from .errors import UserError
+
+GiB = 2**30
+
+# The CUDA context (driver, kernels' modules, cuBLAS workspace) is outside the torch allocator:
+# ~0.5 GiB per process on H100 with torch 2.x; not in max_memory_allocated.
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)
+# Allocated -> reserved (caching-allocator fragmentation). Measured ratio
+# gpu_mem_peak_reserved_gib / gpu_mem_peak_gib in benchmarks/results/h100-foundation-run2/foundation.json:
+# dp 1.053, zero2 1.140, zero3 1.130, zero2_offload 1.148, fsdp 1.133. The largest is used for "fits".
+RESERVED_OVER_ALLOCATED = 1.15
+# CPU resident memory of one training process besides the model (python, torch, CUDA libraries,
+# data loader): cpu_rss_max_rank_gib of the dp and fsdp cells in the same foundation.json is 1.95 GiB,
+# which includes gpt2-medium built in fp32 on the CPU (354,823,168 x 4 B = 1.32 GiB): 1.95 - 1.32 = 0.63 GiB.
+PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
+
+# Speed order measured on one H100 (benchmarks/results/h100-foundation.md, tok/s at gpt2-medium,
+# seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
+# zero3 and zero2_offload are within noise of each other there (the file quotes ±10% for DeepSpeed);
+# zero3 is ranked first because it keeps everything on the GPU and scales with more GPUs.
+# zero0/zero1/zero1_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
+# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
+SPEED_ORDER = (
+    "dp",
+    "zero0",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "zero3",
+    "zero2_offload",
+    "zero1_offload",
+    "fsdp_offload",
+    "zero3_offload",
+    "infinity",
+)
+MEASURED_SPEED = {"dp", "zero2", "fsdp", "zero3", "zero2_offload"}
+
+STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_offload": 1, "zero2_offload": 2, "zero3_offload": 3, "infinity": 3}
+# ZeRO-Infinity keeps fp32 master + m + v (12 B) and the 16-bit params (2 B) on NVMe
+# (same constant as strategies/deepspeed_zero.NVME_BYTES_PER_PARAM; not imported to keep plan light).
+NVME_BYTES_PER_PARAM = 14
+# DeepSpeed's default AIO swap buffers for ZeRO-Infinity (deepspeed/runtime/swap_tensor/constants.py &
+# zero/offload_config.py): offload_param buffer_count 5 x buffer_size 1e8 elements (16-bit); the
+# optimizer swapper keeps buffer_count 4 x (largest sub-group, 1e9 elements by default, capped at the
+# partition) fp32. Approximate; pinned CPU memory.
+INFINITY_PARAM_BUFFERS = 5 * 100_000_000 * 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture read from the config (and the meta-device model)
+
+
+@dataclass
+class Arch:
+    model: str
+    family: str  # gpt2 | bloom | llama | generic
+    n_params: int
+    largest_layer_params: int  # DeepSpeed's definition: max params held directly by one module
+    block_params: int  # largest transformer block (one FSDP unit)
+    root_params: int  # params outside the blocks (FSDP root unit: embeddings, final norm, head)
+    persistent_params: int  # params with numel <= stage3_param_persistence_threshold (kept whole by ZeRO-3)
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    attn_impl: str  # sdpa | flash_attention_2 | eager
+    attn_dropout: float
+    resid_dropout: float
+    embd_dropout: float
+
+
+def _family(hf_config: Any) -> str:
+    mt = getattr(hf_config, "model_type", "")
+    if mt == "gpt2":
+        return "gpt2"
+    if mt == "bloom":
+        return "bloom"
+    if hasattr(hf_config, "intermediate_size") and hasattr(hf_config, "rms_norm_eps"):
+        return "llama"  # llama, mistral, qwen2, ... (RMSNorm, gated SiLU MLP, RoPE)
+    return "generic"
+
+
+def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str = "sdpa", dropout: float | None = None,
+                        persistence_threshold: int = 100_000) -> Arch:
+    """Count parameters on the meta device and read the shape of ``hf_config``."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    seen: set[int] = set()
+    n = 0
+    persistent = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n += p.numel()
+        if p.numel() <= persistence_threshold:
+            persistent += p.numel()
+    largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    blocks: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if blocks is None or sum(p.numel() for p in module.parameters()) > sum(p.numel() for p in blocks.parameters()):
+                blocks = module
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) if blocks is not None else 0
+    in_blocks = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
+    family = _family(hf_config)
+    c = hf_config
+    hidden = int(getattr(c, "hidden_size", None) or getattr(c, "n_embd"))
+    layers = int(getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer"))
+    heads = int(getattr(c, "num_attention_heads", None) or getattr(c, "n_head"))
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    ffn = int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden)
+    if family == "gpt2":
+        drops = (c.attn_pdrop, c.resid_pdrop, c.embd_pdrop)
+    elif family == "bloom":
+        drops = (c.attention_dropout, c.hidden_dropout, 0.0)
+    else:
+        drops = (float(getattr(c, "attention_dropout", 0.0) or 0.0), float(getattr(c, "hidden_dropout", 0.0) or 0.0), 0.0)
+    if dropout is not None:  # shardlab's --dropout overrides every probability (train.apply_dropout)
+        drops = (dropout, dropout, dropout if family == "gpt2" else 0.0)
+    return Arch(
+        model=name, family=family, n_params=n, largest_layer_params=largest_layer, block_params=block_params,
+        root_params=n - in_blocks, persistent_params=persistent, hidden=hidden, layers=layers, heads=heads,
+        kv_heads=kv_heads, ffn=ffn, vocab=int(c.vocab_size), attn_impl=attn_impl,
+        attn_dropout=float(drops[0]), resid_dropout=float(drops[1]), embd_dropout=float(drops[2]),
+    )
+
+
+def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
+    """The attention implementation a CUDA run would get (flash and SDPA keep the same tensors)."""
+    from .models import _causal_lm_class, _supports
+
+    cls = _causal_lm_class(hf_config)
+    if cfg.attn_implementation != "auto":
+        return cfg.attn_implementation
+    return "sdpa" if _supports(cls, "sdpa") else "eager"
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+
+
+def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, float]:
+    """Saved bytes of one decoder layer as (per s·b·h, per a·s²·b, per s·b).
+
+    ``mode``: 'fp32' (everything fp32), 'lp' (weights and compute in 16-bit: DeepSpeed, FSDP2
+    mixed precision) or 'autocast' (torch autocast over fp32 weights: shardlab's dp in bf16/fp16).
+    ``device``: 'cuda' (1-byte bool dropout masks, fused attention keeps no s² tensors) or 'cpu'
+    (masks as wide as the tensor; SDPA with dropout falls back to the math path computed in fp32).
+    Counts are per family, tensor by tensor (see the module docstring); the comments give the
+    tensors in units of s·b·h elements.
+    """
+    p = 4 if mode == "fp32" else 2  # compute dtype
+    r = 2 if mode == "lp" else 4  # residual stream / norm inputs (fp32 under autocast)
+    f = arch.ffn / arch.hidden
+    kv = arch.kv_heads / arch.heads
+    mask = (1 if device == "cuda" else p)
+    n_masks = 0
+    if arch.family == "gpt2":
+        # ln_1 in (r), c_attn in (p: LN out, or its 16-bit cast under autocast), q,k,v views of the
+        # fused c_attn output (3p), attention out = c_proj in (p), ln_2 in (r), c_fc in (p);
+        # gelu_new = 0.5*x*(1+tanh(c*(x+0.044715*x**3))) saves x**3's input, tanh out, (1+tanh), 0.5*x
+        # (4 x f): all p, or under autocast pow runs in fp32 -> 4+4+4+2 bytes; c_proj in (f x p).
+        gelu = {"fp32": 16, "lp": 8, "autocast": 14}[mode]
+        per_sbh = 2 * r + p + 3 * p + p + p + gelu * f + p * f
+        per_sb = 2 * 2 * 4  # two LayerNorms' fp32 mean and rstd
+        n_masks = 2 if arch.resid_dropout > 0 else 0  # attn resid dropout + mlp dropout
+    elif arch.family == "bloom":
+        # input_layernorm in (r), qkv in (p), q,k,v reshaped copies (3p), dense in (p),
+        # post_attention_layernorm in (r), h_to_4h in (p), BloomGelu saves its input (f x p),
+        # 4h_to_h in (f x p)
+        per_sbh = 2 * r + p + 3 * p + p + p + 2 * p * f
+        per_sb = 2 * 2 * 4
+        n_masks = 2 if arch.resid_dropout > 0 else 0  # two dropout_add
+    elif arch.family == "llama":
+        # RMSNorm (x2): pow's input as fp32 (4), normalised fp32 (p or 4), weight*normed = proj in
+        # (p, or 4 under autocast + its 16-bit cast 2); q, k, v after RoPE (p + 2kv p), attention out
+        # = o_proj in (p); MLP: gate, up, silu(gate), product = down in (4 f x p)
+        norm = {"fp32": 12, "lp": 8, "autocast": 10}[mode]
+        per_sbh = 2 * norm + (2 + 2 * kv) * p + 4 * f * p
+        per_sb = 2 * 4
+    else:
+        # Korthikanti et al. 2022 eq. (1): 34 s b h bytes in 16-bit (incl. masks), scaled to p
+        per_sbh = 34 * p / 2
+        per_sb = 0
+    per_sbh += n_masks * mask
+    # s² terms (per a·s²·b)
+    fused = arch.attn_impl in ("sdpa", "flash_attention_2")
+    if fused and device == "cuda":
+        per_as2b = 0.0
+        per_sb += 4 * arch.heads  # fp32 log-sum-exp per row and head
+    elif fused and device == "cpu":
+        if arch.attn_dropout > 0:  # CPU SDPA with dropout runs the math path in fp32: softmax, mask, dropped
+            per_as2b = 12.0
+        else:
+            per_as2b = 0.0
+            per_sb += 4 * arch.heads
+    else:  # eager: softmax out (fp32 where the model or autocast upcasts), cast copy or mask + dropped
+        if arch.family in ("bloom", "llama") or mode in ("fp32", "autocast"):
+            sm = 4
+        else:
+            sm = p
+        if arch.attn_dropout > 0:
+            per_as2b = sm + mask + p
+        else:
+            per_as2b = sm + (p if sm != p else 0)
+        if arch.family == "generic":
+            per_as2b = 5 * p / 2  # Korthikanti: 5 a s² b in 16-bit
+    return per_sbh, per_as2b, per_sb
+
+
+def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
+    mask = (1 if device == "cuda" else p)
+    if arch.family == "gpt2":
+        return (mask if arch.embd_dropout > 0 else 0) + r + p  # embd dropout mask, ln_f in, lm_head in
+    if arch.family == "bloom":
+        return r + r + p  # word_embeddings_layernorm in, ln_f in, lm_head in
+    if arch.family == "llama":
+        return {"fp32": 12, "lp": 8, "autocast": 10}[mode]  # final RMSNorm as above
+    return r + p
+
+
+@dataclass
+class Activations:
+    layers: float  # saved by all decoder layers at the end of forward
+    embed_final: float
+    logits_saved: float  # fp32 log-softmax output saved by cross_entropy (4 b s V)
+    logits_peak: float  # at the start of backward: saved output + its grad + grad wrt logits (12 b s V)
+    recompute: float  # gradient checkpointing: one layer recomputed during backward
+
+    @property
+    def saved_at_forward_end(self) -> float:
+        """What autograd holds when forward returns (comparable with saved-tensor hooks)."""
+        return self.layers + self.embed_final + self.logits_saved
+
+    @property
+    def peak(self) -> float:
+        """Activations plus the loss' transient at the start of backward."""
+        return self.layers + self.embed_final + self.recompute + self.logits_peak
+
+
+def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False) -> Activations:
+    b, s, h, a = micro, seq, arch.hidden, arch.heads
+    per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
+    one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
+    r = 2 if mode == "lp" else 4
+    if checkpointing:  # HF checkpoints each decoder layer (non-reentrant): only its input is kept
+        layers = arch.layers * r * s * b * h
+        recompute = one_layer
+    else:
+        layers = arch.layers * one_layer
+        recompute = 0.0
+    bsv = b * s * arch.vocab
+    return Activations(
+        layers=layers,
+        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h,
+        logits_saved=4.0 * bsv,
+        logits_peak=12.0 * bsv,
+        recompute=recompute,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Formulas side by side
+
+
+def paper_bytes_per_param(strategy: str, d: int) -> Fraction | None:
+    """ZeRO paper (Rajbhandari et al. 2020, Fig. 1, K = 12 for mixed-precision Adam): bytes per
+    parameter per GPU: baseline 16, P_os 4 + 12/N, P_os+g 2 + 14/N, P_os+g+p 16/N."""
+    if strategy in ("dp", "zero0"):
+        return Fraction(16)
+    stage = STAGE.get(strategy)
+    if strategy.endswith("_offload") or strategy == "infinity" or strategy.startswith("fsdp"):
+        return {"fsdp": Fraction(16, d)}.get(strategy)
+    return {1: Fraction(4) + Fraction(12, d), 2: Fraction(2) + Fraction(14, d), 3: Fraction(16, d)}[stage]
+
+
+def deepspeed_estimates(arch: Arch, gpus_per_node: int, nodes: int) -> dict[str, dict[str, int]]:
+    """DeepSpeed's own model-state estimators (deepspeed 0.19.8), as they compute them:
+    ``stage_1_and_2.estimate_zero2_model_states_mem_needs`` and
+    ``stage3.estimate_zero3_model_states_mem_needs`` (the ``*_all_cold`` variants print exactly
+    these, with additional_buffer_factor 1.5). Returns {option: {gpu, cpu}} in bytes per GPU / per node."""
+    # Computed with a transcription of those two functions (below) rather than by importing deepspeed:
+    # the import takes seconds, logs on every machine without a GPU, and binds DeepSpeed's logger to
+    # whatever stdout is current. tests/test_plan.py checks the transcription against DeepSpeed's code.
+    z2, z3 = _ds_zero2_formula, _ds_zero3_formula
+    n, ll = arch.n_params, arch.largest_layer_params
+    out = {}
+    cpu, gpu = z2(n, gpus_per_node, nodes, cpu_offload=False)
+    out["zero2"] = {"gpu": gpu, "cpu": cpu}
+    cpu, gpu = z2(n, gpus_per_node, nodes, cpu_offload=True)
+    out["zero2_offload"] = {"gpu": gpu, "cpu": cpu}
+    cpu, gpu, _ = z3(n, ll, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    out["zero3"] = {"gpu": gpu, "cpu": cpu}
+    cpu, gpu, _ = z3(n, ll, gpus_per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
+    out["zero3_offload"] = {"gpu": gpu, "cpu": cpu}
+    return out
+
+
+def _ds_zero2_formula(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, additional_buffer_factor=1.5):
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def _ds_zero3_formula(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                      cpu_offload_params=True, zero_init=True, additional_buffer_factor=1.5):
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest
+            cpu_mem = total_params * (18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)) * additional_buffer_factor
+        else:
+            gpu_mem = largest + int(2 * total_params / total_gpus)
+            cpu_mem = total_params * (16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)) * additional_buffer_factor
+    else:
+        gpu_mem = largest + int(18 * total_params / total_gpus)
+        cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-strategy prediction
+
+
+@dataclass
+class StrategyPlan:
+    strategy: str
+    gpu: dict[str, float]  # bytes per GPU by component (parameters, gradients, optimizer, activations, temporary, overhead)
+    gpu_peak: float  # predicted max_memory_allocated per GPU
+    peak_moment: str
+    cpu_per_node: float
+    cpu_detail: dict[str, float]
+    nvme_per_node: float
+    model_state_bytes_per_param: float  # shardlab's parameters+gradients+optimizer states per GPU / n_params
+    paper_bytes_per_param: float | None
+    deepspeed_gpu: float | None  # DeepSpeed estimator, bytes per GPU (model states only)
+    deepspeed_cpu: float | None
+    fits: bool = False
+    headroom: float = 0.0  # bytes of GPU memory left after peak, context and fragmentation allowance
+    why: str = ""
+    max_micro_batch: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, dict[str, Fraction], str]:
+    """(params, grads, optimizer) bytes per parameter on each GPU, the CPU-side bytes per parameter
+    per rank, and where the states live. ``d`` = data-parallel world size."""
+    F = Fraction
+    mixed = precision != "fp32"
+    lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
+    master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
+    adam = F(8)
+    cpu: dict[str, Fraction] = {}
+    if strategy == "dp":
+        return F(4), F(4), adam, cpu, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+    if strategy.startswith("fsdp"):
+        if strategy == "fsdp_offload":
+            cpu = {"fp32 params shard": F(4, d), "fp32 grads shard": F(4, d), "AdamW m, v shard": F(8, d)}
+            return F(0), F(0), F(0), cpu, "fp32 params, grads, AdamW states sharded, kept on the CPU"
+        return F(4, d), F(4, d), F(8, d), cpu, "fp32 params, grads, AdamW states sharded across GPUs"
+    stage = STAGE[strategy]
+    opt = master + adam
+    if strategy == "zero0":
+        return lo, lo, opt, cpu, "nothing sharded"
+    if strategy in ("zero1", "zero2", "zero3"):
+        params = lo if stage < 3 else lo / d
+        grads = lo if stage == 1 else lo / d
+        return params, grads, opt / d, cpu, f"ZeRO-{stage} on the GPUs"
+    if strategy in ("zero1_offload", "zero2_offload"):
+        cpu = {"fp32 master + AdamW m, v": opt / d, "fp32 gradient partition": F(4, d)}
+        return lo, F(0), F(0), cpu, "optimizer states and gradient partitions on the CPU"
+    if strategy == "zero3_offload":
+        cpu = {"fp32 master + AdamW m, v": opt / d, "fp32 gradient partition": F(4, d), "16-bit param partition": lo / d,
+               "16-bit gradient flat buffer": lo / d}
+        return F(0), F(0), F(0), cpu, "parameters, gradients and optimizer states on the CPU"
+    # infinity: params and optimizer states on NVMe, gradient partitions on the CPU
+    cpu = {"fp32 gradient partition": F(4, d), "16-bit gradient flat buffer": lo / d}
+    return F(0), F(0), F(0), cpu, "parameters and optimizer states on NVMe"
+
+
+def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
+                   gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]]) -> StrategyPlan:
+    n = arch.n_params
+    d = gpus_per_node * nodes
+    opts = cfg.strategy_options
+    mixed = precision != "fp32"
+    lo = 2 if mixed else 4
+    P, G, O, cpu_bpp, where = _model_states(strategy, n, d, precision)
+    params, grads, optim = float(P * n), float(G * n), float(O * n)
+    if strategy == "dp":
+        mode = "autocast" if mixed else "fp32"
+    else:
+        mode = "lp" if mixed else "fp32"
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, "cuda", checkpointing)
+    temp: dict[str, float] = {}  # live at the start of backward
+    temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
+    persistent_temp: dict[str, float] = {}  # allocated once, live throughout
+    notes: list[str] = []
+    stage = STAGE.get(strategy)
+    if strategy == "dp":
+        if mixed:
+            temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
+        if d > 1:
+            persistent_temp["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
+    elif strategy.startswith("fsdp"):
+        # unsharded 16-bit (or fp32) copies: the root unit (embeddings, final norm, head) stays
+        # unsharded through forward and backward; during backward one block's params, its
+        # unsharded 16-bit grads and their fp32 copy for reduce_dtype=fp32 (+ the prefetched next block)
+        temp["unsharded root params"] = float(lo * arch.root_params)
+        temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
+        temp_step["fp32 grads before reduce-scatter"] = 0.0
+    else:
+        rb, ab = opts.reduce_bucket_size, opts.allgather_bucket_size
+        overlap = opts.overlap_comm if opts.overlap_comm is not None else d > 1
+        if stage in (0,):
+            temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
+        elif stage in (1, 2):
+            if opts.contiguous_gradients:
+                k = 2 if overlap else 1
+                temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
+            if strategy in ("zero1", "zero2"):
+                temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
+            if d > 1:
+                notes.append(f"allgather_bucket_size {ab:,} is used in place (all_gather_into_tensor), no extra buffer counted")
+        else:  # stage 3
+            if opts.contiguous_gradients:
+                persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
+            if strategy == "zero3":
+                persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
+            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
+            temp["ZeRO-3 gathered params (largest layer + prefetch bucket)"] = float(lo * gather)
+            persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
+    grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
+    if stage == 3 and strategy == "zero3":
+        grads_live_fb = True  # the flat buffer is persistent; counted in persistent_temp, grads are views of it
+        grads_counted_in_buffer = True
+    else:
+        grads_counted_in_buffer = False
+    g_fb = grads if (grads_live_fb and not grads_counted_in_buffer) else 0.0
+    g_end = 0.0 if grads_counted_in_buffer else grads
+    static = params + optim + sum(persistent_temp.values())
+    moment_fb = static + g_fb + act.peak + sum(temp.values())
+    moment_end = static + g_end + sum(temp_step.values())
+    if moment_fb >= moment_end:
+        peak, moment = moment_fb, "start of backward (activations + loss gradients)"
+    else:
+        peak, moment = moment_end, "optimizer step (all gradients + step buffers)"
+    gpu = {
+        "parameters": params,
+        "gradients": (0.0 if grads_counted_in_buffer else grads),
+        "optimizer": optim,
+        "activations": act.layers + act.embed_final + act.recompute,
+        "logits (loss)": act.logits_peak,
+        "temporary": sum(temp.values()) + sum(persistent_temp.values()),
+        "step buffers": sum(temp_step.values()),
+        "overhead (not in allocated)": float(CUDA_CONTEXT_BYTES),
+    }
+    detail = {**temp, **persistent_temp, **temp_step}
+    notes += [f"{k}: {v / GiB:.2f} GiB" for k, v in detail.items() if v]
+    # CPU per node
+    cpu_detail: dict[str, float] = {}
+    for k, bpp in cpu_bpp.items():
+        cpu_detail[k] = float(bpp * n) * gpus_per_node
+    cpu_detail["model built in fp32 on the CPU by every rank (load time)"] = 4.0 * n * gpus_per_node
+    cpu_detail["process (python, torch, CUDA libs)"] = float(PROCESS_RSS_BYTES * gpus_per_node)
+    nvme = 0.0
+    if strategy == "infinity":
+        nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
+        cpu_detail["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS * gpus_per_node)
+    ms_bpp = float(P + G + O)
+    paper = paper_bytes_per_param(strategy, d)
+    est = ds_est.get(strategy) or ({} if strategy != "infinity" else ds_est.get("zero3_offload", {}))
+    # The fp32 CPU model is freed when the engine moves it to the GPU, before offloaded states are
+    # allocated: the two do not add up.
+    build = cpu_detail["model built in fp32 on the CPU by every rank (load time)"]
+    cpu_total = sum(cpu_detail.values()) - build - sum(float(b * n) * gpus_per_node for b in cpu_bpp.values()) \
+        + max(build, sum(float(b * n) * gpus_per_node for b in cpu_bpp.values()))
+    return StrategyPlan(
+        strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
+        cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
+        model_state_bytes_per_param=ms_bpp, paper_bytes_per_param=None if paper is None else float(paper),
+        deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes,
+    )
+
+
+def model_state_bytes_per_param(strategy: str, d: int, precision: str = "bf16") -> Fraction:
+    """shardlab's parameters + gradients + optimizer states per GPU, bytes per parameter (exact)."""
+    P, G, O, _, _ = _model_states(strategy, 1, d, precision)
+    return P + G + O
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Plan:
+    model: str
+    family: str
+    n_params: int
+    largest_layer_params: int
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    precision: str
+    gradient_checkpointing: bool
+    attn_implementation: str
+    gpus_per_node: int
+    nodes: int
+    gpu_memory: float
+    gpu_memory_source: str
+    host_ram: float | None
+    nvme_free: float | None
+    strategies: dict[str, StrategyPlan]
+    recommendation: str | None
+    reason: str
+    next_option: str | None
+    predicts: str = "peak torch.cuda.max_memory_allocated per GPU (bytes); fits adds the CUDA context and x1.15 fragmentation"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _usable(gpu_memory: float) -> float:
+    return gpu_memory - CUDA_CONTEXT_BYTES
+
+
+def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free: float | None) -> tuple[bool, str]:
+    need = sp.gpu_peak * RESERVED_OVER_ALLOCATED
+    if need > _usable(gpu_memory):
+        return False, f"GPU needs {need / GiB:.1f} GiB (peak {sp.gpu_peak / GiB:.1f} + fragmentation) of {_usable(gpu_memory) / GiB:.1f} usable"
+    if host_ram is not None and sp.cpu_per_node > host_ram:
+        return False, f"CPU needs {sp.cpu_per_node / GiB:.1f} GiB of {host_ram / GiB:.1f} GiB host RAM"
+    if sp.strategy == "infinity" and nvme_free is not None and sp.nvme_per_node > nvme_free:
+        return False, f"NVMe needs {sp.nvme_per_node / GiB:.1f} GiB of {nvme_free / GiB:.1f} GiB free"
+    if sp.strategy == "infinity" and nvme_free is None:
+        return True, f"GPU peak {sp.gpu_peak / GiB:.1f} GiB; needs {sp.nvme_per_node / GiB:.1f} GiB NVMe (free space not given)"
+    return True, f"GPU peak {sp.gpu_peak / GiB:.1f} GiB, headroom {(_usable(gpu_memory) - need) / GiB:.1f} GiB"
+
+
+def _detect_gpu_memory(cfg_device: str) -> float | None:
+    try:
+        import torch
+
+        if cfg_device != "cpu" and torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:
+        return None
+    return None
+
+
+def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
+         nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096) -> Plan:
+    """Predict memory for every strategy of ``cfg`` (its model, seq_len, micro batch, GPUs, precision).
+
+    ``gpu_memory_gb``: per-GPU memory in GiB (2**30 bytes; GPU memory is built in binary units: an
+    "80GB" H100 has 80 GiB of HBM, of which torch reports ~79.1 GiB), detected with torch.cuda when
+    omitted, required when no GPU is visible. ``host_ram_gb`` / ``nvme_free_gb``: per node, GiB too.
+    """
+    for name, value in (("--gpu-memory-gb", gpu_memory_gb), ("--host-ram-gb", host_ram_gb), ("--nvme-free-gb", nvme_free_gb)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(f"{name} must be a positive number of GB, got {value}", f"pass e.g. {name} 80")
+    if cfg.gpus == 0:
+        raise UserError("cannot plan for 0 GPUs", "pass --gpus 1 or more (GPUs per node)")
+    if cfg.deepspeed_config:
+        notes_ds = "a user DeepSpeed JSON is not read by plan: buckets are shardlab's strategy_options"
+    else:
+        notes_ds = ""
+    if gpu_memory_gb is not None:
+        gpu_memory, source = gpu_memory_gb * GiB, "given"
+    else:
+        detected = _detect_gpu_memory(cfg.device)
+        if detected is None:
+            raise UserError("no CUDA GPU visible to read its memory from", "pass --gpu-memory-gb (e.g. 80 for an H100 80GB)")
+        gpu_memory, source = detected, "detected (GPU 0)"
+    gpus_per_node = cfg.gpus
+    if gpus_per_node is None:
+        try:
+            import torch
+
+            gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        except Exception:
+            gpus_per_node = 1
+        gpus_per_node = max(1, gpus_per_node)
+    d = gpus_per_node * cfg.nodes
+    micro, accum, _ = cfg.resolve_batch(d)
+    precision = cfg.precision if cfg.precision != "auto" else "bf16"  # plan is for GPUs: auto = bf16 (A100/H100)
+    from .models import build_hf_config
+
+    hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
+    arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
+                               persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
+    ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
+    host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
+    nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None
+    names = strategies or STRATEGIES
+    out: dict[str, StrategyPlan] = {}
+    for s in names:
+        sp = _strategy_plan(s, arch, cfg, micro, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+        sp.fits, sp.why = _fits(sp, gpu_memory, host_ram, nvme_free)
+        sp.headroom = _usable(gpu_memory) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
+        if notes_ds:
+            sp.notes.append(notes_ds)
+        sp.max_micro_batch = _largest_micro(s, arch, cfg, accum, precision, gpus_per_node, gpu_memory, ds_est, max_search)
+        out[s] = sp
+    rec, reason, nxt = _recommend(out, arch, cfg, gpus_per_node)
+    return Plan(
+        model=cfg.model, family=arch.family, n_params=arch.n_params, largest_layer_params=arch.largest_layer_params,
+        seq_len=cfg.seq_len, micro_batch=micro, grad_accum=accum, precision=precision,
+        gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=arch.attn_impl,
+        gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=gpu_memory, gpu_memory_source=source,
+        host_ram=host_ram, nvme_free=nvme_free, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
+    )
+
+
+def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
+                   gpu_memory: float, ds_est, max_search: int) -> int:
+    """Largest micro batch whose predicted GPU need fits (peak is increasing in the micro batch): 0 if none."""
+    def ok(m: int) -> bool:
+        sp = _strategy_plan(strategy, arch, cfg, m, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+        return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= max_search and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > max_search:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_per_node: int) -> tuple[str | None, str, str | None]:
+    order = [s for s in SPEED_ORDER if s in out]
+    fitting = [s for s in order if out[s].fits]
+    if fitting:
+        best = fitting[0]
+        faster = [s for s in order[: order.index(best)]]
+        measured = "measured" if best in MEASURED_SPEED else "placed by reasoning, not measured"
+        why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
+        reason = f"{best} is the fastest strategy that fits (speed order from benchmarks/results/h100-foundation.md, {measured}){why_not}"
+        nxt = fitting[1] if len(fitting) > 1 else None
+        return best, reason, nxt
+    # nothing fits: what would
+    hints = []
+    best_micro = max(out.values(), key=lambda sp: sp.max_micro_batch)
+    if best_micro.max_micro_batch > 0:
+        hints.append(f"--micro-batch {best_micro.max_micro_batch} with {best_micro.strategy} (raise --grad-accum to keep the global batch)")
+    if not cfg.gradient_checkpointing:
+        hints.append("--gradient-checkpointing")
+    sharded = min((out[s] for s in ("zero3", "fsdp") if s in out), key=lambda sp: sp.gpu_peak, default=None)
+    if sharded is not None:
+        hints.append(f"more GPUs: ZeRO-3/FSDP shard the {sharded.model_state_bytes_per_param:.1f} B/param of model states")
+    return None, "no strategy fits in the GPU memory given", "; or ".join(hints) or None
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+
+
+def render(p: Plan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if console.width < 170:
+            console = Console(width=170)
+    g = lambda b: "-" if b is None else f"{b / GiB:.2f}"  # noqa: E731
+    console.print(
+        f"[bold]{p.model}[/bold] ({p.family}, {p.n_params:,} params, largest layer {p.largest_layer_params:,}), "
+        f"seq {p.seq_len}, micro {p.micro_batch} x accum {p.grad_accum}, {p.precision}, attention {p.attn_implementation}, "
+        f"checkpointing {'on' if p.gradient_checkpointing else 'off'}; {p.gpus_per_node} GPU(s)/node x {p.nodes} node(s), "
+        f"{p.gpu_memory / GiB:.1f} GiB per GPU ({p.gpu_memory_source})"
+    )
+    t = Table(title="Predicted memory per GPU (GiB; peak = max_memory_allocated)")
+    for col in ("strategy", "params", "grads", "optim", "activ.", "logits", "temp", "step buf", "peak", "fits", "headroom", "max micro", "CPU/node", "NVMe"):
+        t.add_column(col, justify="right" if col != "strategy" else "left")
+    for s, sp in p.strategies.items():
+        t.add_row(
+            s, g(sp.gpu["parameters"]), g(sp.gpu["gradients"]), g(sp.gpu["optimizer"]), g(sp.gpu["activations"]),
+            g(sp.gpu["logits (loss)"]), g(sp.gpu["temporary"]), g(sp.gpu["step buffers"]), f"[bold]{g(sp.gpu_peak)}[/bold]",
+            "[green]yes[/green]" if sp.fits else "[red]no[/red]", g(sp.headroom), str(sp.max_micro_batch), g(sp.cpu_per_node),
+            g(sp.nvme_per_node) if sp.nvme_per_node else "-",
+        )
+    console.print(t)
+    console.print("'peak' is not the sum of the columns: gradients freed by zero_grad(set_to_none=True) are not yet there at the "
+                  "start of backward (unless --grad-accum > 1), and step buffers exist only during the optimizer step.")
+    console.print(f"Not in 'peak': CUDA context ~{CUDA_CONTEXT_BYTES / GiB:.1f} GiB per process; 'fits' also allows x{RESERVED_OVER_ALLOCATED} for "
+                  "allocator fragmentation (reserved/allocated measured 1.05-1.15 on H100).")
+    f = Table(title="Model states, bytes per parameter per GPU: ZeRO paper vs DeepSpeed's estimator vs shardlab")
+    for col in ("strategy", "ZeRO paper", "DeepSpeed estimator (GPU GiB / CPU GiB per node)", "shardlab params+grads+optim", "where"):
+        f.add_column(col)
+    for s, sp in p.strategies.items():
+        paper = "-" if sp.paper_bytes_per_param is None else f"{sp.paper_bytes_per_param:.3g}"
+        ds = "-" if sp.deepspeed_gpu is None else f"{sp.deepspeed_gpu / GiB:.2f} / {sp.deepspeed_cpu / GiB:.2f}"
+        f.add_row(s, paper, ds, f"{sp.model_state_bytes_per_param:.3g} ({sp.model_state_bytes_per_param * p.n_params / GiB:.2f} GiB)", sp.notes[0])
+    console.print(f)
+    console.print("Why they differ: the paper counts model states only (16 B/param: 2 fp16 params + 2 fp16 grads + 12 fp32 "
+                  "master/m/v); DeepSpeed's estimator adds 4 B/param of fp32 grads on the GPU (2+18/N) and 4 x largest layer for "
+                  "ZeRO-3, and multiplies CPU by 1.5; shardlab's dp keeps fp32 weights (autocast), so 4+4+8; none of the "
+                  "model-state formulas count activations, the loss' logits or communication buckets, which the peak column does.")
+    if p.recommendation:
+        console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation} - {p.reason}. "
+                      f"Largest micro batch that fits: {p.strategies[p.recommendation].max_micro_batch}."
+                      + (f" Next fastest that fits: {p.next_option}." if p.next_option else ""))
+    else:
+        console.print(f"[bold red]Nothing fits:[/bold red] {p.reason}. Next: {p.next_option}.")
+
+
+# Predicted vs measured, documented (not fitted): see tests/test_plan.py::test_h100_foundation_errors.
+# Source: benchmarks/results/h100-foundation-run2/foundation.json (run 3 for dp; same numbers), gpt2-medium,
+# seq 1024, micro 8, bf16, 1 x H100, max_memory_allocated GiB.
+MEASURED_H100 = {"dp": 25.483, "zero2": 20.220, "zero3": 21.813, "zero2_offload": 16.350, "fsdp": 19.657}
+
+
+__all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "render", "activation_bytes", "arch_from_hf_config",
+           "paper_bytes_per_param", "model_state_bytes_per_param", "deepspeed_estimates", "SPEED_ORDER", "MEASURED_H100"]

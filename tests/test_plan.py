@@ -1,0 +1,276 @@
+"""`shardlab plan`: model-state formulas, parameter counts, activations against exact CPU
+measurements, a bloom-7b1 plan on one 80 GB GPU, the documented error against H100 runs, bad inputs."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from shardlab.cli import main
+from shardlab.config import RunConfig
+from shardlab.errors import UserError
+from shardlab.plan import (
+    MEASURED_H100,
+    GiB,
+    activation_bytes,
+    arch_from_hf_config,
+    model_state_bytes_per_param,
+    paper_bytes_per_param,
+    plan,
+)
+
+# ---- model states: the ZeRO paper's formulas, exactly ---------------------------------------------
+
+
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+def test_model_states_equal_zero_paper(d):
+    paper = {
+        "zero0": Fraction(16),
+        "zero1": Fraction(4) + Fraction(12, d),
+        "zero2": Fraction(2) + Fraction(14, d),
+        "zero3": Fraction(16, d),
+    }
+    for strategy, expected in paper.items():
+        assert model_state_bytes_per_param(strategy, d, "bf16") == expected, strategy
+        assert paper_bytes_per_param(strategy, d) == expected
+    assert model_state_bytes_per_param("dp", d, "bf16") == 16  # fp32 weights + grads + m, v under autocast
+    assert model_state_bytes_per_param("fsdp", d, "bf16") == Fraction(16, d)
+    assert model_state_bytes_per_param("zero0", d, "fp32") == 16  # 4 + 4 + 8
+
+
+def test_plan_model_states_in_bytes():
+    cfg = RunConfig(model="gpt2-medium", seq_len=256, micro_batch=1, precision="bf16", gpus=4)
+    p = plan(cfg, gpu_memory_gb=80)
+    n = p.n_params
+    for s, per_param in (("zero1", 4 + 12 / 4), ("zero2", 2 + 14 / 4), ("dp", 16), ("fsdp", 16 / 4)):
+        sp = p.strategies[s]
+        assert sp.gpu["parameters"] + sp.gpu["gradients"] + sp.gpu["optimizer"] == pytest.approx(n * per_param)
+        assert sp.model_state_bytes_per_param == pytest.approx(per_param)
+    # ZeRO-3's gradient partition lives in a persistent flat buffer, shown under 'temporary'
+    assert p.strategies["zero3"].model_state_bytes_per_param == pytest.approx(16 / 4)
+
+
+def test_deepspeed_estimator_transcription_matches_deepspeed():
+    ds12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    ds3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    from shardlab.plan import _ds_zero2_formula, _ds_zero3_formula
+
+    for n, ll, g, nodes in ((354_823_168, 51_463_168, 1, 1), (7_069_016_064, 1_027_604_480, 8, 2)):
+        for off in (True, False):
+            assert _ds_zero2_formula(n, g, nodes, cpu_offload=off) == ds12.estimate_zero2_model_states_mem_needs(n, g, nodes, cpu_offload=off)
+            for offp in (True, False):
+                for zi in (True, False):
+                    assert _ds_zero3_formula(n, ll, g, nodes, off, offp, zi) == ds3.estimate_zero3_model_states_mem_needs(n, ll, g, nodes, off, offp, zi)
+
+
+# ---- parameter counts from the meta device ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,count",
+    [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("bloom-560m", 559_214_592), ("bloom-7b1", 7_069_016_064)],
+)
+def test_meta_param_counts_known_presets(name, count):
+    from shardlab.models import build_hf_config
+
+    arch = arch_from_hf_config(build_hf_config(RunConfig(model=name)))
+    assert arch.n_params == count
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bloom"])
+def test_meta_param_counts_equal_real_models(name):
+    from shardlab.models import build_hf_config, build_model, model_summary
+
+    cfg = RunConfig(model=name, device="cpu")
+    arch = arch_from_hf_config(build_hf_config(cfg))
+    assert arch.n_params == model_summary(build_model(cfg))["n_params"]
+
+
+# ---- activations against exact CPU measurements -----------------------------------------------------
+
+
+def _saved_bytes(model, micro: int, seq: int) -> int:
+    """Bytes autograd holds when forward returns: unique storages packed by saved-tensor hooks,
+    parameters excluded. Exact on CPU (no allocator caching, unlike RSS)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    ids = torch.randint(0, 1000, (micro, seq), generator=torch.Generator().manual_seed(0))
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return sum(seen.values())
+
+
+ERRORS: list[str] = []
+
+
+@pytest.mark.parametrize("name,attn", [("tiny-gpt2", "sdpa"), ("tiny-bloom", "eager")])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_activation_estimate_tiny_presets(name, attn, ckpt):
+    from shardlab.models import build_hf_config, build_model
+
+    cfg = RunConfig(model=name, device="cpu", attn_implementation=attn, gradient_checkpointing=ckpt)
+    model = build_model(cfg)
+    arch = arch_from_hf_config(build_hf_config(cfg), attn_impl=attn)
+    for seq in (64, 128):
+        for micro in (2, 4):
+            measured = _saved_bytes(model, micro, seq)
+            predicted = activation_bytes(arch, micro, seq, "fp32", "cpu", ckpt).saved_at_forward_end
+            err = predicted / measured - 1
+            ERRORS.append(f"{name} ckpt={ckpt} s={seq} b={micro}: {err:+.2%}")
+            assert abs(err) < 0.25, (name, ckpt, seq, micro, predicted, measured)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activation_layers_wide_models(family, dtype, dropout):
+    """The tiny presets are dominated by the 50k-vocab logits; a wide, small-vocab model checks the
+    per-layer counts ('lp' = weights and compute in 16-bit, as under DeepSpeed / FSDP2)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig
+
+    transformers.logging.set_verbosity_error()
+    h, a, layers = 256, 4, 2
+    if family == "gpt2":
+        c = GPT2Config(n_layer=layers, n_embd=h, n_head=a, vocab_size=1000, resid_pdrop=dropout, attn_pdrop=dropout, embd_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+        attn = "sdpa"
+    elif family == "bloom":
+        c = BloomConfig(n_layer=layers, hidden_size=h, n_head=a, vocab_size=1000, hidden_dropout=dropout, attention_dropout=dropout, bos_token_id=0, eos_token_id=0)
+        attn = "eager"
+    else:
+        if dropout:
+            pytest.skip("Llama has no residual dropout")
+        c = LlamaConfig(num_hidden_layers=layers, hidden_size=h, num_attention_heads=a, num_key_value_heads=2, intermediate_size=688, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+        attn = "sdpa"
+    model = AutoModelForCausalLM.from_config(c, dtype=getattr(torch, dtype), attn_implementation=attn)
+    arch = arch_from_hf_config(c, attn_impl=attn)
+    mode = "fp32" if dtype == "float32" else "lp"
+    for seq, micro in ((64, 2), (128, 4)):
+        measured = _saved_bytes(model, micro, seq)
+        predicted = activation_bytes(arch, micro, seq, mode, "cpu").saved_at_forward_end
+        err = predicted / measured - 1
+        ERRORS.append(f"{family} {dtype} drop={dropout} s={seq} b={micro}: {err:+.2%}")
+        assert abs(err) < 0.10, (family, dtype, dropout, seq, micro, predicted, measured)
+
+
+# ---- bloom-7b1 on one 80 GB GPU -----------------------------------------------------------------------
+
+
+def test_bloom_7b1_on_one_80gb_gpu():
+    cfg = RunConfig(model="bloom-7b1", seq_len=512, micro_batch=1, precision="bf16", gpus=1)
+    p = plan(cfg, gpu_memory_gb=80)
+    s = p.strategies
+    assert p.n_params == 7_069_016_064
+    # 7.07e9 x 16 B = 113 GB of model states alone
+    assert not s["dp"].fits and "GPU needs" in s["dp"].why and s["dp"].max_micro_batch == 0
+    assert s["dp"].gpu_peak >= 7_069_016_064 * 16 * 0.99
+    for name in ("zero0", "zero1", "zero2", "zero3", "fsdp"):  # one GPU: nothing to shard across
+        assert not s[name].fits, name
+    for name in ("zero2_offload", "zero3_offload", "infinity", "fsdp_offload"):
+        assert s[name].fits, (name, s[name].why)
+        assert s[name].max_micro_batch >= 1
+    assert s["infinity"].nvme_per_node == 7_069_016_064 * 14
+    assert p.recommendation == "zero2_offload"
+    assert "faster ones do not fit" in p.reason
+    # with too little host RAM the CPU offloads stop fitting, and the reason says so
+    p = plan(cfg, gpu_memory_gb=80, host_ram_gb=64, nvme_free_gb=500)
+    assert not p.strategies["zero3_offload"].fits and "CPU needs" in p.strategies["zero3_offload"].why
+    assert p.strategies["infinity"].fits
+    assert p.recommendation == "infinity"
+
+
+def test_nothing_fits_gives_next_option():
+    cfg = RunConfig(model="bloom-7b1", seq_len=2048, micro_batch=64, precision="bf16", gpus=1)
+    p = plan(cfg, gpu_memory_gb=8, strategies=("dp", "zero2", "zero3"))
+    assert p.recommendation is None
+    assert "--gradient-checkpointing" in p.next_option and "more GPUs" in p.next_option
+
+
+def test_micro_batch_search_is_the_largest_fitting():
+    from shardlab.plan import RESERVED_OVER_ALLOCATED, _usable
+
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1)
+    p = plan(cfg, gpu_memory_gb=80, strategies=("zero2",))
+    m = p.strategies["zero2"].max_micro_batch
+    assert m > 8
+    for micro, fits in ((m, True), (m + 1, False)):
+        q = plan(cfg.model_copy(update={"micro_batch": micro}), gpu_memory_gb=80, strategies=("zero2",))
+        assert (q.strategies["zero2"].gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(q.gpu_memory)) is fits
+
+
+# ---- the documented error against the H100 runs --------------------------------------------------------
+
+
+def test_h100_foundation_errors(capsys):
+    """Predicted vs measured peak allocated memory, gpt2-medium, seq 1024, micro 8, bf16, 1 x H100
+    (benchmarks/results/h100-foundation-run2/foundation.json). Nothing in plan.py is fitted to these;
+    this documents the current error. At the time of writing: dp -0.2%, zero2 +4.3%, zero3 +0.6%,
+    zero2_offload +4.7%, fsdp +0.2%. dp --compile (micro 16, 25.25 GiB measured) is NOT modelled:
+    the eager prediction is ~46 GiB (+83%), since inductor recomputes instead of saving."""
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1)
+    p = plan(cfg, gpu_memory_gb=80, strategies=tuple(MEASURED_H100))
+    rows = []
+    for s, measured in MEASURED_H100.items():
+        pred = p.strategies[s].gpu_peak / GiB
+        err = pred / measured - 1
+        rows.append(f"{s:14s} predicted {pred:6.2f} GiB  measured {measured:6.2f} GiB  error {err:+.1%}")
+        assert abs(err) < 0.10, rows[-1]
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+
+
+def test_report_activation_errors(capsys):
+    with capsys.disabled():
+        if ERRORS:
+            print("\nactivation errors:\n" + "\n".join(ERRORS))
+
+
+# ---- bad inputs and the CLI ------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    with pytest.raises(UserError, match="did you mean"):
+        plan(RunConfig(model="gpt2-mediun"), gpu_memory_gb=80)
+    with pytest.raises(UserError, match="0 GPUs"):
+        plan(RunConfig(model="tiny-gpt2", gpus=0), gpu_memory_gb=80)
+    for bad in (0, -8, float("nan")):
+        with pytest.raises(UserError, match="positive"):
+            plan(RunConfig(model="tiny-gpt2"), gpu_memory_gb=bad)
+    with pytest.raises(UserError, match="positive"):
+        plan(RunConfig(model="tiny-gpt2"), gpu_memory_gb=80, host_ram_gb=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--gpu-memory-gb"):
+            plan(RunConfig(model="tiny-gpt2"))
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["plan", "--model", "gpt2-mediun", "--gpu-memory-gb", "80"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert main(["plan", "--model", "tiny-gpt2", "--gpus", "0", "--gpu-memory-gb", "80"]) == 2
+    assert main(["plan", "--model", "tiny-gpt2", "--gpu-memory-gb", "-5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") for e in err)
+
+
+def test_cli_json_and_table(capsys):
+    argv = ["plan", "--model", "tiny-gpt2", "--seq-len", "64", "--micro-batch", "2", "--precision", "bf16", "--gpu-memory-gb", "16"]
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["strategies"]) >= {"dp", "zero3", "fsdp", "infinity"}
+    assert data["recommendation"] == "dp"
+    assert data["strategies"]["zero2"]["paper_bytes_per_param"] == 16
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Recommendation" in out and "ZeRO paper" in out

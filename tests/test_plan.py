@@ -12,7 +12,7 @@ import torch
 from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.plan import (
+from shardlab.planner import (
     MEASURED_H100,
     GiB,
     activation_bytes,
@@ -56,7 +56,7 @@ def test_plan_model_states_in_bytes():
 def test_deepspeed_estimator_transcription_matches_deepspeed():
     ds12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     ds3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    from shardlab.plan import _ds_zero2_formula, _ds_zero3_formula
+    from shardlab.planner import _ds_zero2_formula, _ds_zero3_formula
 
     for n, ll, g, nodes in ((354_823_168, 51_463_168, 1, 1), (7_069_016_064, 1_027_604_480, 8, 2)):
         for off in (True, False):
@@ -198,7 +198,7 @@ def test_nothing_fits_gives_next_option():
 
 
 def test_micro_batch_search_is_the_largest_fitting():
-    from shardlab.plan import RESERVED_OVER_ALLOCATED, _usable
+    from shardlab.planner import RESERVED_OVER_ALLOCATED, _usable
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1)
     p = plan(cfg, gpu_memory_gb=80, strategies=("zero2",))
@@ -214,7 +214,7 @@ def test_micro_batch_search_is_the_largest_fitting():
 
 def test_h100_foundation_errors(capsys):
     """Predicted vs measured peak allocated memory, gpt2-medium, seq 1024, micro 8, bf16, 1 x H100
-    (benchmarks/results/h100-foundation-run2/foundation.json). Nothing in plan.py is fitted to these;
+    (benchmarks/results/h100-foundation-run2/foundation.json). Nothing in planner.py is fitted to these;
     this documents the current error. At the time of writing: dp -0.2%, zero2 +4.3%, zero3 +0.6%,
     zero2_offload +4.7%, fsdp +0.2%. dp --compile (micro 16, 25.25 GiB measured) is NOT modelled:
     the eager prediction is ~46 GiB (+83%), since inductor recomputes instead of saving."""

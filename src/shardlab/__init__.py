@@ -20,8 +20,8 @@ def train(cfg: RunConfig):
 
 
 def plan(cfg: RunConfig, **kwargs):
-    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.plan.plan)."""
-    from .plan import plan as _plan
+    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planner.plan)."""
+    from .planner import plan as _plan
 
     return _plan(cfg, **kwargs)
 

@@ -191,7 +191,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from .plan import plan, render
+    from .planner import plan, render
 
     cfg = config_from_args(args)
     result = plan(cfg, gpu_memory_gb=args.gpu_memory_gb, host_ram_gb=args.host_ram_gb, nvme_free_gb=args.nvme_free_gb)

@@ -69,7 +69,7 @@ def train(cfg: RunConfig):
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
     if in_launched_job() or nproc * cfg.nodes == 1:
-        from .train import run_worker
+        from .trainer import run_worker
 
         return run_worker(cfg)
     return spawn(cfg, nproc)

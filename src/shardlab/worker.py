@@ -11,7 +11,7 @@ from .config import load_config
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with report_errors() as status:
-        from .train import run_worker
+        from .trainer import run_worker
 
         run_worker(load_config(argv[0]))
     return status.code

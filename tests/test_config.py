@@ -343,7 +343,7 @@ def test_sanitize_cuda_arch_list_leaves_good_values_alone(monkeypatch):
 
 
 def test_warmup_then_cosine_to_min():
-    fn = lr_lambda(RunConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1), total_steps=20)
+    fn = lr_lambda(RunConfig(warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=20)
     assert [fn(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # linear warm-up to the peak
     assert fn(4) == pytest.approx(1.0)
     assert fn(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
@@ -354,9 +354,9 @@ def test_warmup_then_cosine_to_min():
 
 
 def test_linear_constant_and_default_floor():
-    linear = lr_lambda(RunConfig(warmup_steps=0, schedule="linear", min_lr_ratio=0.2), total_steps=10)
+    linear = lr_lambda(RunConfig(warmup_steps=0, lr_schedule="linear", min_lr_ratio=0.2), total_steps=10)
     assert [linear(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.6, 0.2])
-    constant = lr_lambda(RunConfig(warmup_steps=2, schedule="constant"), total_steps=10)
+    constant = lr_lambda(RunConfig(warmup_steps=2, lr_schedule="constant"), total_steps=10)
     assert [constant(s) for s in (0, 1, 2, 9, 50)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
     cosine = lr_lambda(RunConfig(), total_steps=10)  # defaults: no warm-up, cosine to 0
     assert cosine(0) == pytest.approx(1.0) and cosine(10) == pytest.approx(0.0)
@@ -365,7 +365,7 @@ def test_linear_constant_and_default_floor():
 
 
 def test_scheduler_drives_the_optimizer_lr():
-    cfg = RunConfig(lr=1e-3, warmup_steps=2, schedule="cosine", min_lr_ratio=0.0)
+    cfg = RunConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.0)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
     sched = scheduler(opt, cfg, total_steps=6)
     fn = lr_lambda(cfg, 6)

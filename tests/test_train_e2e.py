@@ -33,9 +33,9 @@ def train_args(*, model="tiny-gpt2", steps=20, gpus=1, strategy="dp", extra=()):
         "--set", "dataset.eval_samples=1",  # a few eval blocks keep epoch-end eval cheap
     ]  # fmt: skip
     if gpus == 1:
-        args += ["--schedule", "constant"]
+        args += ["--lr-schedule", "constant"]
     else:  # warm-up, so the engines' schedulers are compared too; constant after it, so resume has a reference
-        args += ["--gpus", str(gpus), "--grad-accum", "2", "--warmup-steps", "3", "--schedule", "constant"]
+        args += ["--gpus", str(gpus), "--grad-accum", "2", "--warmup-steps", "3", "--lr-schedule", "constant"]
     return args + list(extra)
 
 
@@ -321,7 +321,7 @@ model: tiny-gpt2
 seq_len: 64
 micro_batch: 2
 lr: 1e-3
-schedule: constant
+lr_schedule: constant
 dropout: 0
 precision: fp32
 log_every: 1

@@ -35,7 +35,7 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-steps", "max_steps", int, "stop after this many optimizer steps"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--warmup-steps", "warmup_steps", int, "linear warm-up steps"),
-    ("--schedule", "schedule", str, "cosine, linear or constant after warm-up"),
+    ("--lr-schedule", "lr_schedule", str, "cosine, linear or constant after warm-up"),
     ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
     ("--max-grad-norm", "max_grad_norm", float, "gradient clipping norm"),
     ("--precision", "precision", str, "auto, bf16, fp16 or fp32"),

@@ -102,7 +102,7 @@ class RunConfig(_Strict):
     # optimisation
     lr: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, gt=0, lt=1)

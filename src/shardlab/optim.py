@@ -87,10 +87,10 @@ def lr_lambda(cfg: RunConfig, total_steps: int):
     def fn(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
-        if cfg.schedule == "constant" or total_steps <= warmup:
+        if cfg.lr_schedule == "constant" or total_steps <= warmup:
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        if cfg.schedule == "linear":
+        if cfg.lr_schedule == "linear":
             return floor + (1 - floor) * (1 - progress)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 

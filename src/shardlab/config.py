@@ -30,6 +30,7 @@ STRATEGIES = (
     "infinity",
     "fsdp",
     "fsdp_offload",
+    "pipeline",
 )
 
 
@@ -72,6 +73,9 @@ class StrategyOptions(_Strict):
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
     fsdp_reshard_after_forward: bool = True
+    pp_stages: int | None = Field(None, gt=0, description="pipeline: number of ranks the layers are split over (default: all)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", description="pipeline schedule")
+    pp_chunks: int = Field(2, gt=0, description="interleaved-1f1b: model chunks (virtual stages) per rank")
 
 
 class CurriculumStage(_Strict):

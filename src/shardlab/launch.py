@@ -44,7 +44,9 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
-    cfg.resolve_batch(world)
+    if cfg.strategy == "pipeline":
+        _check_pipeline(cfg, world)
+    cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     from .models import build_hf_config
@@ -61,6 +63,26 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
         check_nvme_path(cfg.strategy_options.nvme_path, n_params, cfg.strategy_options.nvme_min_free_gb)
     return device_type, nproc
+
+
+def _check_pipeline(cfg: RunConfig, world: int) -> None:
+    opts = cfg.strategy_options
+    stages = opts.pp_stages or world
+    if stages != world:
+        raise UserError(
+            f"pipeline over {stages} stages with {world} processes: combining pipeline and data parallelism is not supported yet",
+            f"use --stages {world} (or --gpus {stages})",
+        )
+    from .models import build_hf_config
+
+    hf = build_hf_config(cfg)
+    layers = getattr(hf, "n_layer", None) or getattr(hf, "num_hidden_layers", None) or 0
+    virtual = stages * (opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1)
+    if layers and virtual > layers:
+        raise UserError(f"{virtual} pipeline stages but {cfg.model} has only {layers} layers", f"use at most {layers} stages (x chunks)")
+    accum = cfg.grad_accum
+    if opts.pp_schedule == "interleaved-1f1b" and accum is not None and accum % stages:
+        raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
 
 def train(cfg: RunConfig):

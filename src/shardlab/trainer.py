@@ -179,7 +179,10 @@ class Trainer:
         self.device_type = pick_device_type(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device_type)
         self.env = init_distributed(self.device_type)
-        self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.env.world_size)
+        # Ranks that see different data: all of them, except pipeline stages, which share theirs.
+        self.dp_size = strategy_class(cfg.strategy).data_parallel_size(cfg, self.env.world_size)
+        self.dp_rank = self.env.rank * self.dp_size // self.env.world_size
+        self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.dp_size)
         self.run_dir = Path(cfg.output_dir)
         self.step_losses: list[float] = []
 
@@ -214,13 +217,15 @@ class Trainer:
         return splits
 
     def _loaders(self, splits) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
-        sampler = DistributedSampler(splits.train, num_replicas=self.env.world_size, rank=self.env.rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
+        sampler = DistributedSampler(splits.train, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
         pin = self.device_type == "cuda"
         train = DataLoader(splits.train, batch_size=self.micro, sampler=sampler, drop_last=True, pin_memory=pin)
         evl = None
         if splits.eval is not None and len(splits.eval) > 0:
-            es = DistributedSampler(splits.eval, num_replicas=self.env.world_size, rank=self.env.rank, shuffle=False, drop_last=False)
-            evl = DataLoader(splits.eval, batch_size=self.micro, sampler=es, pin_memory=pin)
+            es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
+            # The pipeline schedule splits each batch into its micro-batches, in eval too.
+            eval_batch = self.micro * (self.accum if self.cfg.strategy == "pipeline" else 1)
+            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=self.cfg.strategy == "pipeline")
         return train, sampler, evl
 
     def _steps_per_epoch(self, train_loader: DataLoader) -> int:
@@ -257,7 +262,7 @@ class Trainer:
         total_steps = sum(stage_steps)
         self._prepare_run_dir()
         log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
-                  f"micro {self.micro} x accum {self.accum} x world {env.world_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
+                  f"micro {self.micro} x accum {self.accum} x data-parallel {self.dp_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
         for st, sp, n in zip(stages, stage_data, stage_steps):
             log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
                       f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
@@ -315,17 +320,7 @@ class Trainer:
 
     def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None]:
         """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm)."""
-        step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        useful = 0
-        for micro in range(self.accum):
-            batch, n_useful = next(batches)
-            useful += n_useful
-            last = micro == self.accum - 1
-            with strategy.accumulate(last):
-                loss = strategy.forward(batch)
-                strategy.backward(loss, last)
-            batches.preload()  # the next batch's host work overlaps this step's GPU tail
-            step_loss += loss.detach().float()
+        step_loss, useful = strategy.train_step(batches, self.accum)
         grad_norm = strategy.optimizer_step()
         loss_value, useful_total = _reduce_step(step_loss / self.accum, useful, self.env)
         return loss_value, useful_total, grad_norm

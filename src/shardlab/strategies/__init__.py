@@ -19,6 +19,10 @@ def strategy_class(name: str) -> type[Strategy]:
         from .deepspeed_zero import DeepSpeedStrategy
 
         return DeepSpeedStrategy
+    if name == "pipeline":
+        from .pipeline import PipelineStrategy
+
+        return PipelineStrategy
     if name.startswith("fsdp"):
         from .fsdp import FSDPStrategy
 

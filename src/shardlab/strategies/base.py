@@ -40,7 +40,30 @@ class Strategy(ABC):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         """Wrap the model, build optimizer and scheduler. Collective."""
 
+    @staticmethod
+    def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+        """How many ranks see different data (the batch triple's world size); pipeline stages share data."""
+        return world_size
+
     # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------
+    def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:
+        """Forward and backward of `accum` micro-batches from `batches` (a DevicePrefetcher).
+
+        Returns the sum of the micro-batches' mean losses (a device tensor) and their non-pad tokens.
+        """
+        step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        useful = 0
+        for micro in range(accum):
+            batch, n_useful = next(batches)
+            useful += n_useful
+            last = micro == accum - 1
+            with self.accumulate(last):
+                loss = self.forward(batch)
+                self.backward(loss, last)
+            batches.preload()  # the next batch's host work overlaps this step's GPU tail
+            step_loss += loss.detach().float()
+        return step_loss, useful
+
     def autocast(self):
         """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
         if self.uses_autocast and self.precision.is_mixed:

@@ -1,0 +1,314 @@
+"""`pipeline`: pipeline parallelism through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B).
+
+Why torch's pipelining and not DeepSpeed's PipelineModule: it runs the HF model's own modules (no rewrite
+into LayerSpecs), and its schedules are the ones `shardlab pipeline simulate` is checked against.
+
+Each rank builds the whole model (same seed, so the same weights everywhere), keeps the contiguous slice
+of decoder blocks that the balanced split gives it (plus the embedding on the first stage, the final norm
+and LM head on the last) and moves only that slice to its device. One optimizer step = one schedule step
+over `grad_accum` micro-batches, so `--microbatches M` is the gradient accumulation.
+
+Tied input/output embeddings (GPT-2, BLOOM) live on two ranks here; their gradients are summed between
+the first and the last stage before the optimizer step, which keeps the two copies identical, exactly as
+a tied weight would be (the same thing Megatron-LM does for its embedding group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import optim
+from ..errors import UserError
+from .base import Strategy
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+# ---- splitting the model --------------------------------------------------------------------------------
+
+
+def stage_costs(n_layers: int, layer_cost: float, head_cost: float, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) block ranges for `n_stages`, minimising the slowest stage's cost.
+
+    The LM head (vocab x hidden matmul) sits on the last stage and costs `head_cost` layer-equivalents:
+    for BLOOM's 250k vocabulary that is ~20 layers of bloom-560m, so the last stage gets few blocks.
+    """
+    if n_stages > n_layers:
+        raise UserError(f"{n_stages} pipeline stages but the model has only {n_layers} layers", f"use --stages {n_layers} or fewer")
+    # Dynamic programme over split points: cost(s, i) = minimal max-stage cost of layers [0, i) in s stages.
+    inf = float("inf")
+    cost = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cost[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n_layers + 1):
+            for j in range(s - 1, i):
+                extra = head_cost if (s == n_stages and i == n_layers) else 0.0
+                c = max(cost[s - 1][j], (i - j) * layer_cost + extra)
+                if c < cost[s][i]:
+                    cost[s][i], choice[s][i] = c, j
+    bounds, i = [], n_layers
+    for s in range(n_stages, 0, -1):
+        j = choice[s][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+def _model_parts(model: nn.Module):
+    """(family, embedding module names, decoder blocks, final norm, lm head) of a GPT-2 or BLOOM model."""
+    if hasattr(model, "transformer") and hasattr(model.transformer, "wpe"):
+        t = model.transformer
+        return "gpt2", t, list(t.h), t.ln_f, model.lm_head
+    if hasattr(model, "transformer") and hasattr(model.transformer, "word_embeddings_layernorm"):
+        t = model.transformer
+        return "bloom", t, list(t.h), t.ln_f, model.lm_head
+    raise UserError(f"pipeline parallelism supports GPT-2 and BLOOM models, not {type(model).__name__}", "use another strategy")
+
+
+class _Stage(nn.Module):
+    """One pipeline stage of a GPT-2 or BLOOM model, built from the HF model's own submodules."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        self.family, trunk, blocks, ln_f, lm_head = _model_parts(model)
+        self.config = model.config
+        if first and self.family == "gpt2":
+            self.embed = nn.ModuleDict({"wte": trunk.wte, "wpe": trunk.wpe, "drop": trunk.drop})
+        elif first:
+            self.embed = nn.ModuleDict({"wte": trunk.word_embeddings, "ln": trunk.word_embeddings_layernorm})
+        else:
+            self.embed = None
+        self.blocks = nn.ModuleList(blocks[start:end])
+        self.head = nn.ModuleDict({"ln_f": ln_f, "lm_head": lm_head}) if last else None
+        self.num_heads = getattr(model.config, "n_head", None) or getattr(model.config, "num_attention_heads", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            if self.family == "gpt2":
+                pos = torch.arange(x.shape[1], device=x.device)
+                x = self.embed["drop"](self.embed["wte"](x) + self.embed["wpe"](pos))
+            else:
+                x = self.embed["ln"](self.embed["wte"](x))
+        if self.family == "bloom" and len(self.blocks):
+            x = self._bloom_blocks(x)
+        else:
+            for block in self.blocks:  # no mask: right-padded or packed data needs only the causal one
+                out = block(x)
+                x = out[0] if isinstance(out, tuple) else out
+        if self.head is not None:
+            x = self.head["lm_head"](self.head["ln_f"](x))
+        return x
+
+    def _bloom_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        # BLOOM's blocks need ALiBi biases and the causal mask, which BloomModel.forward builds; same recipe.
+        from transformers.masking_utils import create_causal_mask
+        from transformers.models.bloom import modeling_bloom
+
+        batch, seq = x.shape[:2]
+        slopes = modeling_bloom._get_alibi_slopes(self.num_heads, x.device)
+        alibi = (slopes[:, None, None] * torch.arange(seq, device=x.device)).repeat(batch, 1, 1).to(x.dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None)
+        for block in self.blocks:
+            x = block(x, alibi=alibi, attention_mask=mask)[0]
+        return x
+
+
+def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of one decoder block and of the LM head (backward is a constant multiple)."""
+    cfg = model.config
+    hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
+    vocab = cfg.vocab_size
+    layer = 24 * hidden * hidden + 4 * seq_len * hidden  # Megatron/Narayanan et al. 2021: matmuls + attention
+    head = 2 * vocab * hidden
+    return float(layer), float(head)
+
+
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from transformers.loss.loss_utils import ForCausalLMLoss  # the loss the HF model itself uses
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
+# ---- the strategy --------------------------------------------------------------------------------------
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+    supports_compile = False
+
+    @staticmethod
+    def data_parallel_size(cfg, world_size: int) -> int:
+        stages = cfg.strategy_options.pp_stages or world_size
+        return max(1, world_size // stages)
+
+    def setup(self, model: nn.Module, total_steps: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        opts, env = self.cfg.strategy_options, self.env
+        self.n_ranks = opts.pp_stages or env.world_size
+        self.chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
+        n_stages = self.n_ranks * self.chunks
+        _, _, blocks, _, _ = _model_parts(model)
+        layer_cost, head_cost = _layer_and_head_cost(model, self.cfg.seq_len)
+        bounds = stage_costs(len(blocks), layer_cost, head_cost / layer_cost, n_stages) if n_stages > 1 else [(0, len(blocks))]
+        self.bounds = bounds
+        self.full_model = model  # on the CPU; only this rank's stages move to the device
+        # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).
+        my_stages = [s for s in range(n_stages) if s % self.n_ranks == env.rank]
+        self.stage_modules = []
+        pp_stages = []
+        for s in my_stages:
+            module = _Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1).to(env.device)
+            self.stage_modules.append(module)
+            pp_stages.append(PipelineStage(module, s, n_stages, env.device))
+        self.is_first = 0 in my_stages
+        self.is_last = (n_stages - 1) in my_stages
+        self.last_rank = (n_stages - 1) % self.n_ranks
+        params = [p for m in self.stage_modules for p in m.parameters()]
+        self._owned = {id(p) for p in params}
+        self.hf_model = model
+        self.model = nn.ModuleList(self.stage_modules)
+        holder = nn.ModuleList(self.stage_modules)
+        self.optimizer = optim.adamw(holder, self.cfg, env.device.type)
+        self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
+        loss_fn = _lm_loss
+        if opts.pp_schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn)
+        else:
+            cls = ScheduleGPipe if opts.pp_schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn)
+        # Tied embedding: the first and the last stage each hold a copy; their grads are summed.
+        self._tied = self._find_tied()
+        self._tie_group = dist.new_group([0, self.last_rank]) if self._tied and self.last_rank != 0 else None
+
+    def _find_tied(self) -> bool:
+        _, trunk, _, _, lm_head = _model_parts(self.full_model)
+        wte = trunk.wte if hasattr(trunk, "wte") else trunk.word_embeddings
+        return wte.weight is lm_head.weight
+
+    def _tied_param(self) -> nn.Parameter | None:
+        if not self._tied or not (self.is_first or self.is_last):
+            return None
+        return self.full_model.lm_head.weight  # the same Parameter object as the input embedding
+
+    # ---- one optimizer step -------------------------------------------------------------------------
+    def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:
+        """All `accum` micro-batches through the schedule at once; returns (summed loss, non-pad tokens)."""
+        micro = [next(batches) for _ in range(accum)]
+        inputs = torch.cat([b["input_ids"] for b, _ in micro])
+        labels = torch.cat([b["labels"] for b, _ in micro])
+        losses: list[torch.Tensor] = []
+        kwargs = {}
+        if self.is_last:
+            kwargs = {"target": labels, "losses": losses}
+        if self.is_first:
+            self.schedule.step(inputs, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        batches.preload()
+        total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
+        dist.broadcast(total, src=self.last_rank)  # every rank reports the last stage's loss
+        # Every rank read the same batches; count their tokens once (on rank 0) for the world-wide sum.
+        useful = sum(n for _, n in micro) if self.env.rank == 0 else 0
+        return total, useful
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:  # pragma: no cover - train_step does it
+        raise NotImplementedError("the pipeline schedule runs forward and backward together")
+
+    def optimizer_step(self) -> float | None:
+        tied = self._tied_param()
+        if self._tie_group is not None and tied is not None and tied.grad is not None:
+            dist.all_reduce(tied.grad, group=self._tie_group)
+        # Global grad norm over all stages, the tied weight counted once (on the first stage).
+        own = [p for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        counted = [p for p in own if not (self.is_last and not self.is_first and tied is not None and p is tied)]
+        sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        for p in counted:
+            sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = sq.sqrt()
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(own, self.cfg.max_grad_norm, norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def forward(self, batch):  # eval
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": batch["labels"], "losses": losses} if self.is_last else {}
+        with torch.no_grad():
+            if self.is_first:
+                self._eval_schedule().eval(batch["input_ids"], **kwargs)
+            else:
+                self._eval_schedule().eval(**kwargs)
+        loss = torch.stack(losses).mean().float() if self.is_last else torch.zeros((), device=self.env.device)
+        dist.broadcast(loss, src=self.last_rank)
+        return loss
+
+    def _eval_schedule(self):
+        return self.schedule
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def train(self) -> None:
+        for m in self.stage_modules:
+            m.train()
+
+    def eval(self) -> None:
+        for m in self.stage_modules:
+            m.eval()
+
+    # ---- state -------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path) -> None:
+        state = {
+            "stages": [m.state_dict() for m in self.stage_modules],
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "bounds": self.bounds,
+        }
+        torch.save(state, directory / f"pipeline_rank{self.env.rank}.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path = directory / f"pipeline_rank{self.env.rank}.pt"
+        if not path.is_file():
+            raise UserError(f"no pipeline checkpoint for rank {self.env.rank} in {str(directory)!r}", "resume with the same --stages")
+        state = torch.load(path, map_location=self.env.device, weights_only=True)
+        if [tuple(b) for b in state["bounds"]] != [tuple(b) for b in self.bounds]:
+            raise UserError("the checkpoint was written with another pipeline split", "resume with the same --stages and --chunks")
+        for m, sd in zip(self.stage_modules, state["stages"]):
+            m.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self):
+        """Each rank contributes the original-name weights it owns; rank 0 assembles them."""
+        mine = {
+            name: p.detach().cpu()
+            for name, p in self.full_model.named_parameters(remove_duplicate=False)
+            if id(p) in self._owned
+        }
+        gathered: list[dict] | None = [None] * self.env.world_size if self.env.is_main else None  # type: ignore[list-item]
+        dist.gather_object(mine, gathered, dst=0)
+        if not self.env.is_main:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for part in gathered:  # type: ignore[union-attr]
+            for k, v in part.items():
+                out.setdefault(k, v)
+        return out
+
+    def accumulate(self, last_micro: bool):
+        return contextlib.nullcontext()
+
+    def memory_note(self) -> str:
+        first, last = self.bounds[0], self.bounds[-1]
+        return (f"pipeline: {len(self.bounds)} stages over {self.n_ranks} ranks, blocks split {self.bounds} "
+                f"(embedding on stage 0, LM head on the last; first {first[1] - first[0]} / last {last[1] - last[0]} blocks)")

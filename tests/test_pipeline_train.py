@@ -1,0 +1,113 @@
+"""`--strategy pipeline` on CPU (gloo, 2 ranks): the same per-step losses as dp, export, resume, errors.
+
+dp runs on one rank with --grad-accum M, the pipeline on 2 ranks with M micro-batches: the same global
+batch, the same data order (pipeline stages share one data-parallel rank), fp32, dropout 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from shardlab.strategies.pipeline import stage_costs
+
+ARGS = ["--max-steps", "10", "--micro-batch", "2", "--grad-accum", "2", "--seq-len", "64", "--lr", "1e-3",
+        "--dropout", "0", "--precision", "fp32", "--log-every", "1", "--seed", "7", "--set", "dataset.eval_samples=1"]  # fmt: skip
+
+
+def assert_same_losses(run, ref, rel=1e-3):
+    run.check(), ref.check()
+    assert len(run.losses) == len(ref.losses) == 10
+    assert run.losses == pytest.approx(ref.losses, rel=rel)
+    assert run.losses[-1] < run.losses[0]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def dp_gpt2(root, train_cli):
+    return train_cli(["--model", "tiny-gpt2", "--strategy", "dp", *ARGS], root / "dp-gpt2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt2_pipeline_matches_dp(root, train_cli, dp_gpt2, schedule):
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", schedule,
+                     *ARGS, "--save-every", "5"], root / f"pp-{schedule}")  # fmt: skip
+    assert_same_losses(run, dp_gpt2)
+    assert run.summary["world_size"] == 2 and run.summary["global_batch"] == 4
+    # The export gathers both stages (embedding and head included) into one HF model equal to dp's.
+    pp, dp = (AutoModelForCausalLM.from_pretrained(r.out / "model").state_dict() for r in (run, dp_gpt2))
+    assert pp.keys() == dp.keys()
+    for name in dp:
+        torch.testing.assert_close(pp[name], dp[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_reproduces_the_run(root, train_cli):
+    first = root / "pp-1f1b"
+    if not (first / "checkpoints" / "step-0000005").is_dir():
+        pytest.skip("needs test_gpt2_pipeline_matches_dp[1f1b]")
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", "1f1b", *ARGS,
+                     "--resume", str(first / "checkpoints" / "step-0000005")], root / "pp-resumed")  # fmt: skip
+    run.check()
+    original = [r["loss"] for r in run.__class__(first, [], 0, "", "").rows]
+    assert [r["step"] for r in run.rows] == list(range(6, 11))
+    assert run.losses == pytest.approx(original[5:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_bloom_pipeline_matches_dp(root, train_cli):
+    dp = train_cli(["--model", "tiny-bloom", "--strategy", "dp", *ARGS, "--no-export"], root / "dp-bloom")
+    pp = train_cli(["--model", "tiny-bloom", "--strategy", "pipeline", "--gpus", "2", *ARGS, "--no-export"], root / "pp-bloom")
+    assert_same_losses(pp, dp)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_matches_dp(root, train_cli):
+    from shardlab.models import gpt2_bpe_tokenizer
+
+    model_dir = root / "gpt2-4-layers"  # interleaving 2 chunks on 2 ranks needs 4 layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(n_layer=4, n_embd=64, n_head=4)).save_pretrained(model_dir)
+    gpt2_bpe_tokenizer().save_pretrained(model_dir)
+    args = ["--model", str(model_dir), *ARGS, "--grad-accum", "4", "--no-export"]
+    dp = train_cli([*args, "--strategy", "dp"], root / "dp-4l")
+    pp = train_cli([*args, "--strategy", "pipeline", "--gpus", "2", "--schedule", "interleaved-1f1b", "--chunks", "2"], root / "pp-4l")
+    assert_same_losses(pp, dp)
+    assert "4 stages over 2 ranks" in pp.stdout
+
+
+def test_split_balances_compute_with_the_head_on_the_last_stage():
+    # Equal layers, no head: an even split.
+    assert stage_costs(8, 1.0, 0.0, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # bloom-560m-like: the 250k-vocabulary head costs ~20 layers, so the last stage gets few blocks.
+    bounds = stage_costs(24, 1.0, 20.0, 2)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 24 and bounds[0][1] == bounds[1][0]
+    assert bounds[1][1] - bounds[1][0] == 2  # 22 blocks vs 2 blocks + head: max(22, 22)
+    with pytest.raises(Exception, match="only 2 layers"):
+        stage_costs(2, 1.0, 0.0, 3)
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--gpus", "2", "--stages", "1"], ("combining pipeline and data parallelism",)),
+        (["--gpus", "2", "--schedule", "interleaved-1f1b", "--grad-accum", "3"], ("only 2 layers",)),
+        (["--gpus", "4"], ("4 pipeline stages", "only 2 layers")),
+        (["--gpus", "2", "--schedule", "zigzag"], ("pp_schedule",)),
+    ],
+)
+def test_pipeline_bad_inputs(tmp_path, train_cli, extra, words):
+    out = tmp_path / "run"
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--max-steps", "2", *extra], out)
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), run.stderr
+    for w in words:
+        assert w in lines[0]
+    assert not out.exists()

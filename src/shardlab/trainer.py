@@ -223,9 +223,9 @@ class Trainer:
         evl = None
         if splits.eval is not None and len(splits.eval) > 0:
             es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
-            # The pipeline schedule splits each batch into its micro-batches, in eval too.
-            eval_batch = self.micro * (self.accum if self.cfg.strategy == "pipeline" else 1)
-            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=self.cfg.strategy == "pipeline")
+            whole_steps = strategy_class(self.cfg.strategy).eval_whole_steps
+            eval_batch = self.micro * (self.accum if whole_steps else 1)
+            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps)
         return train, sampler, evl
 
     def _steps_per_epoch(self, train_loader: DataLoader) -> int:

@@ -25,6 +25,7 @@ class Strategy(ABC):
     name: str = "base"
     supports_compile: bool = True
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
+    eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
 
     def __init__(self, cfg: RunConfig, env: DistEnv, precision: Precision, grad_accum: int, micro_batch: int):
         self.cfg = cfg

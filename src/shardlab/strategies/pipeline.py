@@ -15,7 +15,6 @@ a tied weight would be (the same thing Megatron-LM does for its embedding group)
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -141,6 +140,7 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class PipelineStrategy(Strategy):
     name = "pipeline"
     supports_compile = False
+    eval_whole_steps = True  # the schedule splits every batch, eval ones too, into its micro-batches
 
     @staticmethod
     def data_parallel_size(cfg, world_size: int) -> int:
@@ -240,20 +240,18 @@ class PipelineStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def forward(self, batch):  # eval
+    def forward(self, batch):
+        """Eval only: the loss of one batch of `grad_accum` micro-batches, on every rank."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": batch["labels"], "losses": losses} if self.is_last else {}
         with torch.no_grad():
             if self.is_first:
-                self._eval_schedule().eval(batch["input_ids"], **kwargs)
+                self.schedule.eval(batch["input_ids"], **kwargs)
             else:
-                self._eval_schedule().eval(**kwargs)
+                self.schedule.eval(**kwargs)
         loss = torch.stack(losses).mean().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(loss, src=self.last_rank)
         return loss
-
-    def _eval_schedule(self):
-        return self.schedule
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -304,9 +302,6 @@ class PipelineStrategy(Strategy):
             for k, v in part.items():
                 out.setdefault(k, v)
         return out
-
-    def accumulate(self, last_micro: bool):
-        return contextlib.nullcontext()
 
     def memory_note(self) -> str:
         first, last = self.bounds[0], self.bounds[-1]

@@ -82,6 +82,17 @@ def test_interleaved_1f1b_matches_dp(root, train_cli):
     assert "4 stages over 2 ranks" in pp.stdout
 
 
+@pytest.mark.slow
+def test_pipeline_with_data_parallel_replicas_matches_dp(root, train_cli):
+    """4 ranks = 2 pipeline replicas x 2 stages, against dp on 2 ranks: same global batch and data shards."""
+    dp = train_cli(["--model", "tiny-gpt2", "--strategy", "dp", "--gpus", "2", *ARGS, "--no-export"], root / "dp2-gpt2")
+    pp = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "4", "--stages", "2", *ARGS, "--no-export"],
+                   root / "pp2x2-gpt2")  # fmt: skip
+    assert_same_losses(pp, dp)
+    assert pp.summary["world_size"] == 4 and pp.summary["global_batch"] == dp.summary["global_batch"] == 8
+    assert [r["grad_norm"] for r in pp.rows] == pytest.approx([r["grad_norm"] for r in dp.rows], rel=1e-3)
+
+
 def test_split_balances_compute_with_the_head_on_the_last_stage():
     # Equal layers, no head: an even split.
     assert stage_costs(8, 1.0, 0.0, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
@@ -96,7 +107,7 @@ def test_split_balances_compute_with_the_head_on_the_last_stage():
 @pytest.mark.parametrize(
     "extra,words",
     [
-        (["--gpus", "2", "--stages", "1"], ("combining pipeline and data parallelism",)),
+        (["--gpus", "3", "--stages", "2"], ("cannot form pipelines of 2 stages",)),
         (["--gpus", "2", "--schedule", "interleaved-1f1b", "--grad-accum", "3"], ("only 2 layers",)),
         (["--gpus", "4"], ("4 pipeline stages", "only 2 layers")),
         (["--gpus", "2", "--schedule", "zigzag"], ("pp_schedule",)),

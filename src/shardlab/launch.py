@@ -68,10 +68,10 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
 def _check_pipeline(cfg: RunConfig, world: int) -> None:
     opts = cfg.strategy_options
     stages = opts.pp_stages or world
-    if stages != world:
+    if world % stages:
         raise UserError(
-            f"pipeline over {stages} stages with {world} processes: combining pipeline and data parallelism is not supported yet",
-            f"use --stages {world} (or --gpus {stages})",
+            f"{world} processes cannot form pipelines of {stages} stages (the world size must be a multiple of --stages)",
+            f"use --stages dividing {world}, or --gpus a multiple of {stages}",
         )
     from .models import build_hf_config
 

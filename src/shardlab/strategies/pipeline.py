@@ -143,7 +143,7 @@ class PipelineStrategy(Strategy):
     eval_whole_steps = True  # the schedule splits every batch, eval ones too, into its micro-batches
 
     @staticmethod
-    def data_parallel_size(cfg, world_size: int) -> int:
+    def data_parallel_size(cfg, world_size: int) -> int:  # pipeline replicas
         stages = cfg.strategy_options.pp_stages or world_size
         return max(1, world_size // stages)
 
@@ -151,7 +151,8 @@ class PipelineStrategy(Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         opts, env = self.cfg.strategy_options, self.env
-        self.n_ranks = opts.pp_stages or env.world_size
+        self.n_ranks = opts.pp_stages or env.world_size  # ranks per pipeline
+        self._make_groups()
         self.chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
         n_stages = self.n_ranks * self.chunks
         _, _, blocks, _, _ = _model_parts(model)
@@ -160,16 +161,17 @@ class PipelineStrategy(Strategy):
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device
         # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).
-        my_stages = [s for s in range(n_stages) if s % self.n_ranks == env.rank]
+        my_stages = [s for s in range(n_stages) if s % self.n_ranks == self.pp_rank]
         self.stage_modules = []
         pp_stages = []
         for s in my_stages:
             module = _Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1).to(env.device)
             self.stage_modules.append(module)
-            pp_stages.append(PipelineStage(module, s, n_stages, env.device))
+            pp_stages.append(PipelineStage(module, s, n_stages, env.device, group=self.pp_group))
         self.is_first = 0 in my_stages
         self.is_last = (n_stages - 1) in my_stages
-        self.last_rank = (n_stages - 1) % self.n_ranks
+        # Global rank of this replica's last stage, which computes the loss.
+        self.last_rank = self.pp_ranks[(n_stages - 1) % self.n_ranks]
         params = [p for m in self.stage_modules for p in m.parameters()]
         self._owned = {id(p) for p in params}
         self.hf_model = model
@@ -185,7 +187,42 @@ class PipelineStrategy(Strategy):
             self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn)
         # Tied embedding: the first and the last stage each hold a copy; their grads are summed.
         self._tied = self._find_tied()
-        self._tie_group = dist.new_group([0, self.last_rank]) if self._tied and self.last_rank != 0 else None
+        self._tie_group = None
+        if self._tied and self.last_rank != self.pp_ranks[0]:
+            last_pos = self.last_rank - self.pp_ranks[0]
+            groups = [dist.new_group([r[0], r[last_pos]]) for r in self._all_pp_ranks]  # every rank makes every group
+            self._tie_group = groups[self.dp_rank]
+
+    def _make_groups(self) -> None:
+        """Ranks [d*P, (d+1)*P) form pipeline replica d; rank d*P+p holds pipeline position p."""
+        world, P = self.env.world_size, self.n_ranks
+        self.pp_rank, self.dp_rank, self.dp_size = self.env.rank % P, self.env.rank // P, world // P
+        self._all_pp_ranks = [list(range(d * P, (d + 1) * P)) for d in range(self.dp_size)]
+        self.pp_ranks = self._all_pp_ranks[self.dp_rank]
+        if self.dp_size == 1:
+            self.pp_group = self.dp_group = None  # the default group is the one pipeline
+            return
+        # torch.distributed requires every rank to create every group, in the same order.
+        pp_groups = [dist.new_group(r) for r in self._all_pp_ranks]
+        dp_groups = [dist.new_group(list(range(p, world, P))) for p in range(P)]
+        self.pp_group, self.dp_group = pp_groups[self.dp_rank], dp_groups[self.pp_rank]
+
+    def _average_over_replicas(self) -> None:
+        """Data parallelism across pipeline replicas: average each stage's gradients over its replicas.
+
+        One flat all-reduce after the schedule, not DDP: DDP's reducer (torch 2.13) fails an internal
+        assert when a pipeline schedule runs several micro-batch backwards per step (the bucket rebuild
+        counts every parameter once per micro-batch), and with static_graph=True its gradients came out
+        unreduced in our test. FSDP2 over the replica group (torchtitan's way) is the engine route next.
+        """
+        grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
 
     def _find_tied(self) -> bool:
         _, trunk, _, _, lm_head = _model_parts(self.full_model)
@@ -213,15 +250,17 @@ class PipelineStrategy(Strategy):
             self.schedule.step(**kwargs)
         batches.preload()
         total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
-        dist.broadcast(total, src=self.last_rank)  # every rank reports the last stage's loss
-        # Every rank read the same batches; count their tokens once (on rank 0) for the world-wide sum.
-        useful = sum(n for _, n in micro) if self.env.rank == 0 else 0
+        dist.broadcast(total, src=self.last_rank, group=self.pp_group)  # every stage reports the loss
+        # The stages of one replica read the same batches: count their tokens once, on its first stage.
+        useful = sum(n for _, n in micro) if self.pp_rank == 0 else 0
         return total, useful
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:  # pragma: no cover - train_step does it
         raise NotImplementedError("the pipeline schedule runs forward and backward together")
 
     def optimizer_step(self) -> float | None:
+        if self.dp_group is not None:
+            self._average_over_replicas()
         tied = self._tied_param()
         if self._tie_group is not None and tied is not None and tied.grad is not None:
             dist.all_reduce(tied.grad, group=self._tie_group)
@@ -231,7 +270,7 @@ class PipelineStrategy(Strategy):
         sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
         for p in counted:
             sq += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(sq)
+        dist.all_reduce(sq, group=self.pp_group)  # replicas hold identical (averaged) grads
         norm = sq.sqrt()
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(own, self.cfg.max_grad_norm, norm)
@@ -250,7 +289,7 @@ class PipelineStrategy(Strategy):
             else:
                 self.schedule.eval(**kwargs)
         loss = torch.stack(losses).mean().float() if self.is_last else torch.zeros((), device=self.env.device)
-        dist.broadcast(loss, src=self.last_rank)
+        dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
 
     def current_lr(self) -> float:

@@ -175,9 +175,8 @@ class PipelineStrategy(Strategy):
         params = [p for m in self.stage_modules for p in m.parameters()]
         self._owned = {id(p) for p in params}
         self.hf_model = model
-        self.model = nn.ModuleList(self.stage_modules)
-        holder = nn.ModuleList(self.stage_modules)
-        self.optimizer = optim.adamw(holder, self.cfg, env.device.type)
+        self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
+        self.optimizer = optim.adamw(self.model, self.cfg, env.device.type)
         self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
         loss_fn = _lm_loss
         if opts.pp_schedule == "interleaved-1f1b":
@@ -294,14 +293,6 @@ class PipelineStrategy(Strategy):
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
-
-    def train(self) -> None:
-        for m in self.stage_modules:
-            m.train()
-
-    def eval(self) -> None:
-        for m in self.stage_modules:
-            m.eval()
 
     # ---- state -------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:

@@ -44,14 +44,14 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
-    if cfg.strategy == "pipeline":
-        _check_pipeline(cfg, world)
-    cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
-    if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
-        raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     from .models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    if cfg.strategy == "pipeline":
+        _check_pipeline(cfg, world, hf_config)
+    cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
+    if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
+        raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
         raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
     if cfg.strategy == "infinity":  # NVMe path missing, not writable or too small: before any run dir exists
@@ -65,7 +65,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     return device_type, nproc
 
 
-def _check_pipeline(cfg: RunConfig, world: int) -> None:
+def _check_pipeline(cfg: RunConfig, world: int, hf) -> None:
     opts = cfg.strategy_options
     stages = opts.pp_stages or world
     if world % stages:
@@ -73,9 +73,6 @@ def _check_pipeline(cfg: RunConfig, world: int) -> None:
             f"{world} processes cannot form pipelines of {stages} stages (the world size must be a multiple of --stages)",
             f"use --stages dividing {world}, or --gpus a multiple of {stages}",
         )
-    from .models import build_hf_config
-
-    hf = build_hf_config(cfg)
     layers = getattr(hf, "n_layer", None) or getattr(hf, "num_hidden_layers", None) or 0
     virtual = stages * (opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1)
     if layers and virtual > layers:

@@ -14,13 +14,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import optim
-from .base import Strategy
+from .torch_optim import TorchOptimizerStrategy
 
 STATE_FILE = "dp_state.pt"
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(TorchOptimizerStrategy):
     name = "dp"
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
@@ -32,33 +31,13 @@ class DDPStrategy(Strategy):
         if self.cfg.compile:
             wrapped = torch.compile(wrapped)
         self.model = wrapped
-        self.optimizer = optim.adamw(self.hf_model, self.cfg, self.env.device.type)
-        self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
-        # Dynamic loss scaling is what keeps fp16 gradients from underflowing.
-        self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
+        self._build_optimizer(self.hf_model, self.env.device.type, total_steps)
 
     def accumulate(self, last_micro: bool):
         ddp = getattr(self.model, "_orig_mod", self.model)
         if isinstance(ddp, DistributedDataParallel) and not last_micro:
             return ddp.no_sync()  # skip the all-reduce until the accumulation window closes
         return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        self.scaler.scale(loss / self.grad_accum).backward()
-
-    def optimizer_step(self) -> float | None:
-        norm = None
-        if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), self.cfg.max_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
-
-    def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def save_checkpoint(self, directory: Path) -> None:
         if self.env.is_main:

@@ -251,14 +251,11 @@ class DeepSpeedStrategy(Strategy):
 
         ds = self.ds_config()  # (the NVMe path was checked in launch.preflight, before any process started)
         self.hf_model = model
-        groups = optim.param_groups(model, self.cfg.weight_decay)
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:
-            kwargs["model_parameters"] = groups
-        else:
-            kwargs["optimizer"] = torch.optim.AdamW(
-                groups, lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps
-            )
+            kwargs["model_parameters"] = optim.param_groups(model, self.cfg.weight_decay)
+        else:  # only on a CPU without offload (use_deepspeed_optimizer): torch's AdamW, as dp uses it
+            kwargs["optimizer"] = optim.adamw(model, self.cfg, self.env.device.type)
         if "scheduler" not in ds:
             lr_fn = optim.lr_lambda(self.cfg, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn)

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import optim
-from .base import Strategy
+from .torch_optim import TorchOptimizerStrategy
 
 CKPT_DIR = "fsdp_dcp"
 
@@ -29,7 +28,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(best) if best is not None else []
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(TorchOptimizerStrategy):
     uses_autocast = False  # MixedPrecisionPolicy already computes in low precision
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,9 +53,7 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **kwargs)
         self.hf_model = model
         self.model = torch.compile(model) if self.cfg.compile else model
-        self.optimizer = optim.adamw(model, self.cfg, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type)
-        self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
-        self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
+        self._build_optimizer(model, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type, total_steps)
 
     def accumulate(self, last_micro: bool):
         import contextlib
@@ -64,25 +61,6 @@ class FSDPStrategy(Strategy):
         # Reduce-scatter only once per optimizer step, like DDP's no_sync.
         self.hf_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        self.scaler.scale(loss / self.grad_accum).backward()
-
-    def optimizer_step(self) -> float | None:
-        norm = None
-        if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), self.cfg.max_grad_norm)
-            if hasattr(norm, "full_tensor"):  # a DTensor over the mesh
-                norm = norm.full_tensor()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
-
-    def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def _state(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict

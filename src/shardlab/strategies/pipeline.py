@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import optim
 from ..errors import UserError
-from .base import Strategy
+from .torch_optim import TorchOptimizerStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -137,7 +136,7 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # ---- the strategy --------------------------------------------------------------------------------------
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(TorchOptimizerStrategy):
     name = "pipeline"
     supports_compile = False
     eval_whole_steps = True  # the schedule splits every batch, eval ones too, into its micro-batches
@@ -176,8 +175,7 @@ class PipelineStrategy(Strategy):
         self._owned = {id(p) for p in params}
         self.hf_model = model
         self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
-        self.optimizer = optim.adamw(self.model, self.cfg, env.device.type)
-        self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
+        self._build_optimizer(self.model, env.device.type, total_steps)
         loss_fn = _lm_loss
         if opts.pp_schedule == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn)
@@ -290,9 +288,6 @@ class PipelineStrategy(Strategy):
         loss = torch.stack(losses).mean().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
-
-    def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     # ---- state -------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:

@@ -67,6 +67,7 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--export", "export", "bool", "save the final model in HF format"),
     ("--tensorboard", "tensorboard", "bool", "log to TensorBoard"),
     ("--wandb", "wandb", "bool", "log to Weights & Biases"),
+    ("--profile", "profile", "bool", "torch.profiler trace + op table of a few steady-state steps (output_dir/profile)"),
 ]
 
 

@@ -137,6 +137,7 @@ class RunConfig(_Strict):
     export: bool = Field(True, description="save the final model in HF format under output_dir/model")
     tensorboard: bool = False
     wandb: bool = False
+    profile: bool = Field(False, description="torch.profiler trace of a few steady-state steps into output_dir/profile")
     wandb_project: str = "shardlab"
     curriculum: list[CurriculumStage] | None = None
 

@@ -34,6 +34,7 @@ from .config import RunConfig, dump_config
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
+from .profiling import StepProfiler
 from .strategies import strategy_class
 
 
@@ -328,6 +329,7 @@ class Trainer:
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         timer = metrics.StepTimer(env.device)
+        profiler = StepProfiler(self.run_dir, env.rank, env.device, cfg.profile)
         tokens_per_step = self.global_batch * cfg.seq_len
         useful_per_step: list[float] = []
         epochs_summary: list[dict[str, Any]] = []
@@ -358,7 +360,7 @@ class Trainer:
                         break
                     timer.start()
                     loss_value, useful_total, grad_norm = self._train_step(strategy, batches)
-                    timer.stop()
+                    profiler.step(timer.stop())
                     global_step += 1
                     useful_per_step.append(useful_total)
                     self.step_losses.append(loss_value)
@@ -396,6 +398,7 @@ class Trainer:
                                "steps_per_s": epoch_steps / epoch_time, **_peak(env)}
                     epochs_summary.append(summary)
                     writer.log({"step": global_step, "epoch_summary": summary})
+        profiler.close()
         if progress is not None:
             progress.close()
         total_time = time.perf_counter() - t_start

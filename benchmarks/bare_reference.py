@@ -9,6 +9,7 @@ Modes (default micro batch in brackets):
   eager-fp32        plain PyTorch, fp32, no autocast                         [8]
   eager-bf16        plain PyTorch, bf16 autocast, eager                      [8]  (--micro 16, or "eager-bf16:16" in --modes)
   compile-bf16      plain PyTorch, bf16 autocast, torch.compile(model)       [16]
+  eager-bf16-clip   eager-bf16 plus torch.nn.utils.clip_grad_norm_(1.0)      [8]
   ds-zero0..3       bare deepspeed.initialize(), bf16, AdamW from DS config  [8]
   ds-zero2-offload  ZeRO-2, optimizer offloaded to CPU (pinned)              [8]
   ds-zero3-offload  ZeRO-3, optimizer and params offloaded to CPU (pinned)   [8]
@@ -35,10 +36,10 @@ import sys
 import tempfile
 import time
 
-PLAIN_MODES = ["eager-fp32", "eager-bf16", "compile-bf16"]
+PLAIN_MODES = ["eager-fp32", "eager-bf16", "compile-bf16", "eager-bf16-clip"]
 DS_MODES = ["ds-zero0", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero2-offload", "ds-zero3-offload"]
 ALL_MODES = PLAIN_MODES + DS_MODES
-DEFAULT_MICRO = {"eager-fp32": 8, "eager-bf16": 8, "compile-bf16": 16, **{m: 8 for m in DS_MODES}}
+DEFAULT_MICRO = {"eager-fp32": 8, "eager-bf16": 8, "compile-bf16": 16, "eager-bf16-clip": 8, **{m: 8 for m in DS_MODES}}
 # The default --all list reproduces GPU.md's table row by row ("mode:micro" overrides the micro batch).
 DEFAULT_ALL = ["eager-fp32", "eager-bf16", "eager-bf16:16", "compile-bf16"] + DS_MODES
 
@@ -222,6 +223,7 @@ def run_mode(args) -> dict:
         fused = dev == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused or None)
         fwd = model
+        clip = mode.endswith("-clip")
         if mode == "compile-bf16":
             fwd = torch.compile(model, **({"mode": args.compile_mode} if args.compile_mode else {}))
 
@@ -229,6 +231,8 @@ def run_mode(args) -> dict:
             with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=bf16):
                 loss = fwd(input_ids=x, labels=x).loss
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss

@@ -139,6 +139,14 @@ def test_set_dotted_keys():
     assert cfg_from_cli("--pin-memory").strategy_options.pin_memory is True
 
 
+def test_set_null_clears_a_key():
+    """`--set k=null` is an explicit assignment (clipping off), unlike a flag that was not given."""
+    assert RunConfig().max_grad_norm == 1.0
+    assert cfg_from_cli("--set", "max_grad_norm=null").max_grad_norm is None
+    assert cfg_from_cli("--set", "max_grad_norm=~", "--max-grad-norm", "0.5").max_grad_norm is None  # --set wins
+    assert cfg_from_cli("--set", "eval_every=null", "--eval-every", "5").eval_every is None
+
+
 @pytest.mark.parametrize(
     "argv,words",
     [

@@ -127,8 +127,7 @@ def config_from_args(args: argparse.Namespace):
     from .config import load_config
 
     overrides = {key: getattr(args, key.replace(".", "__")) for _, key, _, _ in FLAGS}
-    overrides.update(_parse_set(args.set))
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, _parse_set(args.set))
 
 
 class _Parser(argparse.ArgumentParser):

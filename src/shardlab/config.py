@@ -268,12 +268,19 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Build a RunConfig from an optional YAML file and dotted-key overrides (None values skipped)."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, sets: dict[str, Any] | None = None) -> RunConfig:
+    """Build a RunConfig from an optional YAML file and dotted-key overrides.
+
+    `overrides` are flag values, where None means "flag not given" and is skipped; `sets` are
+    explicit `--set key=value` assignments, applied as they are, so `--set max_grad_norm=null`
+    really turns clipping off.
+    """
     data: dict[str, Any] = read_yaml(path) if path else {}
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
+    for key, value in (sets or {}).items():
+        _set_dotted(data, key, value)
     return config_from_dict(data)
 
 

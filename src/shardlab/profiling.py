@@ -27,7 +27,8 @@ def device_busy_us(events, device_type: str) -> float:
         return 0.0
     total = 0.0
     for evt in events:
-        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        # ProfilerStep#N also appears on the device timeline, as an annotation spanning the whole step.
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and not evt.name.startswith("ProfilerStep"):
             total += evt.self_device_time_total
     return total
 

@@ -21,6 +21,7 @@ STATE_FILE = "dp_state.pt"
 
 class DDPStrategy(TorchOptimizerStrategy):
     name = "dp"
+    plain_tensor_params = True
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = model.to(self.env.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -62,37 +63,50 @@ def run_cell(label: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def load_bare(path: str) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+def load_bare(path: str) -> dict[str, list[dict]]:
+    """Bare records by reference key ("mode", or "mode:micro" off its default micro), all repeats."""
+    out: dict[str, list[dict]] = {}
     if path and Path(path).is_file():
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
                 key = rec["mode"] if rec.get("micro") in (8, None) or rec["mode"] == "compile-bf16" else f"{rec['mode']}:{rec['micro']}"
-                out[key] = rec
+                out.setdefault(key, []).append(rec)
     return out
 
 
-def table(rows: list[dict], bare: dict[str, dict]) -> str:
+def _spread(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:,.0f}" if len(values) == 1 else f"{med:,.0f} ({min(values):,.0f}–{max(values):,.0f})"
+
+
+def table(rows: list[dict], bare: dict[str, list[dict]]) -> str:
+    """One line per cell: medians over repeats (each repeat's figure is itself a median over steps)."""
     lines = [
-        "| shardlab cell | micro | shardlab tok/s | peak GiB | bare reference | bare tok/s | bare peak GiB | speed ratio | memory ratio | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shardlab cell | micro | repeats | shardlab tok/s (min–max) | peak GiB | bare reference | bare tok/s (min–max) | bare peak GiB | speed ratio | memory ratio | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    by_label: dict[str, list[dict]] = {}
     for row in rows:
-        label = row["label"]
+        by_label.setdefault(row["label"], []).append(row)
+    for label, runs in by_label.items():
         strategy, micro, extra, ref = CELLS[label]
-        if "summary" not in row:
-            lines.append(f"| {label} | {micro} | failed (rc {row['rc']}) | | {ref or '-'} | | | | | |")
+        ok = [r["summary"] for r in runs if "summary" in r]
+        if not ok:
+            lines.append(f"| {label} | {micro} | {len(runs)} | failed (rc {runs[-1]['rc']}) | | {ref or '-'} | | | | | |")
             continue
-        s = row["summary"]
-        b = bare.get(ref or "", {})
-        ratio = s["tokens_per_s"] / b["tokens_per_s_median"] if b.get("tokens_per_s_median") else None
-        mem = s.get("gpu_mem_peak_gib", 0) / b["peak_alloc_gib"] if b.get("peak_alloc_gib") else None
+        tps = [s["tokens_per_s"] for s in ok]
+        peak = max(s.get("gpu_mem_peak_gib", float("nan")) for s in ok)
+        b = bare.get(ref or "", [])
+        b_tps = [r["tokens_per_s_median"] for r in b]
+        b_peak = max((r["peak_alloc_gib"] for r in b), default=None)
+        ratio = statistics.median(tps) / statistics.median(b_tps) if b_tps else None
+        mem = peak / b_peak if b_peak else None
         goal = MIN_RATIO.get(label)
         verdict = "" if ratio is None or goal is None else (f"≥{goal} ✅" if ratio >= goal else f"≥{goal} ❌")
         lines.append(
-            f"| {label} | {micro} | {s['tokens_per_s']:,.0f} | {s.get('gpu_mem_peak_gib', float('nan')):.1f} | {ref or '-'} | "
-            f"{b.get('tokens_per_s_median', float('nan')):,.0f} | {b.get('peak_alloc_gib', float('nan')):.1f} | "
+            f"| {label} | {micro} | {len(ok)} | {_spread(tps)} | {peak:.1f} | {ref or '-'} | "
+            f"{_spread(b_tps) if b_tps else ''} | {'' if b_peak is None else f'{b_peak:.1f}'} | "
             f"{'' if ratio is None else f'{ratio:.3f}'} | {'' if mem is None else f'{mem:.2f}'} | {verdict} |"
         )
     return "\n".join(lines)
@@ -108,19 +122,19 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--table-only", action="store_true", help="no runs: the table over every repeat in --out/foundation.json")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = Path(args.out) / "foundation.json"
-    previous = json.loads(results.read_text()) if results.is_file() else []
-    rows = []
-    for label in args.cells.split(","):
-        rows.append(run_cell(label, args))
-        results.write_text(json.dumps(previous + rows, indent=1))  # a killed session keeps what finished
-    bare = load_bare(args.bare)
-    md = table(rows, bare)
+    rows = json.loads(results.read_text()) if results.is_file() else []
+    if not args.table_only:
+        for label in args.cells.split(","):
+            row = run_cell(label, args)
+            rows.append(row)
+            results.write_text(json.dumps(rows, indent=1))  # a killed session keeps what finished
+    md = table(rows, load_bare(args.bare))
     print(md)
-    with open(Path(args.out) / "foundation.md", "a") as f:
-        f.write(md + "\n\n")
+    (Path(args.out) / "foundation.md").write_text(md + "\n")
     os.sync()
 
 

@@ -68,6 +68,20 @@ def test_bloom_pipeline_matches_dp(root, train_cli):
 
 
 @pytest.mark.slow
+def test_bf16_pipeline_computes_in_bf16_like_dp(root, train_cli):
+    """bf16 autocast inside each stage: the losses follow dp's bf16 run (not its fp32 one) closely."""
+    bf16 = [a if a != "fp32" else "bf16" for a in ARGS] + ["--no-export", "--max-steps", "4"]
+    dp = train_cli(["--model", "tiny-gpt2", "--strategy", "dp", *bf16], root / "dp-bf16")
+    dp.check()
+    pp = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", *bf16], root / "pp-bf16")
+    pp.check()
+    assert pp.summary["precision"] == "bf16"
+    assert pp.losses == pytest.approx(dp.losses, rel=2e-3)
+    fp32 = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", *ARGS, "--no-export", "--max-steps", "4"], root / "pp-fp32")
+    assert fp32.check().losses != pytest.approx(pp.losses, rel=1e-5)  # autocast really changed the arithmetic
+
+
+@pytest.mark.slow
 def test_interleaved_1f1b_matches_dp(root, train_cli):
     from shardlab.models import gpt2_bpe_tokenizer
 
@@ -122,3 +136,16 @@ def test_pipeline_bad_inputs(tmp_path, train_cli, extra, words):
     for w in words:
         assert w in lines[0]
     assert not out.exists()
+
+
+def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
+    from shardlab import launch
+    from shardlab.config import RunConfig
+    from shardlab.errors import UserError
+    from shardlab.models import build_hf_config
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", precision="fp16")
+    with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
+        launch._check_pipeline(cfg, 2, build_hf_config(cfg), "cuda")
+    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16"}), 2, build_hf_config(cfg), "cuda")

@@ -48,7 +48,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     if cfg.strategy == "pipeline":
-        _check_pipeline(cfg, world, hf_config)
+        _check_pipeline(cfg, world, hf_config, device_type)
     cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
@@ -65,8 +65,12 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     return device_type, nproc
 
 
-def _check_pipeline(cfg: RunConfig, world: int, hf) -> None:
+def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
     opts = cfg.strategy_options
+    if resolve_precision(cfg.precision, device_type).name == "fp16":
+        # A GradScaler per stage would decide on overflow from its own stage's gradients only.
+        raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
+                        "use --precision bf16 (or fp32)")
     stages = opts.pp_stages or world
     if world % stages:
         raise UserError(

@@ -72,8 +72,11 @@ def _model_parts(model: nn.Module):
 class _Stage(nn.Module):
     """One pipeline stage of a GPT-2 or BLOOM model, built from the HF model's own submodules."""
 
-    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool):
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool, autocast_dtype: torch.dtype | None = None):
         super().__init__()
+        # bf16: the stage's forward runs under autocast over fp32 master weights, as dp does. The
+        # residual stream stays fp32, so what travels between stages is fp32 and shapes/dtypes agree.
+        self.autocast_dtype = autocast_dtype
         self.family, trunk, blocks, ln_f, lm_head = _model_parts(model)
         self.config = model.config
         if first and self.family == "gpt2":
@@ -87,6 +90,12 @@ class _Stage(nn.Module):
         self.num_heads = getattr(model.config, "n_head", None) or getattr(model.config, "num_attention_heads", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return self._forward(x)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             if self.family == "gpt2":
                 pos = torch.arange(x.shape[1], device=x.device)
@@ -164,7 +173,8 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.stage_modules = []
         pp_stages = []
         for s in my_stages:
-            module = _Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1).to(env.device)
+            dtype = self.precision.dtype if self.precision.is_mixed else None
+            module = _Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype).to(env.device)
             self.stage_modules.append(module)
             pp_stages.append(PipelineStage(module, s, n_stages, env.device, group=self.pp_group))
         self.is_first = 0 in my_stages

@@ -23,6 +23,23 @@ def assert_same_losses(run, ref, rel=1e-3):
     assert run.losses[-1] < run.losses[0]
 
 
+def check_measured_vs_simulated(pp: dict, schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """The run's own stage times, fed to the simulator, give the simulated figures it reports."""
+    from shardlab.pipesim import simulate
+
+    assert (pp["schedule"], pp["stages"], pp["microbatches"]) == (schedule, stages, microbatches)
+    fwd, bwd = pp["stage_fwd_ms"], pp["stage_bwd_ms"]
+    assert len(fwd) == len(bwd) == stages and min(fwd) > 0 and min(bwd) > 0
+    sim = simulate(schedule, stages, microbatches, fwd=fwd, bwd=bwd, chunks=chunks)
+    assert pp["simulated_step_ms"] == pytest.approx(sim.makespan, rel=1e-9)
+    assert pp["simulated_bubble"] == pytest.approx(sim.metrics["bubble_fraction"], rel=1e-9)
+    # Each rank runs its forwards and backwards one after another inside the schedule's step, so the
+    # measured step is at least the busiest rank's work, and so is the simulated one.
+    busiest = max(microbatches * (f + b) for f, b in zip(fwd, bwd))
+    assert pp["measured_step_ms"] >= 0.99 * busiest and pp["simulated_step_ms"] >= 0.99 * busiest
+    assert 0 <= pp["measured_bubble"] < 1 and 0 < pp["simulated_bubble"] < 1
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("pipeline")
@@ -40,6 +57,7 @@ def test_gpt2_pipeline_matches_dp(root, train_cli, dp_gpt2, schedule):
                      *ARGS, "--save-every", "5"], root / f"pp-{schedule}")  # fmt: skip
     assert_same_losses(run, dp_gpt2)
     assert run.summary["world_size"] == 2 and run.summary["global_batch"] == 4
+    check_measured_vs_simulated(run.summary["pipeline"], schedule, stages=2, microbatches=2)
     # The export gathers both stages (embedding and head included) into one HF model equal to dp's.
     pp, dp = (AutoModelForCausalLM.from_pretrained(r.out / "model").state_dict() for r in (run, dp_gpt2))
     assert pp.keys() == dp.keys()
@@ -94,6 +112,7 @@ def test_interleaved_1f1b_matches_dp(root, train_cli):
     pp = train_cli([*args, "--strategy", "pipeline", "--gpus", "2", "--schedule", "interleaved-1f1b", "--chunks", "2"], root / "pp-4l")
     assert_same_losses(pp, dp)
     assert "4 stages over 2 ranks" in pp.stdout
+    check_measured_vs_simulated(pp.summary["pipeline"], "interleaved-1f1b", stages=2, microbatches=4, chunks=2)
 
 
 @pytest.mark.slow

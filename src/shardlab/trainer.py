@@ -416,6 +416,7 @@ class Trainer:
             "total_time_s": total_time, "compile": cfg.compile, "gradient_checkpointing": cfg.gradient_checkpointing,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
             "epochs": epochs_summary,
+            **strategy.summary_extras(),
         }
         if env.is_main:
             print_summary(summary)
@@ -478,6 +479,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                 "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))
+    pp = summary.get("pipeline")
+    if pp:
+        table.add_row("pipeline step ms: measured / simulated", f"{pp['measured_step_ms']:.4g} / {pp['simulated_step_ms']:.4g}")
+        table.add_row("pipeline bubble: measured / simulated", f"{pp['measured_bubble']:.1%} / {pp['simulated_bubble']:.1%}")
     Console().print(table)
 
 

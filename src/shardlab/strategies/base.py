@@ -117,5 +117,9 @@ class Strategy(ABC):
         """One line on where this strategy keeps parameters, gradients and optimizer states."""
         return ""
 
+    def summary_extras(self) -> dict[str, Any]:
+        """Strategy-specific figures for summary.json, at the end of training. Collective."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "memory": self.memory_note()}

@@ -15,12 +15,15 @@ a tied weight would be (the same thing Megatron-LM does for its embedding group)
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import metrics
 from ..errors import UserError
 from .torch_optim import TorchOptimizerStrategy
 
@@ -142,6 +145,51 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
+# ---- measuring the stages ---------------------------------------------------------------------------------
+
+
+class StageTimer:
+    """Time spent in each forward and backward of this rank's stages, per optimizer step.
+
+    Wraps the PipelineStage's `forward_one_chunk` / `backward_one_chunk` (and the loss, part of
+    the last stage's forward). The schedule waits for its receives before calling them, so their
+    time is compute, not waiting. On GPU, CUDA events read once per step (no sync per call).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.active = False
+        self._marks: list[tuple[str, object, object]] = []
+        self.steps: list[dict[str, float]] = []  # per step: total F and B seconds on this rank
+
+    def _now(self):
+        if self.cuda:
+            evt = torch.cuda.Event(enable_timing=True)
+            evt.record()
+            return evt
+        return time.perf_counter()
+
+    def wrap(self, fn, kind: str):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            start = self._now()
+            out = fn(*args, **kwargs)
+            self._marks.append((kind, start, self._now()))
+            return out
+
+        return timed
+
+    def end_step(self) -> None:
+        totals = {"F": 0.0, "B": 0.0}
+        if self.cuda and self._marks:
+            self._marks[-1][2].synchronize()
+        for kind, start, end in self._marks:
+            totals[kind] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        self.steps.append(totals)
+        self._marks.clear()
+
+
 # ---- the strategy --------------------------------------------------------------------------------------
 
 
@@ -186,7 +234,12 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.hf_model = model
         self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
         self._build_optimizer(self.model, env.device.type, total_steps)
-        loss_fn = _lm_loss
+        self.timer = StageTimer(env.device)
+        self.schedule_times: list[float] = []
+        for stage in pp_stages:
+            stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, "F")
+            stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, "B")
+        loss_fn = self.timer.wrap(_lm_loss, "F")
         if opts.pp_schedule == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn)
         else:
@@ -251,10 +304,17 @@ class PipelineStrategy(TorchOptimizerStrategy):
         kwargs = {}
         if self.is_last:
             kwargs = {"target": labels, "losses": losses}
+        self.timer.active = True
+        metrics.sync(self.env.device)
+        t0 = time.perf_counter()
         if self.is_first:
             self.schedule.step(inputs, **kwargs)
         else:
             self.schedule.step(**kwargs)
+        metrics.sync(self.env.device)
+        self.schedule_times.append(time.perf_counter() - t0)
+        self.timer.active = False
+        self.timer.end_step()
         batches.preload()
         total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)  # every stage reports the loss
@@ -298,6 +358,37 @@ class PipelineStrategy(TorchOptimizerStrategy):
         loss = torch.stack(losses).mean().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
+
+    # ---- measured vs simulated --------------------------------------------------------------------------
+    def summary_extras(self) -> dict:
+        """Per-stage forward/backward times measured in this run, fed to `shardlab pipeline simulate`,
+        next to the measured schedule time and bubble. Collective over the pipeline group."""
+        from ..pipesim import simulate
+
+        steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
+        M = self.grad_accum
+        mine = {
+            "fwd": statistics.median(s["F"] for s in steady) / M if steady else 0.0,
+            "bwd": statistics.median(s["B"] for s in steady) / M if steady else 0.0,
+        }
+        per_rank: list[dict] = [None] * self.n_ranks  # type: ignore[list-item]
+        dist.all_gather_object(per_rank, mine, group=self.pp_group)
+        fwd = [max(r["fwd"], 1e-9) for r in per_rank]
+        bwd = [max(r["bwd"], 1e-9) for r in per_rank]
+        sched = self.cfg.strategy_options.pp_schedule
+        sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks)
+        times = self.schedule_times[metrics.WARMUP_STEPS:] or self.schedule_times
+        measured = statistics.median(times) if times else float("nan")
+        busy = [M * (f + b) for f, b in zip(fwd, bwd)]
+        return {"pipeline": {
+            "schedule": sched, "stages": self.n_ranks, "chunks": self.chunks, "microbatches": M, "split": self.bounds,
+            "stage_fwd_ms": [1e3 * f for f in fwd], "stage_bwd_ms": [1e3 * b for b in bwd],
+            "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured,
+            "simulated_bubble": sim.metrics["bubble_fraction"],
+            "measured_bubble": 1 - sum(busy) / (len(busy) * measured) if measured > 0 else None,
+            "note": "simulated from the measured per-stage times with no communication cost; "
+                    "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
+        }}
 
     # ---- state -------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:

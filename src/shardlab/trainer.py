@@ -170,7 +170,9 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
     metrics.sync(env.device)
     dt = time.perf_counter() - t0
     strategy.train()
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    if totals[1].item() == 0:  # fewer eval samples than one eval batch (pipeline: micro x micro-batches)
+        return {}
+    loss = (totals[0] / totals[1]).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)), "eval_time_s": dt, "eval_samples_per_s": totals[2].item() / dt if dt else 0.0}
 
 
@@ -227,6 +229,10 @@ class Trainer:
             whole_steps = strategy_class(self.cfg.strategy).eval_whole_steps
             eval_batch = self.micro * (self.accum if whole_steps else 1)
             evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps)
+            if len(evl) == 0:
+                log0(self.env, f"no eval: {len(splits.eval)} eval samples per rank are fewer than one eval batch of {eval_batch} "
+                               "(raise dataset.eval_samples / --eval-split)")
+                evl = None
         return train, sampler, evl
 
     def _steps_per_epoch(self, train_loader: DataLoader) -> int:

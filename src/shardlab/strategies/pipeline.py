@@ -129,14 +129,31 @@ class _Stage(nn.Module):
         return x
 
 
+# The LM head's matmul is 2*V*h FLOPs per token, but with the fp32 cross-entropy over the vocabulary
+# (memory-bound: logits upcast, log-softmax, its backward) the last stage's extra time is about twice
+# that: 5.8-6.2 decoder-block equivalents measured for gpt2-large (seq 1024, bf16, 2 and 4 stages on
+# H200s) where FLOPs alone give 2.9. Fitted from benchmarks/results/2026-11-21-h200x4-pipeline/.
+HEAD_COST_FACTOR = 2.1
+
+
 def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs per token of one decoder block and of the LM head (backward is a constant multiple)."""
+    """Cost per token of one decoder block and of the LM head plus loss, in forward FLOPs
+    (backward is about the same multiple of both)."""
     cfg = model.config
     hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
     vocab = cfg.vocab_size
     layer = 24 * hidden * hidden + 4 * seq_len * hidden  # Megatron/Narayanan et al. 2021: matmuls + attention
-    head = 2 * vocab * hidden
+    head = HEAD_COST_FACTOR * 2 * vocab * hidden
     return float(layer), float(head)
+
+
+def balanced_split(model: nn.Module, seq_len: int, n_stages: int) -> list[tuple[int, int]]:
+    """Block ranges per stage for `model`, the LM head's cost counted on the last stage."""
+    _, _, blocks, _, _ = _model_parts(model)
+    if n_stages == 1:
+        return [(0, len(blocks))]
+    layer_cost, head_cost = _layer_and_head_cost(model, seq_len)
+    return stage_costs(len(blocks), 1.0, head_cost / layer_cost, n_stages)  # in block units
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -211,9 +228,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self._make_groups()
         self.chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
         n_stages = self.n_ranks * self.chunks
-        _, _, blocks, _, _ = _model_parts(model)
-        layer_cost, head_cost = _layer_and_head_cost(model, self.cfg.seq_len)
-        bounds = stage_costs(len(blocks), layer_cost, head_cost / layer_cost, n_stages) if n_stages > 1 else [(0, len(blocks))]
+        bounds = balanced_split(model, self.cfg.seq_len, n_stages)
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device
         # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).

@@ -170,3 +170,29 @@ def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
     with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
         launch._check_pipeline(cfg, 2, build_hf_config(cfg), "cuda")
     launch._check_pipeline(cfg.model_copy(update={"precision": "bf16"}), 2, build_hf_config(cfg), "cuda")
+
+
+@pytest.mark.slow
+def test_pipeline_vs_zero_page_from_run_dirs(root, tmp_path):
+    """benchmarks/pipeline_vs_zero.py reads finished runs (never re-trains) and flags unequal comparisons."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = [root / "pp-1f1b", root / "dp-gpt2"]
+    if not all((r / "summary.json").is_file() for r in runs):
+        pytest.skip("needs test_gpt2_pipeline_matches_dp[1f1b]")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_vs_zero.py"
+    out = tmp_path / "page.md"
+    proc = subprocess.run([sys.executable, str(script), *map(str, runs), str(tmp_path / "unfinished"),
+                           "--out", str(out), "--json", str(tmp_path / "rows.json")], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    pp = json.loads((runs[0] / "summary.json").read_text())["pipeline"]
+    assert "| pp-1f1b | pipeline | 2 | 1f1b (2) |" in text
+    assert f"{pp['measured_step_ms']:.0f} / {pp['simulated_step_ms']:.0f}" in text
+    assert "| dp-gpt2 | dp | 1 | - |" in text
+    assert "Not finished (no summary.json)" in text  # the unfinished directory is named, not silently dropped
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["strategy"] for r in rows] == ["pipeline", "dp"]

@@ -76,6 +76,7 @@ class Cell:
     parts: list[str] = field(default_factory=list)  # "suite/part" names this cell belongs to
     differs: list[str] = field(default_factory=list)
     repeats: int = 1
+    named_keys: set[str] = field(default_factory=set)  # keys an explicitly labelled cell sets (its label names them)
 
     def run_config(self, output_dir: str | Path) -> RunConfig:
         return config_from_dict({**copy.deepcopy(self.config), "output_dir": str(output_dir)})
@@ -219,6 +220,7 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     cell.parts.append(f"{suite.name}/{part.name}")
                     if label:
                         explicit[ident] = label
+                        cell.named_keys |= set(_flat(_merge({}, sets)))
                     part_cells.append((cell, {**point, **sets}))
             _check_footing(suite.name, part, set(axes), part_cells)
     out = list(cells.values())
@@ -301,7 +303,7 @@ def _label(cells: list[Cell], explicit: dict[str, str], idents: list[str]) -> No
         named = explicit.get(ident)
         parts = [str(f.get("model"))] if "model" in varying else []
         parts.append(named or str(f.get("strategy", "dp")))
-        skip = ("model", "strategy", "precision") if named else ("model", "strategy")
+        skip = {"model", "strategy", "precision", *cell.named_keys} if named else {"model", "strategy"}
         parts += [_label_part(k, f.get(k)) for k in varying
                   if k not in skip and f.get(k) is not None and common.get(k) != repr(f.get(k))]
         label = "-".join(parts)

@@ -77,6 +77,8 @@ class Cell:
     differs: list[str] = field(default_factory=list)
     repeats: int = 1
     named_keys: set[str] = field(default_factory=set)  # keys an explicitly labelled cell sets (its label names them)
+    axis_keys: set[str] = field(default_factory=set)  # keys the matrix's axes set on this cell
+    suite: str = ""  # the first suite that asked for this cell (labels are made per suite)
 
     def run_config(self, output_dir: str | Path) -> RunConfig:
         return config_from_dict({**copy.deepcopy(self.config), "output_dir": str(output_dir)})
@@ -215,7 +217,8 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     ident = _identity(config)
                     cell = cells.get(ident)
                     if cell is None:
-                        cell = cells[ident] = Cell(label="", config=config, differs=list(differs), repeats=repeats)
+                        cell = cells[ident] = Cell(label="", config=config, differs=list(differs), repeats=repeats, suite=suite.name)
+                    cell.axis_keys |= set(keys)
                     cell.repeats = max(cell.repeats, repeats)
                     cell.parts.append(f"{suite.name}/{part.name}")
                     if label:
@@ -224,7 +227,15 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     part_cells.append((cell, {**point, **sets}))
             _check_footing(suite.name, part, set(axes), part_cells)
     out = list(cells.values())
-    _label(out, explicit, list(cells))
+    idents = list(cells)
+    used: set[str] = set()
+    for suite in dict.fromkeys(c.suite for c in out):  # labels name what varies within a suite
+        mine = [(c, i) for c, i in zip(out, idents) if c.suite == suite]
+        _label([c for c, _ in mine], explicit, [i for _, i in mine])
+        for c, _ in mine:
+            if c.label in used:
+                c.label = f"{c.label}-{suite}"
+            used.add(c.label)
     return out
 
 
@@ -298,20 +309,25 @@ def _label(cells: list[Cell], explicit: dict[str, str], idents: list[str]) -> No
         value, count = Counter(repr(f.get(k)) for f in flats).most_common(1)[0]
         if count * 2 > len(flats) and k not in ("model", "strategy"):
             common[k] = value
-    used: set[str] = set()
+    taken: set[str] = set()
     for cell, f, ident in zip(cells, flats, idents):
         named = explicit.get(ident)
-        parts = [str(f.get("model"))] if "model" in varying else []
-        parts.append(named or str(f.get("strategy", "dp")))
-        skip = {"model", "strategy", "precision", *cell.named_keys} if named else {"model", "strategy"}
-        parts += [_label_part(k, f.get(k)) for k in varying
-                  if k not in skip and f.get(k) is not None and common.get(k) != repr(f.get(k))]
+        if named:  # its label names what the cell sets; add only what the axes vary on it
+            parts = [str(f.get("model"))] if "model" in varying and "model" in cell.axis_keys else []
+            parts.append(named)
+            parts += [_label_part(k, f.get(k)) for k in varying
+                      if k in cell.axis_keys and k not in ("model", "strategy") and f.get(k) is not None and common.get(k) != repr(f.get(k))]
+        else:
+            parts = [str(f.get("model"))] if "model" in varying else []
+            parts.append(str(f.get("strategy", "dp")))
+            parts += [_label_part(k, f.get(k)) for k in varying
+                      if k not in ("model", "strategy") and f.get(k) is not None and common.get(k) != repr(f.get(k))]
         label = "-".join(parts)
         label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
         base, n = label, 2
-        while label in used:
+        while label in taken:
             label, n = f"{base}-{n}", n + 1
-        used.add(label)
+        taken.add(label)
         cell.label = label
 
 

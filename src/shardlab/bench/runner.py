@@ -143,7 +143,7 @@ def run_bench(cells: list[Cell], bench_dir: str | Path, *, suites: list[str], ti
         "shardlab_bench": 1,
         "suites": suites,
         "started": datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["shardlab", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("shardlab") else None,
+        "argv": sys.argv,
         "cells": [],
     }
     for cell in cells:

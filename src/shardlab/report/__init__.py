@@ -35,7 +35,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem 
 table{border-collapse:collapse;margin:.5rem 0;font-size:.85rem}
 th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:right;vertical-align:top}
 th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
-tr.flagged td{background:#fff4d6}tr.failed td{background:#fde2e2}
+td.text{text-align:left}td.flag{background:#fff4d6;text-align:left}tr.failed td{background:#fde2e2}
 .notes{font-size:.8rem;color:#555}figure{margin:1rem 0}figure img{max-width:100%;border:1px solid #ddd}
 figcaption{font-size:.8rem;color:#555}.guide li{margin:.3rem 0}
 """
@@ -90,7 +90,7 @@ def html_page(cells: list[Cell], tables: list[Table], plots: list[Plot], advice:
              f"<style>{CSS}</style></head><body><h1>shardlab report</h1>",
              f"<p>Generated {datetime.now():%Y-%m-%d %H:%M} from {esc(', '.join(sources))}: {len(cells)} configurations, "
              f"{n_ok} ran, {len(cells) - n_ok} failed. Comparisons are made only between runs on equal footing (same precision, "
-             "global batch, sequence length and tokens); any other comparison is flagged \u26a0 (highlighted rows) with the "
+             "global batch, sequence length and tokens); any other comparison is flagged \u26a0 (highlighted) with the "
              "equal-footing figure next to it.</p>",
              "<h2>Which strategy should I use?</h2><ul class=\"guide\">"]
     parts += [f"<li>{_inline_md(line)}</li>" for line in advice]

@@ -10,16 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from .load import Cell
+from .render import fmt
 from .tables import Table, med
 
 
-def _n(v: Any, unit: str = "", digits: int = 2) -> str:
-    x = med(v) if not isinstance(v, (int, float)) else v
-    if x is None:
-        return "n/a"
-    if abs(x) >= 1e4:
-        return f"{x / 1e3:,.1f}k{unit}"
-    return f"{x:.{digits}f}{unit}"
+def _n(v: Any, unit: str = "", kind: str = "num") -> str:
+    text = fmt(v, kind)
+    return f"{text}{unit}" if text else "n/a"
 
 
 def _strategies(t: Table, on_cpu: bool) -> list[str]:
@@ -33,18 +30,19 @@ def _strategies(t: Table, on_cpu: bool) -> list[str]:
     equal = [r for r in ok if r["vs_dp_baseline"] == ref_label]
     fastest = max(equal, key=lambda r: med(r["useful_tokens_per_s"]) or 0)
     where = t.title.split(": ", 1)[-1]
+    named = f" ({fastest['label']})" if fastest["label"] != fastest["strategy"] else ""
     out.append(f"**{where}** - at equal footing ({ref['precision']}, global batch {ref['global_batch']}, seq {ref['seq_len']}, "
-               f"{ref['steps']} steps): fastest is **{fastest['strategy']}** ({fastest['label']}) at "
+               f"{ref['steps']} steps): fastest is **{fastest['strategy']}**{named} at "
                f"{_n(fastest['useful_tokens_per_s'], ' useful tok/s')} = {fastest['vs_dp']:.2f}x DP.")
     mem_key, mem_unit = ("gpu_peak_gib", "GiB GPU") if any(med(r.get("gpu_peak_gib")) is not None for r in equal) else ("cpu_rss_peak_gb", "GB CPU RSS")
     with_mem = [r for r in equal if med(r.get(mem_key)) is not None]
     if with_mem and ref is not None and med(ref.get(mem_key)):
         low = min(with_mem, key=lambda r: med(r[mem_key]))
         saving = (1 - med(low[mem_key]) / med(ref[mem_key])) * 100
-        out.append(f"Least memory: **{low['strategy']}** at {_n(low[mem_key])} {mem_unit} peak ({saving:.0f}% below DP's "
-                   f"{_n(ref[mem_key])}), running at {low['vs_dp']:.2f}x DP's speed.")
+        out.append(f"Least memory: **{low['strategy']}** at {_n(low[mem_key], kind='gib')} {mem_unit} peak ({saving:.0f}% below DP's "
+                   f"{_n(ref[mem_key], kind='gib')}), running at {low['vs_dp']:.2f}x DP's speed.")
         order = sorted(with_mem, key=lambda r: -(med(r["useful_tokens_per_s"]) or 0))
-        ladder = ", ".join(f"{r['strategy']} ({r['vs_dp']:.2f}x, {_n(r[mem_key])})" for r in order)
+        ladder = ", ".join(f"{r['strategy']} ({r['vs_dp']:.2f}x, {_n(r[mem_key], kind='gib')})" for r in order)
         out.append(f"Pick the first that fits your {'GPU' if mem_key == 'gpu_peak_gib' else 'machine'} with headroom, in speed order "
                    f"(speed vs DP, peak {mem_unit}): {ladder}.")
     flagged = [r for r in t.rows if r.get("flags")]

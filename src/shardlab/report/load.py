@@ -213,11 +213,11 @@ def load_bench(root: Path) -> list[Cell]:
             run = read_run(root / rec["run_dir"]) if rec.get("status") == "ok" and rec.get("run_dir") else None
             if run is not None:
                 cell.runs.append(run)
-                if not cell.config:
-                    cell.config = run.config
             else:
                 status = "skipped" if rec.get("status") == "skipped" else "failed"
                 cell.failures.append({**rec, "status": status, "reason": rec.get("reason") or "its summary.json is missing"})
+        if cell.runs:  # the resolved config the trainer wrote (batch triple filled in), as for loose run dirs
+            cell.config = cell.runs[0].config
         cells.append(cell)
     return cells
 

@@ -123,7 +123,11 @@ def to_html(t: Table) -> str:
     for r in t.rows:
         flagged = " class=\"flagged\"" if r.get("flags") else ""
         failed = " class=\"failed\"" if str(r.get("status", "")).startswith("FAILED") else flagged
-        out.append(f"<tr{failed}>" + "".join(f"<td>{html.escape(fmt(r.get(c.key), c.kind))}</td>" for c in cols) + "</tr>")
+        cells = []
+        for c in cols:
+            cls = "flag" if c.key == "flags" and r.get("flags") else ("text" if c.kind == "text" else "")
+            cells.append(f"<td{f' class={chr(34)}{cls}{chr(34)}' if cls else ''}>{html.escape(fmt(r.get(c.key), c.kind))}</td>")
+        out.append(f"<tr{failed}>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
     if t.notes:
         out.append("<ul class=\"notes\">" + "".join(f"<li>{html.escape(n)}</li>" for n in t.notes) + "</ul>")

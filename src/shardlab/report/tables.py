@@ -252,7 +252,8 @@ PIN_COLUMNS = [
 
 def pin_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("pin-memory") and (c.strategy.endswith("_offload") or c.strategy == "infinity")]
-    groups = _groups(members, lambda c: _config_key(c, IGNORED + ("strategy_options.pin_memory",)))
+    # batch keys left out: a failed run's config is unresolved; footing differences are flagged instead
+    groups = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
     rows = []
     for group in groups.values():
         pinned = [c for c in group if c.pinned]
@@ -303,7 +304,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("offload") and _stage(c.strategy) is not None]
 
     def key(c: Cell) -> str:
-        return _config_key(c, IGNORED + ("strategy", "strategy_options.pin_memory"))
+        return _config_key(c, IGNORED + BATCH + ("strategy", "strategy_options.pin_memory"))
 
     rows = []
     savings_known = False
@@ -329,6 +330,8 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
                     row["flags"] = f"vs {ref.label}: {', '.join(diff)}" if diff else ""
                 elif c is not ref and ref is None:
                     row["flags"] = "no run of this stage without offload to compare with"
+                elif c is not ref and c.ok and not ref.ok:
+                    row["flags"] = f"no comparison: {ref.label} did not run ({_status(ref)})"
                 rows.append(row)
     if not rows:
         return []

@@ -22,8 +22,10 @@ if [[ -d "$BENCH/report" ]]; then
   cp "$BENCH/report/report.md" "$OUT/$NAME.md"
   cp "$BENCH/report/report.html" "$OUT/$NAME.html"
 fi
-(cd "$BENCH" && tar czf "$OUT/$NAME.tgz" bench.json cells logs report \
-   $(find runs -maxdepth 3 \( -name summary.json -o -name config.yaml -o -name metrics.jsonl -o -name env.json \
-                              -o -name gpu_memory.csv -o -name cpu_memory.csv \) 2>/dev/null))
+if [[ -d "$BENCH" ]]; then  # whatever exists, also after a bench cut short
+  (cd "$BENCH" && tar czf "$OUT/$NAME.tgz" $(ls -d bench.json cells logs report 2>/dev/null) \
+     $(find runs -maxdepth 3 \( -name summary.json -o -name config.yaml -o -name metrics.jsonl -o -name env.json \
+                                -o -name gpu_memory.csv -o -name cpu_memory.csv \) 2>/dev/null)) || true
+fi
 ls -la "$OUT"
 exit "$rc"

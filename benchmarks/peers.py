@@ -269,6 +269,8 @@ def run_shardlab(args) -> list[dict]:
     log(" ".join(argv))
     with open(args.out / "shardlab-bench.log", "w") as f:
         subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout * 5)
+    if not (bench_dir / "bench.json").is_file():
+        return [{"peer": "shardlab", "error": "shardlab bench did not start (see shardlab-bench.log)"}]
     state = json.loads((bench_dir / "bench.json").read_text())
     out = []
     for cell in state["cells"]:

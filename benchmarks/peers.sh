@@ -15,6 +15,6 @@ python3 benchmarks/peers.py --model "$MODEL" --strategy "$STRATEGY" --steps "$ST
 rc=${PIPESTATUS[0]}
 set -e
 cp "$P/peers.md" "$P/peers.json" "$OUT/" 2>/dev/null || true
-(cd "$P" && tar czf "$OUT/peers.tgz" *.log *.json *.yaml bench/bench.json bench/report bench/logs \
-   $(find bench/runs -maxdepth 3 \( -name summary.json -o -name config.yaml -o -name gpu_memory.csv -o -name cpu_memory.csv \) 2>/dev/null))
+(cd "$P" && tar czf "$OUT/peers.tgz" $(ls -d *.log *.json *.yaml bench/bench.json bench/report bench/logs 2>/dev/null) \
+   $(find bench/runs -maxdepth 3 \( -name summary.json -o -name config.yaml -o -name gpu_memory.csv -o -name cpu_memory.csv \) 2>/dev/null)) || true
 exit "$rc"

@@ -22,6 +22,7 @@ import yaml
 from shardlab.bench import Overrides, expand, load_suite, plan_cells
 from shardlab.bench.matrix import Suite
 from shardlab.bench.runner import run_one
+from shardlab.cli import main
 from shardlab.errors import UserError
 from shardlab.report.load import Run
 from shardlab.report.tables import cpu_csv_stats
@@ -274,10 +275,10 @@ def test_memory_tables(bench):
     assert row["processes"] >= 3
 
 
-def test_report_of_loose_run_dirs_flags_batch_and_token_differences(bench, tmp_path):
+def test_report_of_loose_run_dirs_flags_batch_and_token_differences(bench, tmp_path, capsys):
     out = tmp_path / "r"
-    proc = shardlab("report", str(bench.out / "runs/zero2/r1"), str(bench.out / "runs/dp-mb1/r1"), "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr
+    assert main(["report", str(bench.out / "runs/zero2/r1"), str(bench.out / "runs/dp-mb1/r1"), "--output-dir", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"report: {out / 'report.md'}")
     (table,) = [t for t in json.loads((out / "tables.json").read_text()) if t["key"] == "strategies"]
     row = next(r for r in table["rows"] if r["strategy"] == "zero2")
     assert row["vs_dp"] is None and row["vs_dp_baseline"] == "no DP run on equal footing"
@@ -354,12 +355,18 @@ def test_html_report_renders_in_headless_chromium_with_its_images(bench, tmp_pat
 # bad input
 
 
-def test_report_errors_are_one_line(tmp_path):
-    for args in (["report", str(tmp_path / "missing")], ["report", str(tmp_path)]):
-        proc = shardlab(*args)
-        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    proc = shardlab("bench", "--suite", "no-such-suite")
-    assert proc.returncode == 2 and "unknown bench suite 'no-such-suite'" in proc.stderr
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    cases = [(["report", str(tmp_path / "missing")], "does not exist"),
+             (["report", str(tmp_path)], "is neither a bench directory (bench.json) nor a run directory"),
+             (["bench", "--suite", "no-such-suite"], "unknown bench suite 'no-such-suite'"),
+             (["bench", "--gpus", "one,two", "--dry-run"], "is not a comma-separated list of int"),
+             (["bench", "--precision", "bf17", "--dry-run"], "invalid value for 'precision'"),
+             (["bench", "--repeats", "0", "--dry-run"], "--repeats 0 must be at least 1")]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (args, err)
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_bench_refuses_a_comparison_that_is_not_on_equal_footing():
@@ -387,3 +394,35 @@ def test_builtin_suites_expand_on_equal_footing():
         assert load_suite(name).description and plan_cells([name])
     assert len(plan_cells(["pin-memory", "offload"])) == 6  # the pinned offload cells are shared
     assert [c.label for c in plan_cells(["strategies"])] == ["dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp", "dp-fp32"]
+
+
+def _as_gpu_run(src: Path, dst: Path, peak_gib: float, reserved_gib: float, used_mib: list[float]) -> None:
+    """Fixture: a real CPU run dir given the GPU fields a GPU run would have (a CPU cannot measure them)."""
+    shutil.copytree(src, dst)
+    s = json.loads((dst / "summary.json").read_text())
+    s.update(device_type="cuda", gpu_mem_peak_gib=peak_gib, gpu_mem_peak_reserved_gib=reserved_gib)
+    (dst / "summary.json").write_text(json.dumps(s))
+    rows = ["timestamp,index,name,memory.used [MiB],memory.total [MiB],utilization.gpu [%]"]
+    rows += [f"2026/11/21 10:00:0{i}.000,0,NVIDIA H100 80GB HBM3,{u},81559,{90 if i else 0}" for i, u in enumerate(used_mib)]
+    (dst / "gpu_memory.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_gpu_columns_mem_savings_and_the_stacked_memory_plot(bench, tmp_path):
+    _as_gpu_run(bench.out / "runs/zero2/r1", tmp_path / "zero2", 20.22, 23.05, [512, 20_000, 24_576])
+    _as_gpu_run(bench.out / "runs/zero2_offload-pinned/r1", tmp_path / "zero2_offload", 16.35, 18.77, [512, 17_000, 20_480])
+    from shardlab.report import build
+    from shardlab.report.render import to_markdown
+
+    cells, tables, plots, advice = build([tmp_path / "zero2", tmp_path / "zero2_offload"])
+    (off,) = [t for t in tables if t.key == "offload"]
+    row = next(r for r in off.rows if r["offload"].startswith("yes"))
+    assert row["mem_savings_pct"] == pytest.approx((20.22 - 16.35) / 20.22 * 100)  # (no-offload - offload) / no-offload
+    assert "Mem Savings %" in to_markdown(off) and "19.1" in to_markdown(off)
+    (gpu,) = [t for t in tables if t.key == "gpu-memory"]
+    g = next(r for r in gpu.rows if r["label"] == "zero2")
+    assert (g["nvml_peak_gib"].median, g["nvml_min_gib"].median) == (24.0, 0.5)
+    assert g["nvml_mean_gib"].median == pytest.approx((512 + 20_000 + 24_576) / 3 / 1024)
+    assert g["util_mean"].median == 60.0
+    assert {p.name for p in plots} >= {"memory", "gpu_memory_time"}
+    assert next(p for p in plots if p.name == "memory").title == "Peak GPU memory per run"  # stacked: allocated, cache, outside torch
+    assert any("saved 19% of peak GPU memory" in line for line in advice)

@@ -126,9 +126,9 @@ def matmul_params(model: Any) -> int:
 
 def attention_width(hf_config: Any) -> tuple[int, int]:
     """(layers, heads x head width) from a transformers config."""
-    layers = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer")
-    hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd")
-    heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head")
+    layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
+    heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return int(layers), int(heads * head_dim)
 

@@ -191,7 +191,7 @@ STRATEGY_COLUMNS = [
 def strategy_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("strategies")]
     tables = []
-    for (model, world), group in _groups(members, lambda c: (c.model, c.world)).items():
+    for group in _groups(members, lambda c: (c.model, c.world)).values():
         if len(group) < 2:
             continue
         dps = [c for c in group if c.strategy == "dp" and c.ok]

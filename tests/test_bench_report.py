@@ -379,7 +379,7 @@ def test_bench_refuses_a_comparison_that_is_not_on_equal_footing():
     assert [c.label for c in expand([suite])] == ["dp", "zero2", "long"]
 
 
-def test_bench_flags_override_the_suites():
+def test_bench_flags_override_the_suites(capsys):
     cells = plan_cells(["strategies"], Overrides(axes={"strategy": ["dp", "zero2"], "gpus": [1, 2]}, base={"max_steps": 7}))
     assert [c.label for c in cells] == ["dp-g1", "dp-g2", "zero2-g1", "zero2-g2", "dp-fp32-g1", "dp-fp32-g2"]
     assert {c.config["max_steps"] for c in cells} == {7}
@@ -387,6 +387,10 @@ def test_bench_flags_override_the_suites():
     assert [c.label for c in plan_cells(["strategies"], Overrides(axes={"strategy": ["zero3"]}))] == ["zero3"]  # dp-fp32 dropped
     with pytest.raises(UserError, match="unknown config key 'no_such_key'"):
         plan_cells(["quick"], Overrides(base={"no_such_key": 1}))
+    assert main(["bench", "--suite", "strategies", "--strategies", "zero2_offload", "--axis", "strategy_options.pin_memory=true,false",
+                 "--axis", "compile=false", "--max-steps", "9", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["zero2_offload-pinned", "zero2_offload-unpinned"] and all("steps 9" in x for x in lines)
 
 
 def test_builtin_suites_expand_on_equal_footing():

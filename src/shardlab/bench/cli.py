@@ -36,6 +36,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--precision", default=None, help="precision of every cell except those whose point is another one")
     b.add_argument("--device", default=None, help="auto, cuda or cpu")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any RunConfig key for every cell")
+    b.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2",
+                   help="any RunConfig key as an axis of the matrix, e.g. --axis strategy_options.pin_memory=true,false "
+                        "or --axis compile=false,true (replaces that axis in every part)")
     b.add_argument("--cell-timeout", type=float, default=3600.0, help="seconds before a run is stopped and recorded as failed")
     b.add_argument("--rerun", action="store_true", help="run every repeat again (default: keep finished runs of the same config)")
     b.add_argument("--no-report", action="store_true", help="do not write the report at the end")
@@ -65,6 +68,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     base = {k: v for k, v in (("max_steps", args.max_steps), ("seq_len", args.seq_len), ("precision", args.precision),
                               ("device", args.device)) if v is not None}
     base.update(_parse_set(args.set))
+    for item in args.axis:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise UserError(f"--axis {item!r} is not of the form KEY=V1,V2", "write e.g. --axis strategy_options.pin_memory=true,false")
+        axes[key.strip()] = [_parse_set([f"v={v}"])["v"] for v in values.split(",") if v.strip()]
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats {args.repeats} must be at least 1", "pass --repeats 1 or more")
     overrides = Overrides(axes=axes, base=base, repeats=args.repeats)

@@ -55,6 +55,16 @@ $(STAMP): pyproject.toml
 	  echo "setup: NOTE: libaio-dev is missing; strategy 'infinity' (NVMe offload) needs it:"; \
 	  echo "       sudo apt-get install libaio-dev   (tests of infinity are skipped until then)"; \
 	fi
+	@# 2b. chromium: the headless browser that renders `shardlab report`'s HTML page in tests/test_bench_report.py.
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  echo "setup: chromium present (the HTML report test renders in it)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "setup: installing chromium with apt-get (headless check of the HTML report)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	    || echo "setup: NOTE: apt-get could not install chromium; the HTML report rendering test is skipped"; \
+	else \
+	  echo "setup: NOTE: chromium is missing; the HTML report rendering test is skipped until: sudo apt-get install chromium"; \
+	fi
 	@# 3. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
 	$(PIP) install -e ".[test]"
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)

@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .pipesim.cli import add_pipeline_parser
 
     add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
+    from .bench.cli import add_bench_parser, add_report_parser
+
+    add_bench_parser(sub)  # `bench`: a matrix of runs
+    add_report_parser(sub)  # `report`: tables, plots, HTML from run directories
     return parser
 
 
@@ -208,7 +212,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan}[args.command](args)
+        from .bench.cli import cmd_bench, cmd_report
+
+        {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report}[args.command](args)
     return status.code
 
 

@@ -135,6 +135,7 @@ class RunConfig(_Strict):
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
     export: bool = Field(True, description="save the final model in HF format under output_dir/model")
+    monitor_interval_s: float = Field(0.5, gt=0, description="seconds between GPU (NVML) and process-tree (psutil) memory samples")
     tensorboard: bool = False
     wandb: bool = False
     profile: bool = Field(False, description="torch.profiler trace of a few steady-state steps into output_dir/profile")

@@ -91,11 +91,19 @@ def train(cfg: RunConfig):
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
-    if in_launched_job() or nproc * cfg.nodes == 1:
-        from .trainer import run_worker
+    from .monitor import watch
 
-        return run_worker(cfg)
-    return spawn(cfg, nproc)
+    result = None
+    with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
+        if in_launched_job() or nproc * cfg.nodes == 1:
+            from .trainer import run_worker
+
+            result = run_worker(cfg)
+        else:
+            spawn(cfg, nproc)
+    if result is not None and watched.result:
+        result.summary.update(watched.result)
+    return result
 
 
 def quiet_engines(device_type: str) -> None:

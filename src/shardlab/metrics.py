@@ -63,6 +63,37 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
     return out
 
 
+def gather_rank_memory(env) -> list[dict[str, float]]:
+    """Every rank's memory_snapshot (allocated / reserved / peaks on GPU, RSS on CPU), collected on all ranks."""
+    snap = memory_snapshot(env.device)
+    keys = sorted(snap)
+    values = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
+    gathered = [values]
+    if env.is_distributed:
+        import torch.distributed as dist
+
+        gathered = [torch.zeros_like(values) for _ in range(env.world_size)]
+        dist.all_gather(gathered, values)
+    return [{"rank": r, **{k: round(v, 4) for k, v in zip(keys, t.tolist())}} for r, t in enumerate(gathered)]
+
+
+def run_stats(summary: dict[str, Any], model_info: dict[str, Any], env, steps_per_epoch: int) -> dict[str, Any]:
+    """Summary keys beyond throughput: MFU, the time of one whole epoch at the measured rate, per-rank memory.
+
+    Collective (every rank calls it). The epoch time is projected from the median step time
+    (warm-up excluded), so runs capped by --max-steps still report a comparable "time per epoch".
+    """
+    from . import mfu
+
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+    out = mfu.summary_fields(summary, model_info, device_name, tf32_enabled=torch.get_float32_matmul_precision() != "highest")
+    med = summary.get("step_time_median_s")
+    out["steps_per_epoch"] = steps_per_epoch
+    out["epoch_time_projected_s"] = steps_per_epoch * med if med else None
+    out["memory_per_rank"] = gather_rank_memory(env)
+    return out
+
+
 def throughput(step_times: list[float], tokens_per_step: int, useful_tokens_per_step: float, samples_per_step: int) -> dict[str, float]:
     if not step_times:
         return {}

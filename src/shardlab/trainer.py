@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, metrics
+from . import checkpoint, metrics, mfu
 from .config import RunConfig, dump_config
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
@@ -278,6 +278,7 @@ class Trainer:
         model = build_model(cfg)
         apply_dropout(model, cfg.dropout)
         info = model_summary(model)
+        info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         strategy.setup(model, total_steps)
@@ -424,6 +425,7 @@ class Trainer:
             "epochs": epochs_summary,
             **strategy.summary_extras(),
         }
+        summary.update(metrics.run_stats(summary, model_info, env, self._steps_per_epoch(stage_loaders[-1][0])))
         if env.is_main:
             print_summary(summary)
         return summary

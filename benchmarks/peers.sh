@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: shardlab against HF Trainer + DeepSpeed and the bare PyTorch loop (benchmarks/peers.py).
+#   bash benchmarks/peers.sh [MODEL] [STRATEGY] [STEPS] [more peers.py flags, e.g. --compile]
+#   e.g. bash benchmarks/peers.sh gpt2-medium zero2 40          # ~7 min on an H100; --compile adds ~3 min
+# $OUT gets peers.md (ratios), peers.json and peers.tgz (every log, shardlab's bench report and run summaries).
+set -euo pipefail
+MODEL="${1:-gpt2-medium}"; STRATEGY="${2:-zero2}"; STEPS="${3:-40}"; shift $(( $# < 3 ? $# : 3 ))
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+bash benchmarks/install_gpu_deps.sh
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+P=/tmp/peers
+set +e
+python3 benchmarks/peers.py --model "$MODEL" --strategy "$STRATEGY" --steps "$STEPS" --out "$P" "$@" 2>&1 | tee "$OUT/peers.log"
+rc=${PIPESTATUS[0]}
+set -e
+cp "$P/peers.md" "$P/peers.json" "$OUT/" 2>/dev/null || true
+(cd "$P" && tar czf "$OUT/peers.tgz" $(ls -d *.log *.json *.yaml bench/bench.json bench/report bench/logs 2>/dev/null) \
+   $(find bench/runs -maxdepth 3 \( -name summary.json -o -name config.yaml -o -name gpu_memory.csv -o -name cpu_memory.csv \) 2>/dev/null)) || true
+exit "$rc"

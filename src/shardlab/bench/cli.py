@@ -1,0 +1,106 @@
+"""`shardlab bench` and `shardlab report`: argument parsing in front of the library calls."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def _csv_list(typ):
+    def parse(text: str) -> list:
+        try:
+            return [typ(t.strip()) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {typ.__name__}") from None
+
+    return parse
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="run a matrix of training runs (strategies x models x micro batch x GPUs x options) "
+                                     "and write the report", description="Each cell is a fresh `shardlab train` process with its own "
+                                     "run directory under --output-dir; failing cells are recorded and the matrix goes on.")
+    b.add_argument("--suite", action="append", default=[], metavar="NAME|FILE",
+                   help="built-in suite (quick, strategies, pin-memory, offload, weak-scaling, strong-scaling) or a suite "
+                        "YAML; repeat to run several into one bench (shared cells run once). Default: quick")
+    b.add_argument("--output-dir", "-o", default=None, help="bench directory (default: runs/bench-SUITE)")
+    b.add_argument("--repeats", type=int, default=None, help="runs per cell (medians and min-max in the report)")
+    b.add_argument("--models", type=_csv_list(str), default=None, help="models axis, e.g. gpt2-medium,bloom-560m")
+    b.add_argument("--strategies", type=_csv_list(str), default=None, help="strategies axis, e.g. dp,zero2,fsdp")
+    b.add_argument("--gpus", type=_csv_list(int), default=None, help="GPU-count axis, e.g. 1,2,4 (worker processes on CPU)")
+    b.add_argument("--micro-batch", type=_csv_list(int), default=None, help="micro-batch axis, e.g. 4,8")
+    b.add_argument("--max-steps", type=int, default=None, help="optimizer steps per run")
+    b.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    b.add_argument("--precision", default=None, help="precision of every cell except those whose point is another one")
+    b.add_argument("--device", default=None, help="auto, cuda or cpu")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any RunConfig key for every cell")
+    b.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2",
+                   help="any RunConfig key as an axis of the matrix, e.g. --axis strategy_options.pin_memory=true,false "
+                        "or --axis compile=false,true (replaces that axis in every part)")
+    b.add_argument("--cell-timeout", type=float, default=3600.0, help="seconds before a run is stopped and recorded as failed")
+    b.add_argument("--rerun", action="store_true", help="run every repeat again (default: keep finished runs of the same config)")
+    b.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    b.add_argument("--dry-run", action="store_true", help="list the cells and their configs; run nothing")
+    b.add_argument("--list", action="store_true", help="list the built-in suites")
+
+
+def add_report_parser(sub) -> None:
+    r = sub.add_parser("report", help="tables, plots and an HTML page from bench or run directories (never trains)")
+    r.add_argument("paths", nargs="+", metavar="RUN_DIR", help="bench directories (bench.json) and/or run directories (summary.json)")
+    r.add_argument("--output-dir", "-o", default=None, help="where the report goes (default: BENCH_DIR/report for one bench dir, else ./report)")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from . import Overrides, bench, builtin_suites, load_suite, plan_cells
+    from .matrix import footing
+
+    if args.list:
+        for name, path in sorted(builtin_suites().items()):
+            print(f"{name:16s} {load_suite(str(path)).description}")
+        return
+    from ..cli import _parse_set
+
+    suites = args.suite or ["quick"]
+    axes = {k: v for k, v in (("model", args.models), ("strategy", args.strategies), ("gpus", args.gpus),
+                              ("micro_batch", args.micro_batch)) if v}
+    base = {k: v for k, v in (("max_steps", args.max_steps), ("seq_len", args.seq_len), ("precision", args.precision),
+                              ("device", args.device)) if v is not None}
+    base.update(_parse_set(args.set))
+    for item in args.axis:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise UserError(f"--axis {item!r} is not of the form KEY=V1,V2", "write e.g. --axis strategy_options.pin_memory=true,false")
+        axes[key.strip()] = [_parse_set([f"v={v}"])["v"] for v in values.split(",") if v.strip()]
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats} must be at least 1", "pass --repeats 1 or more")
+    overrides = Overrides(axes=axes, base=base, repeats=args.repeats)
+    out = Path(args.output_dir or f"runs/bench-{'-'.join(Path(s).stem for s in suites)}")
+    if args.dry_run:
+        for c in plan_cells(suites, overrides):
+            f = footing(c.config)
+            print(f"{c.label:28s} x{c.repeats}  {', '.join(c.parts)}  precision {f['precision']}, global batch {f['global_batch']}, "
+                  f"seq {f['seq_len']}, steps {f['steps']}" + (f"  (differs on purpose: {', '.join(c.differs)})" if c.differs else ""))
+        return
+    state = bench(suites, out, overrides, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report)
+    failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
+    print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from ..report import write_report
+
+    paths = [Path(p) for p in args.paths]
+    if args.output_dir:
+        out = Path(args.output_dir)
+    elif len(paths) == 1 and (paths[0] / "bench.json").is_file():
+        out = paths[0] / "report"
+    else:
+        out = Path("report")
+    written = write_report(paths, out)
+    print(f"report: {written['markdown']}, {written['html']}, {written['json']}, {out / 'tables'}/*.csv, {out / 'plots'}/*.png")
+
+
+__all__ = ["add_bench_parser", "add_report_parser", "cmd_bench", "cmd_report"]

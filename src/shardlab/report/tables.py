@@ -1,0 +1,516 @@
+"""The seed tutorials' tables, computed from run directories, with the equal-footing rule applied.
+
+Equal footing: two runs are compared (a ratio, a saving, a speed-up) only when they agree on
+precision, global batch, sequence length and tokens trained (weak scaling: per-GPU batch and steps
+instead of the global batch and tokens). A comparison across runs that differ is still shown, as
+the seeds show it, but flagged with what differs, and the equal-footing value stands next to it.
+
+Every figure of a cell is the median over its repeats; ``Spread`` keeps the min-max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .load import Cell, Run, Spread, spread
+
+FOOTING = ("precision", "global_batch", "seq_len", "tokens")
+WEAK_FOOTING = ("precision", "micro_batch", "seq_len", "steps")
+FLAG = "\u26a0"  # warning sign
+
+
+@dataclass
+class Column:
+    key: str
+    title: str
+    kind: str = "num"  # num | int | pct | ratio | text | gib | gb
+
+
+@dataclass
+class Table:
+    key: str  # strategies | pin-memory | offload | weak-scaling | strong-scaling | gpu-memory | cpu-memory | plan | runs
+    title: str
+    columns: list[Column]
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("flags")]
+
+
+# --------------------------------------------------------------------------------------------------
+# figures of a run / a cell
+
+
+def _nested(run: Run, *keys: str) -> Any:
+    node: Any = run.summary
+    for k in keys:
+        node = node[k]
+    return node
+
+
+def _f(row: dict[str, str], *names: str) -> float | None:
+    for n in names:
+        if row.get(n) not in (None, ""):
+            try:
+                return float(row[n])
+            except ValueError:
+                return None
+    return None
+
+
+def gpu_csv_stats(run: Run) -> dict[str, float] | None:
+    """nvidia-smi-style CSV -> GiB: the busiest GPU's peak, the mean over GPUs, the lowest minimum, mean utilisation."""
+    per: dict[str, list[float]] = {}
+    util: list[float] = []
+    for row in run.gpu_samples:
+        used = _f(row, "memory.used [MiB]", " memory.used [MiB]")
+        if used is None:
+            continue
+        per.setdefault(str(row.get("index", "0")).strip(), []).append(used / 1024)
+        u = _f(row, "utilization.gpu [%]", " utilization.gpu [%]")
+        if u is not None:
+            util.append(u)
+    if not per:
+        return None
+    means = [sum(v) / len(v) for v in per.values()]
+    return {"peak": max(max(v) for v in per.values()), "mean": sum(means) / len(means), "min": min(min(v) for v in per.values()),
+            "util_mean": sum(util) / len(util) if util else None, "gpus": len(per), "samples": min(len(v) for v in per.values())}
+
+
+def cpu_csv_stats(run: Run) -> dict[str, float] | None:
+    """psrecord-style CSV -> real/virtual GB peak and mean, CPU % mean and peak (after the first sample)."""
+    real, virt, cpu = [], [], []
+    for i, row in enumerate(run.cpu_samples):
+        r = _f(row, "Real (MB)")
+        if r is None:
+            continue
+        real.append(r / 1e3)
+        virt.append((_f(row, "Virtual (MB)") or 0) / 1e3)
+        if i:
+            cpu.append(_f(row, "CPU (%)") or 0.0)
+    if not real:
+        return None
+    return {"real_peak": max(real), "real_mean": sum(real) / len(real), "virtual_peak": max(virt),
+            "cpu_mean": sum(cpu) / len(cpu) if cpu else None, "cpu_peak": max(cpu) if cpu else None, "samples": len(real)}
+
+
+def tokens(c: Cell) -> Spread | None:
+    return c.stat("useful_tokens_per_s")
+
+
+def epoch_time(c: Cell) -> Spread | None:
+    return c.stat("epoch_time_projected_s")
+
+
+def torch_peak(c: Cell) -> Spread | None:
+    return c.stat("gpu_mem_peak_gib")
+
+
+def nvml(c: Cell, what: str) -> Spread | None:
+    return c.stat(lambda r: (gpu_csv_stats(r) or {})[what])
+
+
+def cpu(c: Cell, what: str) -> Spread | None:
+    return c.stat(lambda r: (cpu_csv_stats(r) or {})[what])
+
+
+def med(s: Spread | None) -> float | None:
+    return s.median if s is not None else None
+
+
+def ratio(a: Spread | None, b: Spread | None) -> float | None:
+    if a is None or b is None or not b.median:
+        return None
+    return a.median / b.median
+
+
+def pct_change(new: Spread | None, old: Spread | None) -> float | None:
+    r = ratio(new, old)
+    return None if r is None else (r - 1.0) * 100.0
+
+
+def differences(a: Cell, b: Cell, keys: tuple[str, ...] = FOOTING) -> list[str]:
+    fa, fb = a.footing(), b.footing()
+    return [f"{k} {fa.get(k)} vs {fb.get(k)}" for k in keys if fa.get(k) != fb.get(k)]
+
+
+def _status(c: Cell) -> str:
+    if c.ok:
+        failed = [f for f in c.failures if f.get("status") == "failed"]
+        return "ok" if not failed else f"ok ({len(c.runs)} of {c.repeats} repeats; {failed[0].get('reason')})"
+    f = next((f for f in c.failures if f.get("status") == "failed"), c.failures[0] if c.failures else {})
+    kind = f.get("kind")
+    return f"FAILED{f' ({kind})' if kind else ''}: {f.get('reason', 'unknown')}"
+
+
+def _config_key(c: Cell, drop: tuple[str, ...]) -> str:
+    import yaml
+
+    def strip(node: Any, prefix: str = "") -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v, f"{prefix}{k}.") for k, v in node.items() if f"{prefix}{k}" not in drop}
+        return node
+
+    return yaml.safe_dump(strip(c.config), sort_keys=True)
+
+
+IGNORED = ("output_dir", "resume", "monitor_interval_s", "log_every", "seed", "tensorboard", "wandb", "wandb_project")
+BATCH = ("micro_batch", "grad_accum", "global_batch")
+
+
+def _groups(cells: list[Cell], key: Callable[[Cell], Any]) -> dict[Any, list[Cell]]:
+    out: dict[Any, list[Cell]] = {}
+    for c in cells:
+        out.setdefault(key(c), []).append(c)
+    return out
+
+
+def _where(c: Cell) -> str:
+    unit = "GPU" if c.device_type == "cuda" else "process"
+    return f"{c.model}, {c.world} {unit}{'s' if c.world != 1 else ''}" + (" (CPU)" if c.device_type == "cpu" else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# strategy comparison
+
+
+STRATEGY_COLUMNS = [
+    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("precision", "Precision", "text"),
+    Column("global_batch", "Global batch", "int"), Column("epoch_time_s", "Time/epoch (s)"),
+    Column("useful_tokens_per_s", "Useful tok/s"), Column("gpu_peak_gib", "Peak GPU mem (GiB)", "gib"),
+    Column("cpu_rss_peak_gb", "Peak CPU RSS (GB)", "gb"), Column("final_loss", "Final loss"),
+    Column("eval_loss", "Eval loss"), Column("mfu_pct", "MFU %", "pct"), Column("vs_dp", "Speed vs DP", "ratio"),
+    Column("vs_dp_baseline", "DP baseline", "text"), Column("flags", f"{FLAG} Not on equal footing", "text"),
+    Column("status", "Status", "text"),
+]
+
+
+def strategy_tables(cells: list[Cell]) -> list[Table]:
+    members = [c for c in cells if c.in_part("strategies")]
+    tables = []
+    for group in _groups(members, lambda c: (c.model, c.world)).values():
+        if len(group) < 2:
+            continue
+        dps = [c for c in group if c.strategy == "dp" and c.ok]
+        rows = []
+        for c in group:
+            row = _basic_row(c)
+            if c.ok:
+                honest = [d for d in dps if not differences(c, d)]
+                base = c if c in honest else (honest[0] if honest else None)
+                row["vs_dp"] = ratio(tokens(c), tokens(base)) if base else None
+                row["vs_dp_baseline"] = base.label if base else ("no DP run on equal footing" if dps else "no DP run")
+                flags = []
+                for d in dps:
+                    diff = differences(c, d)
+                    if diff:
+                        r = ratio(tokens(c), tokens(d))
+                        honest_txt = f"; on equal footing: {row['vs_dp']:.2f}x vs {base.label}" if base and row["vs_dp"] else "; no equal-footing DP run"
+                        flags.append(f"{r:.2f}x vs {d.label} ({', '.join(diff)}{honest_txt})" if r else f"vs {d.label}: {', '.join(diff)}")
+                row["flags"] = " | ".join(flags)
+            rows.append(row)
+        t = Table("strategies", f"Strategy comparison: {_where(group[0])}", STRATEGY_COLUMNS, rows, [
+            "Time/epoch = steps per epoch x median step time (warm-up steps excluded); useful tokens = non-pad tokens.",
+            "Peak GPU mem = torch.cuda.max_memory_allocated, the largest over ranks (NVML's figure, with the CUDA context and "
+            "allocator cache, is in the GPU memory table).",
+            "Speed vs DP = useful tokens/s over those of the DP run with the same precision, global batch, sequence length and tokens.",
+        ])
+        tables.append(t)
+    return tables
+
+
+def _basic_row(c: Cell) -> dict[str, Any]:
+    f = c.footing()
+    mfu = c.stat("mfu")
+    return {
+        "label": c.label, "strategy": c.strategy, "precision": f["precision"], "global_batch": f["global_batch"],
+        "micro_batch": f["micro_batch"], "seq_len": f["seq_len"], "steps": f["steps"], "gpus": c.world,
+        "epoch_time_s": epoch_time(c), "useful_tokens_per_s": tokens(c), "tokens_per_s": c.stat("tokens_per_s"),
+        "gpu_peak_gib": torch_peak(c), "cpu_rss_peak_gb": cpu(c, "real_peak"), "final_loss": c.stat("final_train_loss"),
+        "eval_loss": c.stat("final_eval_loss"), "mfu_pct": Spread(mfu.median * 100, mfu.low * 100, mfu.high * 100, mfu.n) if mfu else None,
+        "flags": "", "status": _status(c),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# pinned vs pageable offload buffers
+
+
+PIN_COLUMNS = [
+    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("pinned", "Pinned", "text"),
+    Column("gpu_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("nvml_peak_gib", "GPU mem used peak (GiB, NVML)", "gib"),
+    Column("cpu_rss_peak_gb", "Peak CPU RSS (GB)", "gb"), Column("cpu_rss_mean_gb", "Mean CPU RSS (GB)", "gb"),
+    Column("cpu_pct_mean", "Mean CPU %", "num"), Column("useful_tokens_per_s", "Useful tok/s"),
+    Column("epoch_time_s", "Time/epoch (s)"), Column("runtime_delta_pct", "Runtime \u0394 % vs pinned", "pct"),
+    Column("cpu_rss_delta_pct", "CPU RSS \u0394 % vs pinned", "pct"), Column("flags", f"{FLAG} Not on equal footing", "text"),
+    Column("status", "Status", "text"),
+]
+
+
+def pin_tables(cells: list[Cell]) -> list[Table]:
+    members = [c for c in cells if c.in_part("pin-memory") and (c.strategy.endswith("_offload") or c.strategy == "infinity")]
+    # batch keys left out: a failed run's config is unresolved; footing differences are flagged instead
+    groups = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
+    rows = []
+    for group in groups.values():
+        pinned = [c for c in group if c.pinned]
+        unpinned = [c for c in group if not c.pinned]
+        if not pinned or not unpinned:
+            continue
+        ref = pinned[0]
+        for c in pinned + unpinned:
+            row = _basic_row(c)
+            row.update(pinned="yes" if c.pinned else "no", nvml_peak_gib=nvml(c, "peak"), cpu_rss_mean_gb=cpu(c, "real_mean"),
+                       cpu_pct_mean=cpu(c, "cpu_mean"))
+            if c is not ref and c.ok and ref.ok:
+                row["runtime_delta_pct"] = pct_change(epoch_time(c), epoch_time(ref))
+                row["cpu_rss_delta_pct"] = pct_change(cpu(c, "real_peak"), cpu(ref, "real_peak"))
+                diff = differences(c, ref)
+                row["flags"] = f"vs {ref.label}: {', '.join(diff)}" if diff else ""
+            rows.append(row)
+    if not rows:
+        return []
+    return [Table("pin-memory", f"Pinned vs pageable CPU-offload buffers: {_where(members[0])}", PIN_COLUMNS, rows, [
+        "Runtime \u0394 % = (time/epoch unpinned - pinned) / pinned; CPU RSS summed over the launcher and all ranks (psutil).",
+    ])]
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO stage with and without offload
+
+
+OFFLOAD_COLUMNS = [
+    Column("label", "Run", "text"), Column("stage", "ZeRO stage", "text"), Column("offload", "Offload", "text"),
+    Column("gpu_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("cpu_rss_peak_gb", "Peak CPU RSS (GB)", "gb"),
+    Column("epoch_time_s", "Time/epoch (s)"), Column("useful_tokens_per_s", "Useful tok/s"),
+    Column("mem_savings_pct", "Mem Savings %", "pct"), Column("runtime_delta_pct", "Runtime \u0394 %", "pct"),
+    Column("cpu_rss_delta_pct", "CPU RSS \u0394 %", "pct"), Column("flags", f"{FLAG} Not on equal footing", "text"),
+    Column("status", "Status", "text"),
+]
+
+
+def _stage(strategy: str) -> str | None:
+    if strategy.startswith("zero") and strategy[4:5].isdigit():
+        return strategy[4]
+    if strategy.startswith("fsdp"):
+        return "fsdp"
+    return None
+
+
+def offload_tables(cells: list[Cell]) -> list[Table]:
+    members = [c for c in cells if c.in_part("offload") and _stage(c.strategy) is not None]
+
+    def key(c: Cell) -> str:
+        return _config_key(c, IGNORED + BATCH + ("strategy", "strategy_options.pin_memory"))
+
+    rows = []
+    savings_known = False
+    for group in _groups(members, key).values():
+        for stage in sorted({_stage(c.strategy) for c in group}):
+            plain = [c for c in group if _stage(c.strategy) == stage and not c.strategy.endswith("_offload")]
+            off = [c for c in group if _stage(c.strategy) == stage and c.strategy.endswith("_offload")]
+            if not plain and not off:
+                continue
+            ref = plain[0] if plain else None
+            for c in plain[:1] + off:
+                row = _basic_row(c)
+                row.update(stage=f"ZeRO-{stage}" if stage.isdigit() else "FSDP",
+                           offload="no" if c is ref else ("yes (pinned)" if c.pinned else "yes (pageable)"))
+                if c is not ref and ref is not None and c.ok and ref.ok:
+                    gpu_old, gpu_new = med(torch_peak(ref)), med(torch_peak(c))
+                    if gpu_old and gpu_new is not None:
+                        row["mem_savings_pct"] = (gpu_old - gpu_new) / gpu_old * 100.0
+                        savings_known = True
+                    row["runtime_delta_pct"] = pct_change(epoch_time(c), epoch_time(ref))
+                    row["cpu_rss_delta_pct"] = pct_change(cpu(c, "real_peak"), cpu(ref, "real_peak"))
+                    diff = differences(c, ref)
+                    row["flags"] = f"vs {ref.label}: {', '.join(diff)}" if diff else ""
+                elif c is not ref and ref is None:
+                    row["flags"] = "no run of this stage without offload to compare with"
+                elif c is not ref and c.ok and not ref.ok:
+                    row["flags"] = f"no comparison: {ref.label} did not run ({_status(ref)})"
+                rows.append(row)
+    if not rows:
+        return []
+    notes = ["Mem Savings % = (peak GPU memory without offload - with offload) / without offload, peak = torch max_memory_allocated.",
+             "Runtime \u0394 % = (time/epoch with offload - without) / without; CPU RSS \u0394 % likewise for the process tree's peak RSS."]
+    if not savings_known:
+        notes.append("No GPU memory was measured (CPU runs): Mem Savings % needs GPU runs; the CPU-side cost is in CPU RSS \u0394 %.")
+    return [Table("offload", f"ZeRO stage with and without CPU offload: {_where(members[0])}", OFFLOAD_COLUMNS, rows, notes)]
+
+
+# --------------------------------------------------------------------------------------------------
+# weak and strong scaling
+
+
+WEAK_COLUMNS = [
+    Column("label", "Run", "text"), Column("gpus", "GPUs", "int"), Column("global_batch", "Global batch", "int"),
+    Column("runtime_s", "Runtime (s)"), Column("steps_per_s", "Steps/s"), Column("samples_per_s", "Samples/s"),
+    Column("final_loss", "Train loss"), Column("eval_loss", "Eval loss"), Column("eval_samples_per_s", "Eval samples/s"),
+    Column("nvml_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("nvml_mean_gib", "Avg GPU mem (GiB)", "gib"),
+    Column("cpu_rss_peak_gb", "Peak CPU RSS (GB)", "gb"), Column("speedup", "Speed-up", "ratio"),
+    Column("efficiency_pct", "Efficiency %", "pct"), Column("flags", f"{FLAG} Not on equal footing", "text"),
+    Column("status", "Status", "text"),
+]
+
+
+def _last_eval_speed(r: Run) -> float | None:
+    for e in reversed(r.summary.get("epochs") or []):
+        if e.get("eval_samples_per_s"):
+            return e["eval_samples_per_s"]
+    for row in reversed(r.metrics):
+        if row.get("eval_samples_per_s"):
+            return row["eval_samples_per_s"]
+    return None
+
+
+def scaling_tables(cells: list[Cell]) -> list[Table]:
+    tables = []
+    for kind in ("weak", "strong"):
+        part = f"{kind}-scaling"
+        members = [c for c in cells if c.ok and c.in_part(part)]
+        by_config = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("gpus", "nodes")))
+        for group in by_config.values():
+            series_key = (lambda c: c.footing()["micro_batch"]) if kind == "weak" else (lambda c: c.footing()["global_batch"])
+            for series in _groups(group, series_key).values():
+                if len({c.world for c in series}) < 2:
+                    continue
+                series.sort(key=lambda c: c.world)
+                ref = series[0]
+                keys = WEAK_FOOTING if kind == "weak" else FOOTING
+                rows = []
+                for c in series:
+                    row = _basic_row(c)
+                    sps = c.stat("samples_per_s")
+                    row.update(runtime_s=c.stat("total_time_s"), steps_per_s=c.stat("steps_per_s"), samples_per_s=sps,
+                               eval_samples_per_s=c.stat(_last_eval_speed), nvml_peak_gib=nvml(c, "peak"),
+                               nvml_mean_gib=nvml(c, "mean"))
+                    sp = ratio(sps, ref.stat("samples_per_s"))
+                    row["speedup"] = sp
+                    row["efficiency_pct"] = sp / (c.world / ref.world) * 100.0 if sp else None
+                    diff = differences(c, ref, keys)
+                    row["flags"] = f"vs {ref.label}: {', '.join(diff)}" if diff else ""
+                    rows.append(row)
+                what = "per-GPU batch fixed, global batch grows" if kind == "weak" else "global batch fixed"
+                tables.append(Table(part, f"{kind.capitalize()} scaling ({what}): {ref.model}, {ref.strategy}", WEAK_COLUMNS, rows, [
+                    f"Efficiency = (samples/s / GPUs) / (samples/s / GPUs at {ref.world}); speed-up = samples/s over those at {ref.world}.",
+                    "Runtime = the training loop's wall time (evaluations included, start-up excluded). GPU memory from NVML "
+                    "(memory.used over the whole run, the busiest GPU's peak and the mean over GPUs).",
+                ]))
+    return tables
+
+
+# --------------------------------------------------------------------------------------------------
+# memory over the whole run (the nvidia-smi and psrecord CSVs)
+
+
+GPU_MEM_COLUMNS = [
+    Column("label", "Run", "text"), Column("gpus", "GPUs", "int"), Column("nvml_peak_gib", "Used peak (GiB)", "gib"),
+    Column("nvml_mean_gib", "Used mean (GiB)", "gib"), Column("nvml_min_gib", "Used min (GiB)", "gib"),
+    Column("util_mean", "Util mean %", "num"), Column("gpu_peak_gib", "torch peak allocated (GiB)", "gib"),
+    Column("gpu_reserved_gib", "torch peak reserved (GiB)", "gib"), Column("status", "Status", "text"),
+]
+CPU_MEM_COLUMNS = [
+    Column("label", "Run", "text"), Column("processes", "Processes", "int"), Column("cpu_rss_peak_gb", "Real peak (GB)", "gb"),
+    Column("cpu_rss_mean_gb", "Real mean (GB)", "gb"), Column("virtual_peak_gb", "Virtual peak (GB)", "gb"),
+    Column("cpu_pct_mean", "CPU % mean", "num"), Column("cpu_pct_peak", "CPU % peak", "num"),
+    Column("rank_rss_gb", "Largest rank RSS (GB)", "gb"), Column("status", "Status", "text"),
+]
+
+
+def memory_tables(cells: list[Cell]) -> list[Table]:
+    gpu_rows, cpu_rows = [], []
+    for c in cells:
+        if not c.ok:
+            continue
+        if any(gpu_csv_stats(r) for r in c.runs):
+            gpu_rows.append({"label": c.label, "gpus": c.world, "nvml_peak_gib": nvml(c, "peak"), "nvml_mean_gib": nvml(c, "mean"),
+                             "nvml_min_gib": nvml(c, "min"), "util_mean": nvml(c, "util_mean"), "gpu_peak_gib": torch_peak(c),
+                             "gpu_reserved_gib": c.stat("gpu_mem_peak_reserved_gib"), "status": _status(c)})
+        cpu_rows.append({"label": c.label, "processes": c.stat(lambda r: (r.summary.get("cpu_monitor") or {})["max_processes"]),
+                         "cpu_rss_peak_gb": cpu(c, "real_peak"), "cpu_rss_mean_gb": cpu(c, "real_mean"),
+                         "virtual_peak_gb": cpu(c, "virtual_peak"), "cpu_pct_mean": cpu(c, "cpu_mean"), "cpu_pct_peak": cpu(c, "cpu_peak"),
+                         "rank_rss_gb": c.stat(lambda r: r.summary["cpu_rss_max_rank_gib"] * 2**30 / 1e9), "status": _status(c)})
+    tables = []
+    gpu_notes = ["From each run's gpu_memory.csv (NVML, nvidia-smi's columns): memory.used over the whole run, start-up included; "
+                 "peak = the busiest GPU, mean = mean over GPUs, min = the lowest sample."]
+    if not gpu_rows:
+        gpu_notes.append("No run has GPU samples (CPU runs, or NVML unavailable): nothing to show.")
+    tables.append(Table("gpu-memory", "GPU memory over the run (nvidia-smi CSV)", GPU_MEM_COLUMNS, gpu_rows, gpu_notes))
+    tables.append(Table("cpu-memory", "CPU memory over the run (psrecord-style CSV)", CPU_MEM_COLUMNS, cpu_rows, [
+        "From each run's cpu_memory.csv (psutil): RSS and CPU % summed over the launcher, every rank and their children; "
+        "shared pages are counted once per process, as psrecord does.",
+    ]))
+    return tables
+
+
+# --------------------------------------------------------------------------------------------------
+# planner prediction vs measurement
+
+
+PLAN_COLUMNS = [
+    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("predicted_gib", "Predicted GPU peak (GiB)", "gib"),
+    Column("gpu_peak_gib", "Measured GPU peak (GiB)", "gib"), Column("error_pct", "Error %", "pct"),
+    Column("predicted_cpu_gib", "Predicted CPU (GiB)", "gib"), Column("cpu_rss_peak_gb", "Measured CPU RSS peak (GB)", "gb"),
+    Column("fits", "Predicted to fit", "text"),
+]
+
+
+def plan_tables(cells: list[Cell]) -> list[Table]:
+    rows = []
+    for c in cells:
+        plans = [r.summary.get("plan") for r in c.runs if isinstance(r.summary.get("plan"), dict)]
+        if not plans:
+            continue
+        p = plans[0]
+        predicted, measured = p.get("gpu_peak_gib"), med(torch_peak(c))
+        rows.append({"label": c.label, "strategy": c.strategy, "predicted_gib": predicted, "gpu_peak_gib": torch_peak(c),
+                     "error_pct": (predicted - measured) / measured * 100.0 if predicted is not None and measured else None,
+                     "predicted_cpu_gib": p.get("cpu_gib"), "cpu_rss_peak_gb": cpu(c, "real_peak"),
+                     "fits": {True: "yes", False: "no"}.get(p.get("fits"), "?")})
+    if not rows:
+        return []
+    return [Table("plan", "Memory planner: predicted vs measured peak GPU memory", PLAN_COLUMNS, rows, [
+        "Predicted = `shardlab plan`'s peak of torch.cuda.max_memory_allocated per GPU; error % = (predicted - measured) / measured.",
+    ])]
+
+
+# --------------------------------------------------------------------------------------------------
+# every cell, failed ones included
+
+
+RUN_COLUMNS = [
+    Column("label", "Run", "text"), Column("model", "Model", "text"), Column("strategy", "Strategy", "text"),
+    Column("gpus", "GPUs", "int"), Column("precision", "Precision", "text"), Column("micro_batch", "Micro", "int"),
+    Column("global_batch", "Global batch", "int"), Column("seq_len", "Seq", "int"), Column("steps", "Steps", "int"),
+    Column("repeats", "Repeats", "text"), Column("useful_tokens_per_s", "Useful tok/s"), Column("tokens_per_s", "All tok/s"),
+    Column("mfu_pct", "MFU %", "pct"), Column("status", "Status", "text"),
+]
+
+
+def runs_table(cells: list[Cell]) -> Table:
+    rows = []
+    for c in cells:
+        row = _basic_row(c)
+        row.update(model=c.model, repeats=f"{len(c.runs)}/{c.repeats}")
+        rows.append(row)
+    warm = next((c.first("warmup_steps_excluded") for c in cells if c.ok), None)
+    return Table("runs", "All runs", RUN_COLUMNS, rows, [
+        f"Throughput is the median over steps after the first {warm if warm is not None else 3} (warm-up, excluded), "
+        "then the median over repeats, min-max in brackets.",
+        "Useful tok/s counts non-pad tokens only; all tok/s counts padding too. MFU uses useful tokens "
+        "(6N + 12LHQT FLOPs per token, PaLM appendix B) over the GPU's dense peak; none for unknown devices and CPUs.",
+    ])
+
+
+def build_tables(cells: list[Cell]) -> list[Table]:
+    """Every table the runs support, in the order of the seed tutorials."""
+    return [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *scaling_tables(cells),
+            *memory_tables(cells), *plan_tables(cells), runs_table(cells)]
+
+
+__all__ = ["Table", "Column", "build_tables", "FOOTING", "WEAK_FOOTING", "differences", "gpu_csv_stats", "cpu_csv_stats",
+           "spread", "FLAG"]

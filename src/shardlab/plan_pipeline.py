@@ -20,7 +20,8 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   ``output_chunks`` (4·b·s·V each) until the next step, because shardlab calls ``schedule.step`` with the
   default ``return_outputs=True``, and concatenates them at the end of the step (another M·4·b·s·V).
 * **The loss** on the last stage as in planner.py: the log-softmax output (4·b·s·V) is saved per
-  micro-batch in flight, and its backward holds two more b·s·V fp32 tensors.
+  micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
+  one layer's temporaries (planner.layer_backward_bytes) and, with checkpointing, one recomputed layer.
 * The peak of a GPU is the largest of: every forward's end, every backward's start (grads live after
   the first backward of the step), the merge of the logits at the end of the step, and the optimizer
   step (gradients flattened for the all-reduce across pipeline replicas when there are several).
@@ -73,7 +74,8 @@ def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int,
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
     from .pipesim.schedules import device_orders
-    from .planner import CUDA_CONTEXT_BYTES, GiB, PROCESS_RSS_BYTES, StrategyPlan, _embed_bytes, _final_bytes, activation_bytes
+    from .planner import (CUDA_CONTEXT_BYTES, GiB, PROCESS_RSS_BYTES, StrategyPlan, _embed_bytes, _final_bytes, activation_bytes,
+                          layer_backward_bytes)
 
     parts = arch.pipeline_parts
     if parts is None:
@@ -97,7 +99,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         x += _embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
         x += (_final_bytes(arch, mode, device) * sbh + 4 * bsv) if k == last else r * sbh  # log-softmax out / output in fwd_cache
         saved.append(x)
-        transient.append(act.recompute + (8 * bsv if k == last else 0.0))
+        # backward: the loss' gradients at the head first, then each layer's (recomputed, with checkpointing) temporaries
+        layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh
+        transient.append(max(8 * bsv, layer_bwd) if k == last else layer_bwd)
         buffers.append(M * r * sbh * ((k > 0) + (k < last)))
 
     def stage_params(k: int, on_device: list[int]) -> int:
@@ -130,8 +134,8 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                 peak_in_flight = max(peak_in_flight, in_flight)
                 moments.append((held, retained, g, 0.0, f"end of forward {a.microbatch} (stage {a.stage})"))
             else:
-                loss_tmp = 8 * bsv if a.stage == last else 0.0
-                moments.append((held + act.recompute, retained + loss_tmp, g, 0.0,
+                loss_tmp = 8 * bsv if (a.stage == last and 8 * bsv >= transient[a.stage]) else 0.0
+                moments.append((held + transient[a.stage] - loss_tmp, retained + loss_tmp, g, 0.0,
                                 f"start of backward {a.microbatch} (stage {a.stage}, {in_flight} micro-batches in flight)"))
                 held -= saved[a.stage]
                 in_flight -= 1

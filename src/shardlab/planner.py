@@ -290,6 +290,17 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     return per_sbh, per_as2b, per_sb
 
 
+def layer_backward_bytes(arch: Arch, mode: str) -> float:
+    """Temporaries of one decoder layer's backward beyond what it saved, per s·b·h: the MLP activation's
+    gradient is computed through ffn-wide intermediates. Measured on CPU in fp32 (tests/test_plan_pipeline.py):
+    GPT-2's composite gelu_new backward keeps 2 ffn-wide tensors at its peak, BLOOM's hand-written
+    bloom_gelu_back 5 (tanh_out, ff and their products). Llama-style and others: 2, not measured.
+    The loss' 8·b·s·V at the LM head is far larger, so only the pipeline's stages without the head use it."""
+    p = 4 if mode == "fp32" else 2
+    f = arch.ffn / arch.hidden
+    return (5 if arch.family == "bloom" else 2) * f * p
+
+
 def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
     return _embed_bytes(arch, mode, device) + _final_bytes(arch, mode, device)

@@ -541,6 +541,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:
         rb, ab = opts.reduce_bucket_size, opts.allgather_bucket_size
+        if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
+            rb = min(rb, n)
         overlap = opts.overlap_comm if opts.overlap_comm is not None else d > 1
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
@@ -558,6 +560,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if strategy == "zero3":
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
+            if device == "cpu":
+                gather = min(gather, n)
             temp["ZeRO-3 gathered params (largest layer + prefetch bucket)"] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
     grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
@@ -856,6 +860,9 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
 # fp32 seq 128: peak RSS (ru_maxrss) minus this module's predicted allocations = 0.59, 0.61, 0.64 GiB at micro
 # 1, 8, 32. tests/test_run_plan.py checks a measured run against it.
 CPU_PROCESS_RSS_BYTES = int(0.62 * GiB)
+# DeepSpeed's import and engine add to that: zero1/2/3(_offload) tiny-gpt2 runs peaked 0.06-0.09 GiB above
+# the same prediction for dp on the same machine.
+CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 
 
 def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
@@ -877,7 +884,8 @@ def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
     what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
     what the strategy offloads (already host memory, per node)."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
-    return nproc * (sp.gpu_peak + CPU_PROCESS_RSS_BYTES) + offloaded
+    baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if sp.strategy in STAGE else 0)
+    return nproc * (sp.gpu_peak + baseline) + offloaded
 
 
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,

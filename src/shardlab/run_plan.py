@@ -70,7 +70,8 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
         sp, total = predict_cpu_run(run_cfg, nproc)
         out: dict[str, Any] = {
             "cpu_gib": _gib(total), "per_rank_gib": _gib(sp.gpu_peak), "host_ram_gib": round(host_ram, 2),
-            "precision": precision, "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
+            "precision": precision, "peak_moment": sp.peak_moment,
+            "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
             "compile_modelled": False if cfg.compile else None,
         }
         return out | _pipeline_fields(sp)

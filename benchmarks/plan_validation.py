@@ -125,10 +125,12 @@ def prebuild_deepspeed_ops() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
 
 
-def run_grid(cells: list[dict], args, gpu_gib: float) -> list[dict]:
-    """Run cells side by side within the GPU's memory; re-run alone the ones that failed while sharing."""
+def run_grid(cells: list[dict], args, gpu_gib: float, on_done=lambda rows: None) -> list[dict]:
+    """Run cells side by side within the GPU's memory; re-run alone the ones that failed while sharing.
+
+    Largest predicted need first (dp/fsdp while DeepSpeed's ops build), smaller ones fill what is left."""
     budget = 0.9 * gpu_gib if args.device == "cuda" else float("inf")
-    pending = list(cells)
+    pending = sorted(cells, key=lambda c: -c["need_gib"])
     running: dict[int, tuple[dict, threading.Thread]] = {}
     done: list[dict] = []
     prebuild = prebuild_deepspeed_ops() if args.device == "cuda" and any(c["strategy"].startswith("zero") or c["strategy"] == "infinity" for c in cells) else None
@@ -145,6 +147,7 @@ def run_grid(cells: list[dict], args, gpu_gib: float) -> list[dict]:
         for key in [k for k, (_, th) in running.items() if not th.is_alive()]:
             cell, _ = running.pop(key)
             done.append(cell)
+            on_done(done)
             print(f"[{cell['name']}] rc {cell['rc']} in {cell['wall_s']} s" + (
                 f": measured {measured_of(cell):.2f} GiB, predicted {predicted_of(cell):.2f} GiB" if cell.get("summary") else ""), flush=True)
         ds_ready = prebuild is None or prebuild.poll() is not None
@@ -179,6 +182,7 @@ def run_grid(cells: list[dict], args, gpu_gib: float) -> list[dict]:
         cell.update(run_train(cell["args"], args.timeout))
         cell["first_attempt"] = first
         cell["shared"] = False
+        on_done(done)
     print(f"grid: {len(done)} cells in {time.time() - t_start:.0f} s", flush=True)
     return done
 
@@ -250,15 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=DEFAULT_MODELS)
     p.add_argument("--seqs", default="512,1024")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per cell (the peak is reached by the second)")
-    p.add_argument("--jobs", type=int, default=None, help="cells at a time (default: 4 on a GPU, 1 on CPU)")
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per cell (the peak is reached by the second)")
+    p.add_argument("--jobs", type=int, default=None, help="cells at a time (default: 5 on a GPU, 1 on CPU)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--auto-check", default="gpt2:zero2:1024", help="MODEL:STRATEGY:SEQ for --micro-batch auto ('' to skip)")
     p.add_argument("--auto-timeout", type=float, default=1500)
     p.add_argument("--cpu-budget-gb", type=float, default=2.0, help="CPU auto check: cpu_memory_budget_gb")
     args = p.parse_args(argv)
-    args.jobs = args.jobs or (4 if args.device == "cuda" else 1)
+    args.jobs = args.jobs or (5 if args.device == "cuda" else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs) if args.runs else out / "runs"
@@ -272,31 +276,35 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append({"name": name, "model": model, "seq": seq, "strategy": strategy, "device": args.device,
                               "need_gib": need, "args": cell_args(model, strategy, seq, str(args.micro), args.steps, args.device, runs / name)})
     t0 = time.time()
-    rows = run_grid(cells, args, gpu_gib)
-    rows.sort(key=lambda c: cells.index(c))
-    errs = [(predicted_of(c) / measured_of(c) - 1, c) for c in rows if c.get("summary") and predicted_of(c) and measured_of(c)]
-    worst = None
-    if errs:
-        e, c = max(errs, key=lambda x: abs(x[0]))
-        worst = {"error": e, "model": c["model"], "seq": c["seq"], "strategy": c["strategy"], "cells": len(errs),
-                 "within_10": sum(abs(x) <= 0.10 for x, _ in errs)}
+
+    def write(rows: list[dict], auto: dict | None = None) -> bool:
+        """Results so far (a session cut off at its time limit keeps what finished)."""
+        rows = sorted(rows, key=lambda c: [x["name"] for x in cells].index(c["name"]))
+        errs = [(predicted_of(c) / measured_of(c) - 1, c) for c in rows if c.get("summary") and predicted_of(c) and measured_of(c)]
+        worst = None
+        if errs:
+            e, c = max(errs, key=lambda x: abs(x[0]))
+            worst = {"error": e, "model": c["model"], "seq": c["seq"], "strategy": c["strategy"], "cells": len(errs),
+                     "within_10": sum(abs(x) <= 0.10 for x, _ in errs)}
+        result = {"device": gpu_name, "micro": args.micro, "steps": args.steps, "wall_s": round(time.time() - t0, 1),
+                  "cells_done": len(rows), "cells_planned": len(cells), "worst": worst, "auto_check": auto, "cells": []}
+        for c in rows:
+            row = {k: v for k, v in c.items() if k != "args"}
+            row.update(predicted_gib=predicted_of(c), measured_gib=measured_of(c), command="shardlab train " + " ".join(c["args"]))
+            if c.get("summary"):
+                row["summary"] = {k: c["summary"].get(k) for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib",
+                                                                   "micro_batch", "grad_accum", "precision", "steps", "plan")}
+            result["cells"].append(row)
+        (out / "plan_validation.json").write_text(json.dumps(result, indent=1))
+        md = markdown(rows, worst, auto, args, gpu_name)
+        (out / "plan_validation.md").write_text(md)
+        return bool(rows) and all(c.get("summary") for c in rows) and len(rows) == len(cells)
+
+    rows = run_grid(cells, args, gpu_gib, on_done=write)
     auto = auto_check(args.auto_check, args, runs) if args.auto_check else None
-    result = {
-        "device": gpu_name, "micro": args.micro, "steps": args.steps, "wall_s": round(time.time() - t0, 1), "worst": worst,
-        "cells": [{k: v for k, v in c.items() if k not in ("args",)} | {"predicted_gib": predicted_of(c), "measured_gib": measured_of(c),
-                                                                       "command": "shardlab train " + " ".join(c["args"])}
-                  for c in rows],
-        "auto_check": auto,
-    }
-    for c in result["cells"]:
-        if c.get("summary"):
-            c["summary"] = {k: c["summary"].get(k) for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib",
-                                                             "micro_batch", "grad_accum", "precision", "steps", "plan")}
-    (out / "plan_validation.json").write_text(json.dumps(result, indent=1))
-    md = markdown(rows, worst, auto, args, gpu_name)
-    (out / "plan_validation.md").write_text(md)
-    print(md)
-    return 0 if rows and all(c.get("summary") for c in rows) else 1
+    ok = write(rows, auto)
+    print((out / "plan_validation.md").read_text())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

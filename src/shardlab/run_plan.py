@@ -61,9 +61,10 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None) -> dict[str, Any]:
     from .optim import resolve_precision
-    from .planner import plan, predict_cpu_run
+    from .planner import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, plan, predict_cpu_run
 
-    precision = resolve_precision(cfg.precision, device_type).name
+    # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
+    precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": precision})
     host_ram = host_ram if host_ram is not None else host_ram_gib()
     if device_type == "cpu":
@@ -82,6 +83,7 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
         "gpu_peak_gib": _gib(sp.gpu_peak), "cpu_gib": _gib(sp.cpu_per_node), "fits": bool(sp.fits),
         "gpu_memory_gib": round(gpu_memory, 2), "host_ram_gib": round(host_ram, 2), "precision": precision,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "max_micro_batch": sp.max_micro_batch,
+        "need_gib": _gib(sp.gpu_peak * RESERVED_OVER_ALLOCATED + CUDA_CONTEXT_BYTES),
         "peak_moment": sp.peak_moment, "why": sp.why, "predicts": "peak torch.cuda.max_memory_allocated per GPU",
         "compile_modelled": False if cfg.compile else None, "notes": p.notes,
     }
@@ -107,9 +109,12 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     out = []
     per_rank = p.micro_batch * p.grad_accum
     if 0 < sp.max_micro_batch < p.micro_batch:
-        keep = [m for m in micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)]
-        m = keep[-1]
-        out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
+        # divisors of the per-rank batch, largest first; with accumulation the gradients live through forward too
+        for m in reversed(micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)):
+            smaller = cfg.model_copy(update={"micro_batch": m, "grad_accum": per_rank // m, "global_batch": None})
+            if plan(smaller, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits:
+                out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
+                break
     if not cfg.gradient_checkpointing:
         ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
         if ck.strategies[cfg.strategy].fits:
@@ -126,11 +131,10 @@ def warning_line(record: dict[str, Any]) -> str | None:
     """One line for a GPU run predicted not to fit, else None."""
     if record.get("fits") is not False:
         return None
-    need = record["gpu_peak_gib"]
     compiled = " (eager estimate: --compile is not modelled and usually needs less)" if record.get("compile_modelled") is False else ""
-    return (f"warning: the plan predicts {record['strategy']} will not fit: peak {need:.1f} GiB allocated per GPU "
-            f"({record.get('why', '')}) on {record['gpu_memory_gib']:.1f} GiB GPUs{compiled}; "
-            f"fits instead: {record.get('advice', '-')}")
+    return (f"warning: the plan predicts {record['strategy']} will not fit: {record['need_gib']:.1f} GiB per GPU "
+            f"(peak {record['gpu_peak_gib']:.1f} GiB allocated + CUDA context + fragmentation allowance) on "
+            f"{record['gpu_memory_gib']:.1f} GiB GPUs{compiled}; fits instead: {record.get('advice', '-')}")
 
 
 def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M micro-batches per step):
 
-* **Model states of its stages only.** The split is the strategy's own (``stage_costs`` over the
+* **Model states of its stages only.** The split is the strategy's own (``split_blocks``: ``stage_costs`` over the
   strategy's per-layer and LM-head FLOP costs), so plan and training cut the model in the same place.
   The first stage holds the embedding, the last the final norm and LM head; a tied embedding is a
   second copy on the last GPU. The pipeline uses torch's AdamW over fp32 weights:
@@ -47,12 +47,11 @@ class PipelineNotApplicable(UserError):
 
 
 def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int, int]]:
-    """The [start, end) blocks of every (virtual) stage, exactly as PipelineStrategy.setup computes them."""
-    from .strategies.pipeline import _layer_and_head_cost, stage_costs
+    """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
+    from .strategies.pipeline import split_blocks
 
-    shim = SimpleNamespace(config=SimpleNamespace(n_embd=arch.hidden, hidden_size=arch.hidden, vocab_size=arch.vocab))
-    layer_cost, head_cost = _layer_and_head_cost(shim, seq_len)
-    return stage_costs(arch.layers, layer_cost, head_cost / layer_cost, n_stages) if n_stages > 1 else [(0, arch.layers)]
+    shim = SimpleNamespace(n_embd=arch.hidden, hidden_size=arch.hidden, vocab_size=arch.vocab)  # what split_blocks reads
+    return split_blocks(shim, arch.layers, seq_len, n_stages)
 
 
 def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int, int]:
@@ -172,15 +171,15 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     where = (f"{schedule}, {P} GPU(s) per pipeline x {replicas} replica(s), {M} micro-batches; fp32 weights, grads and "
              f"AdamW states of each stage's layers")
     notes = [
-        f"split (blocks per stage, the strategy's stage_costs): {[list(x) for x in bounds]}",
+        f"split (blocks per stage, the strategy's split_blocks): {[list(x) for x in bounds]}",
         f"worst GPU {worst['gpu']} (stages {worst['stages']}): peak at {worst['moment']}",
     ]
     if precision != "fp32":
         notes.append(f"--precision {precision} is not applied by the pipeline schedule (no autocast around schedule.step): "
                      "activations counted in fp32")
-    if worst["logits_kept"]:
-        notes.append(f"last stage keeps {M} x 4·b·s·V of logits ({worst['logits_kept'] / GiB:.2f} GiB) for schedule.step's "
-                     "return value (return_outputs=True), plus their concatenation at the end of the step")
+    kept = per_device[last % P]["logits_kept"]
+    notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
+                 "return value (return_outputs=True), plus their concatenation at the end of the step")
     cpu_detail = {
         "model built in fp32 on the CPU by every rank (load time)": 4.0 * arch.n_params * gpus_per_node,
         "process (python, torch, CUDA libs)": float(PROCESS_RSS_BYTES * gpus_per_node),

@@ -102,7 +102,8 @@ def train(cfg: RunConfig):
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:  # the rank that writes summary.json
         from .run_plan import plan_for_run
 
-        plan = plan_for_run(cfg, device_type, nproc, auto)  # warns on a GPU when it will not fit; recorded in summary.json
+        per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
+        plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
     if in_launched_job() or nproc * cfg.nodes == 1:
         from .trainer import run_worker
 

@@ -42,6 +42,15 @@ OFFLOAD = ("zero1_offload", "zero2_offload", "zero3_offload", "fsdp_offload", "i
 CONTEXT_GIB = 1.5  # per process beside its allocations: CUDA context, NCCL, cuBLAS workspace, slack
 
 
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
 def cell_args(model: str, strategy: str, seq: int, micro: str, steps: int, device: str, run_dir: Path, extra=()) -> list[str]:
     # enough random tokens for every step (auto: for trials up to micro ~1000), plus a few eval blocks
     blocks = 3000 if micro == "auto" else int((steps + 2) * (int(micro) + 1) * 1.3)
@@ -72,11 +81,14 @@ def run_train(args: list[str], timeout: float, threads: int | None = None) -> di
     t0 = time.time()
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "shardlab", "train", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
-        timer = threading.Timer(timeout, proc.kill)
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        timer = threading.Timer(timeout, _kill_group, (proc.pid,))  # its spawned workers too
         timer.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's peak RSS comes with its exit status
+        except BaseException:  # interrupted: do not leave the run behind
+            _kill_group(proc.pid)
+            raise
         finally:
             timer.cancel()
     rc = proc.returncode = os.waitstatus_to_exitcode(status)

@@ -1,12 +1,13 @@
 """One rank of a real `--strategy pipeline` step on CPU, with its memory measured (used by test_plan_pipeline.py).
 
-    RANK=r WORLD_SIZE=P MASTER_ADDR=127.0.0.1 MASTER_PORT=port python tests/pipeline_memory_probe.py CONFIG.yaml OUT.json
+    RANK=r WORLD_SIZE=P MASTER_ADDR=127.0.0.1 MASTER_PORT=port python tests/pipeline_memory_probe.py OUT.json CONFIG.yaml [CONFIG.yaml ...]
 
 Builds PipelineStrategy exactly as the trainer does, runs one optimizer step (so the optimizer states and
 torch.distributed.pipelining's receive buffers exist), then profiles the second step (schedule + optimizer
 step) with torch.profiler's memory events: the peak of the running sum of allocations minus frees in that
 window, plus what was already held when it began (parameters, optimizer states, receive buffers and the
 previous step's kept logits, counted from the live objects), is the rank's peak allocated memory.
+Several configs run one after the other in the same processes (one process group): the imports are paid once.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ def held_bytes(strategy: PipelineStrategy) -> int:
     return sum(storages.values())
 
 
-def main() -> None:
-    cfg = load_config(sys.argv[1])
-    env = init_distributed("cpu")
+def measure(cfg, env) -> dict:
     micro, accum, _ = cfg.resolve_batch(1)
     model = build_model(cfg)
     apply_dropout(model, cfg.dropout)  # as Trainer.run does
@@ -86,9 +85,15 @@ def main() -> None:
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
-    with open(sys.argv[2], "w") as fh:
-        json.dump({"rank": env.rank, "held_before": before, "peak_delta": peak, "peak": before + peak,
-                   "bounds": [list(b) for b in strategy.bounds]}, fh)
+    env.barrier()
+    return {"rank": env.rank, "held_before": before, "peak_delta": peak, "peak": before + peak, "bounds": [list(b) for b in strategy.bounds]}
+
+
+def main() -> None:
+    env = init_distributed("cpu")
+    results = [measure(load_config(path), env) for path in sys.argv[2:]]
+    with open(sys.argv[1], "w") as fh:
+        json.dump(results, fh)
     shutdown_distributed()
 
 

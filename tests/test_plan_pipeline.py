@@ -141,37 +141,52 @@ def wide_models(tmp_path_factory):
     return root
 
 
-def measure(cfg: RunConfig, ranks: int, out: Path) -> list[dict]:
+CASES = {
+    "logits": dict(model="tiny-gpt2", schedule="1f1b"),  # kept M times on the last stage, concatenated at the end
+    "layers": dict(model="gpt2", schedule="gpipe", dropout=0.1),  # M micro-batches in flight, dropout masks
+    "interleaved": dict(model="bloom", schedule="interleaved-1f1b", chunks=2, ckpt=True),  # 4 virtual stages, recomputation
+}
+
+
+def case_config(case: dict, wide: Path) -> RunConfig:
+    model = case["model"] if case["model"].startswith("tiny") else str(wide / case["model"])
+    return load_config(None, {"model": model, "device": "cpu", "precision": "fp32", "strategy": "pipeline", "seq_len": 128,
+                              "micro_batch": 2, "grad_accum": 4, "dropout": case.get("dropout", 0.0),
+                              "gradient_checkpointing": case.get("ckpt", False), "strategy_options.pp_schedule": case["schedule"],
+                              "strategy_options.pp_chunks": case.get("chunks", 2)})
+
+
+@pytest.fixture(scope="module")
+def measured(wide_models, tmp_path_factory):
+    """Every case on the same 2 gloo ranks (the probe runs them one after the other)."""
     from shardlab.distributed import free_port
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cfg.yaml").write_text(dump_config(cfg))
+    out = tmp_path_factory.mktemp("probe")
+    paths = []
+    for name, case in CASES.items():
+        (out / f"{name}.yaml").write_text(dump_config(case_config(case, wide_models)))
+        paths.append(str(out / f"{name}.yaml"))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(PROBE), str(out / "cfg.yaml"), str(out / f"rank{r}.json")],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+    procs = [subprocess.Popen([sys.executable, str(PROBE), str(out / f"rank{r}.json"), *paths],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for r in range(ranks)]
+             for r in range(2)]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(CASES)}
 
 
-@pytest.mark.parametrize("case", [
-    dict(model="tiny-gpt2", schedule="1f1b"),  # logits: kept M times on the last stage, concatenated at the end
-    dict(model="gpt2", schedule="gpipe", dropout=0.1),  # layers: M micro-batches in flight, dropout masks
-    dict(model="bloom", schedule="interleaved-1f1b", chunks=2, ckpt=True),  # 4 virtual stages, recomputation
-])
-def test_peak_matches_a_measured_cpu_pipeline_step(case, wide_models, tmp_path):
-    model = case["model"] if case["model"].startswith("tiny") else str(wide_models / case["model"])
-    cfg = load_config(None, {"model": model, "device": "cpu", "precision": "fp32", "strategy": "pipeline", "seq_len": 128,
-                             "micro_batch": 2, "grad_accum": 4, "dropout": case.get("dropout", 0.0),
-                             "gradient_checkpointing": case.get("ckpt", False), "strategy_options.pp_schedule": case["schedule"],
-                             "strategy_options.pp_chunks": case.get("chunks", 2)})
-    measured = measure(cfg, 2, tmp_path)
+@pytest.mark.parametrize("name", list(CASES))
+def test_peak_matches_a_measured_cpu_pipeline_step(name, measured, wide_models):
+    case = CASES[name]
+    cfg = case_config(case, wide_models)
     sp = pp_plan(cfg, 2, device="cpu")
-    assert [tuple(b) for b in measured[0]["bounds"]] == sorted(tuple(b) for st in sp.stages for b in st["blocks"])
-    for st, m in zip(sp.stages, measured):
+    got = measured[name]
+    assert [tuple(b) for b in got[0]["bounds"]] == sorted(tuple(b) for st in sp.stages for b in st["blocks"])
+    for st, m in zip(sp.stages, got):
         err = st["peak"] / m["peak"] - 1
-        print(f"{case} GPU {st['gpu']}: predicted {st['peak'] / 2**20:.2f} MiB, measured {m['peak'] / 2**20:.2f} MiB ({err:+.1%}); {st['moment']}")
+        print(f"{name} {case} GPU {st['gpu']}: predicted {st['peak'] / 2**20:.2f} MiB, measured {m['peak'] / 2**20:.2f} MiB "
+              f"({err:+.1%}); {st['moment']}")
         assert abs(err) < 0.06, (case, st, m)

@@ -41,7 +41,7 @@ from .config import RunConfig, dump_config
 from .errors import OutOfMemory, UserError
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
-TRIAL_TIMEOUT_S = 1800
+TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
 CPU_MAX_MICRO = 64
 MAX_MICRO = 4096
 OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
@@ -49,6 +49,15 @@ OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLO
 
 # ---- the batch triple ----------------------------------------------------------------------------------
 
+
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 def check_auto(cfg: RunConfig, dp_world: int) -> None:
     """What `auto` cannot work with, as one-line errors (called by preflight before anything runs)."""
@@ -136,11 +145,14 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
     t0 = time.perf_counter()
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
         proc = subprocess.Popen([sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file)], stdout=fo, stderr=fe,
-                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        timer = threading.Timer(timeout, proc.kill)
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        timer = threading.Timer(timeout, _kill_group, (proc.pid,))  # its spawned workers too
         timer.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)  # not proc.wait(): wait4 also returns this child's peak RSS
+        except BaseException:  # interrupted: do not leave the run behind
+            _kill_group(proc.pid)
+            raise
         finally:
             timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)

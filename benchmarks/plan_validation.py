@@ -42,15 +42,6 @@ OFFLOAD = ("zero1_offload", "zero2_offload", "zero3_offload", "fsdp_offload", "i
 CONTEXT_GIB = 1.5  # per process beside its allocations: CUDA context, NCCL, cuBLAS workspace, slack
 
 
-
-def _kill_group(pid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
 def cell_args(model: str, strategy: str, seq: int, micro: str, steps: int, device: str, run_dir: Path, extra=()) -> list[str]:
     # enough random tokens for every step (auto: for trials up to micro ~1000), plus a few eval blocks
     blocks = 3000 if micro == "auto" else int((steps + 2) * (int(micro) + 1) * 1.3)
@@ -68,6 +59,15 @@ def cell_args(model: str, strategy: str, seq: int, micro: str, steps: int, devic
     if micro != "auto":
         args += ["--grad-accum", "1"]
     return args + list(extra)
+
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def run_train(args: list[str], timeout: float, threads: int | None = None) -> dict:
@@ -228,7 +228,7 @@ def auto_check(spec: str, args, runs: Path) -> dict:
     if args.device != "cuda":
         out["next"] = "not applicable on CPU: no memory limit to run into (auto = the plan under the host-RAM budget, one trial)"
         return out
-    above = run_train(cell_args(model, strategy, seq, str(m + 1), 2, args.device, runs / f"auto-plus-one"), args.timeout)
+    above = run_train(cell_args(model, strategy, seq, str(m + 1), 2, args.device, runs / "auto-plus-one"), args.timeout)
     out["next"] = {"micro": m + 1, "rc": above["rc"], "out_of_memory": above["rc"] == 3, "error": above.get("error")}
     out["within_one_step"] = above["rc"] == 3
     return out

@@ -63,7 +63,7 @@ def test_global_batch_restricts_the_micro_batches_to_divisors():
     cands = micro_candidates(cfg, 2)  # 24 sequences per rank
     assert cands == [1, 2, 3, 4, 6, 8, 12, 24]
     gpu = FakeGPU(10)
-    chosen, trials = search_micro_batch(4, cands, gpu)
+    chosen, _ = search_micro_batch(4, cands, gpu)
     assert chosen == 8 and set(gpu.calls) <= set(cands) and 12 in gpu.calls
     # the global batch is kept: the accumulation follows the micro batch
     assert with_micro_batch(cfg, chosen).resolve_batch(2) == (8, 3, 48)
@@ -173,7 +173,7 @@ def test_dry_run_shows_where_the_search_starts(capsys):
 
 
 def test_plan_with_micro_batch_auto():
-    from shardlab.planner import GiB, RESERVED_OVER_ALLOCATED, _usable, plan
+    from shardlab.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch="auto", global_batch=64, precision="bf16", gpus=1, strategy="zero2")
     p = plan(cfg, gpu_memory_gb=80)

@@ -33,9 +33,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .config import RunConfig, dump_config
 from .errors import OutOfMemory, UserError
@@ -49,15 +50,6 @@ OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLO
 
 # ---- the batch triple ----------------------------------------------------------------------------------
 
-
-
-def _kill_group(pid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 def check_auto(cfg: RunConfig, dp_world: int) -> None:
     """What `auto` cannot work with, as one-line errors (called by preflight before anything runs)."""
@@ -129,6 +121,15 @@ def trial_config(cfg: RunConfig, micro: int, out_dir: Path, steps: int = TRIAL_S
         "tensorboard": False, "wandb": False, "log_every": steps, "output_dir": str(out_dir), "dataset": dataset,
         "curriculum": curriculum,
     })
+
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, workdir: Path,

@@ -73,8 +73,16 @@ def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int,
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
     from .pipesim.schedules import device_orders
-    from .planner import (CUDA_CONTEXT_BYTES, GiB, PROCESS_RSS_BYTES, StrategyPlan, _embed_bytes, _final_bytes, activation_bytes,
-                          layer_backward_bytes)
+    from .planner import (
+        CUDA_CONTEXT_BYTES,
+        PROCESS_RSS_BYTES,
+        GiB,
+        StrategyPlan,
+        _embed_bytes,
+        _final_bytes,
+        activation_bytes,
+        layer_backward_bytes,
+    )
 
     parts = arch.pipeline_parts
     if parts is None:

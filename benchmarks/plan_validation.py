@@ -16,8 +16,11 @@ by its trials, then m+1 is run in a fresh process: on a GPU it must run out of m
 search found the largest micro batch that fits (within one step). On a CPU there is no memory limit to
 run into; the check shows the search and its trial only.
 
-    # GPU (one device call, ~9 min on an H100 for the default grid):
+    # GPU (one device call; 56 cells + the auto check, estimated 8-9 min on an H100, never run yet):
     bash benchmarks/plan_validation.sh
+    # if the time budget cuts it short (cells not started are listed as such), split it in two calls:
+    bash benchmarks/plan_validation.sh --models gpt2,gpt2-medium --auto-check ''
+    bash benchmarks/plan_validation.sh --models gpt2-large,bloom-560m
     # CPU smoke test (tests/test_plan_validation_script.py):
     python benchmarks/plan_validation.py --device cpu --models tiny-gpt2 --seqs 64 --strategies dp --micro 2 \
         --steps 2 --auto-check tiny-gpt2:dp:64 --out /tmp/pv
@@ -40,6 +43,8 @@ DEFAULT_MODELS = "gpt2,gpt2-medium,gpt2-large,bloom-560m"
 DEFAULT_STRATEGIES = "dp,zero1,zero2,zero3,zero2_offload,zero3_offload,fsdp"
 OFFLOAD = ("zero1_offload", "zero2_offload", "zero3_offload", "fsdp_offload", "infinity")
 CONTEXT_GIB = 1.5  # per process beside its allocations: CUDA context, NCCL, cuBLAS workspace, slack
+CELL_S = 60  # a cell's wall time on an H100 (imports, model init, engine setup, 3 steps): ~30-45 s
+AUTO_S = 200  # the --micro-batch auto check: ~5-8 trials of ~20 s, the run, and micro+1
 
 
 def cell_args(model: str, strategy: str, seq: int, micro: str, steps: int, device: str, run_dir: Path, extra=()) -> list[str]:
@@ -156,6 +161,11 @@ def run_grid(cells: list[dict], args, gpu_gib: float, on_done=lambda rows: None)
 
     t_start = time.time()
     while pending or running:
+        if pending and time.time() > args.grid_deadline - CELL_S:  # it would not finish in its share of the budget
+            for cell in pending:
+                cell.update(rc=None, skipped="not started: the time budget (--budget-min) ran out")
+            done.extend(pending)
+            pending = []
         for key in [k for k, (_, th) in running.items() if not th.is_alive()]:
             cell, _ = running.pop(key)
             done.append(cell)
@@ -187,8 +197,11 @@ def run_grid(cells: list[dict], args, gpu_gib: float, on_done=lambda rows: None)
             started = True
         if not started:
             time.sleep(0.5)
-    retry = [c for c in done if c["rc"] != 0 and c.get("shared")]
+    retry = [c for c in done if c["rc"] not in (0, None) and c.get("shared")]
     for cell in retry:  # out of memory (or anything else) while sharing: measure it alone
+        if time.time() > args.grid_deadline - CELL_S:
+            cell["retry"] = "not re-run alone: the time budget ran out"
+            continue
         print(f"[{cell['name']}] failed while sharing the GPU (rc {cell['rc']}); re-running it alone", flush=True)
         first = {k: cell.pop(k) for k in ("rc", "error", "wall_s") if k in cell}
         cell.update(run_train(cell["args"], args.timeout))
@@ -244,7 +257,8 @@ def markdown(rows: list[dict], worst: dict | None, auto: dict | None, args, gpu_
     for c in rows:
         pred, meas = predicted_of(c), measured_of(c)
         if c.get("summary") is None:
-            lines.append(f"| {c['model']} | {c['seq']} | {c['strategy']} | | failed (rc {c['rc']}) | | | | |")
+            why = c.get("skipped") or f"failed (rc {c['rc']})"
+            lines.append(f"| {c['model']} | {c['seq']} | {c['strategy']} | | {why} | | | | |")
             continue
         plan = c["summary"].get("plan") or {}
         err = "" if not (pred and meas) else f"{pred / meas - 1:+.1%}"
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-check", default="gpt2:zero2:1024", help="MODEL:STRATEGY:SEQ for --micro-batch auto ('' to skip)")
     p.add_argument("--auto-timeout", type=float, default=1500)
     p.add_argument("--cpu-budget-gb", type=float, default=2.0, help="CPU auto check: cpu_memory_budget_gb")
+    p.add_argument("--budget-min", type=float, default=9.0,
+                   help="wall-clock budget: no cell starts that could not finish in it, the auto check is skipped when it would not")
     args = p.parse_args(argv)
     args.jobs = args.jobs or (5 if args.device == "cuda" else 1)
     out = Path(args.out)
@@ -288,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append({"name": name, "model": model, "seq": seq, "strategy": strategy, "device": args.device,
                               "need_gib": need, "args": cell_args(model, strategy, seq, str(args.micro), args.steps, args.device, runs / name)})
     t0 = time.time()
+    args.deadline = t0 + 60 * args.budget_min
+    args.grid_deadline = args.deadline - (AUTO_S if args.auto_check else 0)  # the auto check keeps its share
 
     def write(rows: list[dict], auto: dict | None = None) -> bool:
         """Results so far (a session cut off at its time limit keeps what finished)."""
@@ -313,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         return bool(rows) and all(c.get("summary") for c in rows) and len(rows) == len(cells)
 
     rows = run_grid(cells, args, gpu_gib, on_done=write)
-    auto = auto_check(args.auto_check, args, runs) if args.auto_check else None
+    auto = None
+    if args.auto_check and time.time() > args.deadline - AUTO_S:
+        auto = {"skipped": f"not run: less than {AUTO_S} s of the {args.budget_min} min budget left"}
+    elif args.auto_check:
+        auto = auto_check(args.auto_check, args, runs)
     ok = write(rows, auto)
     print((out / "plan_validation.md").read_text())
     return 0 if ok else 1

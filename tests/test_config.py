@@ -154,7 +154,7 @@ def test_set_null_clears_a_key():
         (["--set", "lr=[1"], ("not a valid YAML value",)),
         (["--set", "strategy_options.pin_mem=false"], ("unknown config key", "strategy_options.pin_mem")),
         (["--set", "lr=fast"], ("lr", "fast")),
-        (["--micro-batch", "x"], ("--micro-batch", "invalid int value")),
+        (["--micro-batch", "x"], ("--micro-batch", "positive integer or 'auto'", "'x'")),
         (["--precision", "fp8"], ("precision", "fp8")),
         (["--dropout", "1.5"], ("dropout", "1.5")),
     ],

@@ -58,7 +58,7 @@ def _cases(f: dict[str, Path]) -> dict[str, Case]:
         "unknown_nested_key": Case(["--config", str(f["nested_key.yaml"])], ("unknown config key", "dataset.sorce")),
         "unknown_set_key": Case(["--set", "strategy_options.pin_mem=false"], ("unknown config key", "strategy_options.pin_mem")),
         "bad_yaml_syntax": Case(["--config", str(f["bad_syntax.yaml"])], ("not valid yaml", "line")),
-        "wrong_type_flag": Case(["--micro-batch", "x"], ("--micro-batch", "invalid int value", "'x'")),
+        "wrong_type_flag": Case(["--micro-batch", "x"], ("--micro-batch", "positive integer or 'auto'", "'x'")),
         "wrong_type_yaml": Case(["--config", str(f["wrong_type.yaml"])], ("micro_batch", "integer", "'two'")),
         "batch_triple_mismatch": Case(["--micro-batch", "2", "--grad-accum", "2", "--global-batch", "5"], ("batch sizes disagree", "= 4", "global_batch is 5")),
         "global_not_divisible_by_world": Case(["--gpus", "2", "--global-batch", "3"], ("global_batch 3", "not divisible", "world size 2")),

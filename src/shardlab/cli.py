@@ -28,9 +28,10 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--packing", "dataset.packing", str, "pack (full blocks, default) or pad (per example, as the tutorials do)"),
     ("--answer-only-loss", "dataset.answer_only_loss", "bool", "qa: loss on answer tokens only"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),
-    ("--micro-batch", "micro_batch", int, "sequences per GPU per forward pass"),
+    ("--micro-batch", "micro_batch", "int|auto", "sequences per GPU per forward pass, or 'auto' (largest that runs: plan + short trials)"),
     ("--grad-accum", "grad_accum", int, "micro-batches accumulated per optimizer step"),
     ("--global-batch", "global_batch", int, "sequences per optimizer step over all GPUs (= micro x accum x world)"),
+    ("--cpu-memory-budget-gb", "cpu_memory_budget_gb", float, "--micro-batch auto on CPU: host RAM the run may use (default: half the available)"),
     ("--epochs", "epochs", float, "epochs to train (fractions allowed)"),
     ("--max-steps", "max_steps", int, "stop after this many optimizer steps"),
     ("--lr", "lr", float, "peak learning rate"),
@@ -112,12 +113,23 @@ def _parse_set(values: list[str]) -> dict[str, Any]:
     return out
 
 
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML run configuration (flags override it)")
     for flag, key, typ, help_text in FLAGS:
         dest = key.replace(".", "__")
         if typ == "bool":
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typ == "int|auto":
+            parser.add_argument(flag, dest=dest, type=_int_or_auto, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config key, dotted (YAML value)")
@@ -172,6 +184,12 @@ def _dry_run(cfg) -> None:
 
     device_type, nproc = preflight(cfg)
     world = nproc * cfg.nodes
+    if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
+        from .autobatch import cpu_budget_bytes, plan_start, with_micro_batch
+
+        start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
+        print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
+        cfg = with_micro_batch(cfg, start)
     micro, accum, glob = cfg.resolve_batch(world)
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if uses_deepspeed(cfg.strategy):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UserError
 
@@ -97,9 +97,14 @@ class RunConfig(_Strict):
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     seq_len: int = Field(128, gt=0)
     # batch triple: any two determine the third (with the data-parallel world size)
-    micro_batch: int | None = Field(None, gt=0)
+    micro_batch: int | Literal["auto"] | None = Field(
+        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.autobatch)"
+    )
     grad_accum: int | None = Field(None, gt=0)
     global_batch: int | None = Field(None, gt=0)
+    cpu_memory_budget_gb: float | None = Field(
+        None, gt=0, description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available)"
+    )
     # length of training
     epochs: float | None = Field(None, gt=0)
     max_steps: int | None = Field(None, gt=0)
@@ -142,6 +147,13 @@ class RunConfig(_Strict):
     wandb_project: str = "shardlab"
     curriculum: list[CurriculumStage] | None = None
 
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch_int_or_auto(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        raise ValueError(f"'micro_batch' must be a positive integer or 'auto', got {value!r}")
+
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         if self.strategy not in STRATEGIES:
@@ -160,6 +172,11 @@ class RunConfig(_Strict):
         defaults are micro 8 (or global/world) and accumulation 1.
         """
         micro, accum, glob = self.micro_batch, self.grad_accum, self.global_batch
+        if micro == "auto":
+            raise UserError(
+                "micro_batch 'auto' has no value until the search has run",
+                "`shardlab train` resolves it before the run (library: shardlab.autobatch.resolve_auto_micro_batch)",
+            )
         if glob is not None and glob % dp_world:
             raise UserError(
                 f"global_batch {glob} is not divisible by the data-parallel world size {dp_world}",

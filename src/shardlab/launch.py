@@ -49,7 +49,13 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     if cfg.strategy == "pipeline":
         _check_pipeline(cfg, world, hf_config, device_type)
-    cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
+    dp = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
+    if cfg.micro_batch == "auto":
+        from .autobatch import check_auto
+
+        check_auto(cfg, dp)
+    else:
+        cfg.resolve_batch(dp)
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
@@ -91,6 +97,17 @@ def train(cfg: RunConfig):
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
+    auto = None
+    if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
+        from .autobatch import resolve_auto_micro_batch
+
+        cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
+    plan = None
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:  # the rank that writes summary.json
+        from .run_plan import plan_for_run
+
+        per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
+        plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
     from .monitor import watch
 
     result = None
@@ -98,9 +115,9 @@ def train(cfg: RunConfig):
         if in_launched_job() or nproc * cfg.nodes == 1:
             from .trainer import run_worker
 
-            result = run_worker(cfg)
+            result = run_worker(cfg, plan=plan)
         else:
-            spawn(cfg, nproc)
+            spawn(cfg, nproc, plan)
     if result is not None and watched.result:
         result.summary.update(watched.result)
     return result
@@ -117,7 +134,7 @@ def quiet_engines(device_type: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
 
 
-def spawn(cfg: RunConfig, nproc: int) -> None:
+def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -127,6 +144,11 @@ def spawn(cfg: RunConfig, nproc: int) -> None:
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         cfg_file = Path(tmp) / "config.yaml"
         cfg_file.write_text(dump_config(cfg))
+        plan_args = []
+        if plan is not None:
+            from .run_plan import write_record
+
+            plan_args = [str(write_record(plan, Path(tmp) / "plan.json"))]
         launch = LaunchConfig(
             min_nodes=cfg.nodes,
             max_nodes=cfg.nodes,
@@ -140,7 +162,7 @@ def spawn(cfg: RunConfig, nproc: int) -> None:
         )
         print(f"[shardlab] launching {nproc} worker(s) on node {cfg.node_rank} of {cfg.nodes} (master {cfg.master_addr}:{port})", flush=True)
         try:
-            elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file))
+            elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file), *plan_args)
         except ChildFailedError as err:
             first = min(err.failures.values(), key=lambda f: f.timestamp) if err.failures else None
             code = first.exitcode if first else 1

@@ -47,14 +47,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from .config import STRATEGIES, RunConfig
-
-# Every strategy but `pipeline`, whose per-stage memory (a slice of the layers, activations of up to P
-# micro-batches in flight under 1F1B) is not modelled yet.
-PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s != "pipeline")
 from .errors import UserError
+
+# Every strategy; `pipeline` is modelled per stage in plan_pipeline.py.
+PLANNED_STRATEGIES = STRATEGIES
 
 GiB = 2**30
 
@@ -125,6 +124,25 @@ class Arch:
     attn_dropout: float
     resid_dropout: float
     embd_dropout: float
+    # What strategies/pipeline.py puts on each stage (GPT-2 and BLOOM only, else None): parameter counts of
+    # the embedding modules (first stage), the final norm and the LM head (last stage), each block; tied head.
+    pipeline_parts: dict[str, Any] | None = None
+
+
+def _pipeline_parts(model: Any) -> dict[str, Any] | None:
+    from .strategies.pipeline import _model_parts
+
+    try:
+        family, trunk, blocks, ln_f, lm_head = _model_parts(model)
+    except UserError:
+        return None
+    embed = [trunk.wte, trunk.wpe] if family == "gpt2" else [trunk.word_embeddings, trunk.word_embeddings_layernorm]
+    count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
+    return {
+        "embed": count(embed), "final_norm": count([ln_f]), "head": count([lm_head]), "blocks": [count([b]) for b in blocks],
+        "tied": lm_head.weight is embed[0].weight, "vocab_x_hidden": embed[0].weight.numel(),
+        "largest_block_param": max((p.numel() for b in blocks for p in b.parameters()), default=0),
+    }
 
 
 def _family(hf_config: Any) -> str:
@@ -185,6 +203,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         root_params=n - in_blocks, persistent_params=persistent, hidden=hidden, layers=layers, heads=heads,
         kv_heads=kv_heads, ffn=ffn, vocab=int(c.vocab_size), attn_impl=attn_impl,
         attn_dropout=float(drops[0]), resid_dropout=float(drops[1]), embd_dropout=float(drops[2]),
+        pipeline_parts=_pipeline_parts(model),
     )
 
 
@@ -271,18 +290,41 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     return per_sbh, per_as2b, per_sb
 
 
+def layer_backward_bytes(arch: Arch, mode: str) -> float:
+    """Temporaries of one decoder layer's backward beyond what it saved, per s·b·h: the MLP activation's
+    gradient is computed through ffn-wide intermediates. Measured on CPU in fp32 (tests/test_plan_pipeline.py):
+    GPT-2's composite gelu_new backward keeps 2 ffn-wide tensors at its peak, BLOOM's hand-written
+    bloom_gelu_back 5 (tanh_out, ff and their products). Llama-style and others: 2, not measured.
+    The loss' 8·b·s·V at the LM head is far larger, so only the pipeline's stages without the head use it."""
+    p = 4 if mode == "fp32" else 2
+    f = arch.ffn / arch.hidden
+    return (5 if arch.family == "bloom" else 2) * f * p
+
+
 def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
+    return _embed_bytes(arch, mode, device) + _final_bytes(arch, mode, device)
+
+
+def _embed_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h of the embedding (first pipeline stage): GPT-2's dropout mask, BLOOM's LayerNorm input."""
     p = 4 if mode == "fp32" else 2
     r = 2 if mode == "lp" else 4
     mask = (1 if device == "cuda" else p)
     if arch.family == "gpt2":
-        return (mask if arch.embd_dropout > 0 else 0) + r + p  # embd dropout mask, ln_f in, lm_head in
+        return mask if arch.embd_dropout > 0 else 0
     if arch.family == "bloom":
-        return r + r + p  # word_embeddings_layernorm in, ln_f in, lm_head in
+        return r  # word_embeddings_layernorm in
+    return 0
+
+
+def _final_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h of the final norm and the LM head input (last pipeline stage)."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
     if arch.family == "llama":
-        return {"fp32": 12, "lp": 8, "autocast": 10}[mode]  # final RMSNorm as above
-    return r + p
+        return {"fp32": 12, "lp": 8, "autocast": 10}[mode]  # final RMSNorm as in _layer_bytes
+    return r + p  # ln_f in, lm_head in
 
 
 @dataclass
@@ -292,6 +334,7 @@ class Activations:
     logits_saved: float  # fp32 log-softmax output saved by cross_entropy (4 b s V)
     logits_peak: float  # at the start of backward: saved output + its grad + grad wrt logits (12 b s V)
     recompute: float  # gradient checkpointing: one layer recomputed during backward
+    per_layer: float = 0.0  # saved by one decoder layer (its input only with gradient checkpointing)
 
     @property
     def saved_at_forward_end(self) -> float:
@@ -322,6 +365,7 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         logits_saved=4.0 * bsv,
         logits_peak=12.0 * bsv,
         recompute=recompute,
+        per_layer=layers / arch.layers if arch.layers else 0.0,
     )
 
 
@@ -413,6 +457,7 @@ class StrategyPlan:
     why: str = ""
     max_micro_batch: int = 0
     notes: list[str] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
 
 
 def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, dict[str, Fraction], str]:
@@ -452,7 +497,15 @@ def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fracti
 
 
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
-                   gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]]) -> StrategyPlan:
+                   gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]],
+                   device: str = "cuda") -> StrategyPlan:
+    """One strategy's prediction. ``device='cpu'`` predicts a CPU run's allocations instead (CPU activation
+    layout, torch's foreach AdamW temporaries), which ``shardlab train --device cpu`` records and
+    ``--micro-batch auto`` caps by a host-RAM budget."""
+    if strategy == "pipeline":
+        from .plan_pipeline import pipeline_strategy_plan
+
+        return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
     n = arch.n_params
     d = gpus_per_node * nodes
     opts = cfg.strategy_options
@@ -464,12 +517,16 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         mode = "autocast" if mixed else "fp32"
     else:
         mode = "lp" if mixed else "fp32"
-    act = activation_bytes(arch, micro, cfg.seq_len, mode, "cuda", checkpointing)
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing)
     temp: dict[str, float] = {}  # live at the start of backward
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
     stage = STAGE.get(strategy)
+    if device == "cpu" and (strategy == "dp" or strategy.startswith("fsdp")):
+        # optim.adamw: fused on CUDA (no temporaries); torch's foreach path on the CPU keeps one
+        # parameter-sized temporary (sqrt of the second moment) during the step
+        temp_step["foreach AdamW temporary (CPU)"] = float(4 * n / (d if strategy.startswith("fsdp") else 1))
     if strategy == "dp":
         if mixed:
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
@@ -484,6 +541,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:
         rb, ab = opts.reduce_bucket_size, opts.allgather_bucket_size
+        if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
+            rb = min(rb, n)
         overlap = opts.overlap_comm if opts.overlap_comm is not None else d > 1
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
@@ -501,6 +560,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if strategy == "zero3":
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
+            if device == "cpu":
+                gather = min(gather, n)
             temp["ZeRO-3 gathered params (largest layer + prefetch bucket)"] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
     grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
@@ -589,6 +650,8 @@ class Plan:
     reason: str
     next_option: str | None
     predicts: str = "peak torch.cuda.max_memory_allocated per GPU (bytes); fits adds the CUDA context and x1.15 fragmentation"
+    compile: bool = False
+    notes: list[str] = field(default_factory=list)  # caveats: --compile not modelled, strategies left out, micro 'auto'
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -625,6 +688,32 @@ def _detect_gpu_memory(cfg_device: str) -> float | None:
     return None
 
 
+def _gpus_per_node(cfg: RunConfig) -> int:
+    if cfg.gpus is not None:
+        return cfg.gpus
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    except Exception:
+        return 1
+
+
+def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
+    """Ranks that see different data (the batch triple's world): all but a pipeline's stages."""
+    if strategy == "pipeline":
+        return max(1, world // (cfg.strategy_options.pp_stages or world))
+    return world
+
+
+def _arch(cfg: RunConfig) -> Arch:
+    from .models import build_hf_config
+
+    hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
+    return arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
+                               persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
+
+
 def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
          nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096) -> Plan:
     """Predict memory for every strategy of ``cfg`` (its model, seq_len, micro batch, GPUs, precision).
@@ -632,12 +721,16 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     ``gpu_memory_gb``: per-GPU memory in GiB (2**30 bytes; GPU memory is built in binary units: an
     "80GB" H100 has 80 GiB of HBM, of which torch reports ~79.1 GiB), detected with torch.cuda when
     omitted, required when no GPU is visible. ``host_ram_gb`` / ``nvme_free_gb``: per node, GiB too.
+    ``micro_batch: auto`` is planned at the largest micro batch predicted to fit ``cfg.strategy``.
     """
     for name, value in (("--gpu-memory-gb", gpu_memory_gb), ("--host-ram-gb", host_ram_gb), ("--nvme-free-gb", nvme_free_gb)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UserError(f"{name} must be a positive number of GB, got {value}", f"pass e.g. {name} 80")
     if cfg.gpus == 0:
         raise UserError("cannot plan for 0 GPUs", "pass --gpus 1 or more (GPUs per node)")
+    for s in strategies or ():
+        if s not in STRATEGIES:
+            raise UserError(f"unknown strategy {s!r}", f"choose from {', '.join(STRATEGIES)}")
     if cfg.deepspeed_config:
         notes_ds = "a user DeepSpeed JSON is not read by plan: buckets are shardlab's strategy_options"
     else:
@@ -649,35 +742,49 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         if detected is None:
             raise UserError("no CUDA GPU visible to read its memory from", "pass --gpu-memory-gb (e.g. 80 for an H100 80GB)")
         gpu_memory, source = detected, "detected (GPU 0)"
-    gpus_per_node = cfg.gpus
-    if gpus_per_node is None:
-        try:
-            import torch
-
-            gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        except Exception:
-            gpus_per_node = 1
-        gpus_per_node = max(1, gpus_per_node)
+    gpus_per_node = _gpus_per_node(cfg)
     d = gpus_per_node * cfg.nodes
-    micro, accum, _ = cfg.resolve_batch(d)
     precision = cfg.precision if cfg.precision != "auto" else "bf16"  # plan is for GPUs: auto = bf16 (A100/H100)
-    from .models import build_hf_config
+    arch = _arch(cfg)
+    plan_notes: list[str] = []
+    if cfg.micro_batch == "auto":
+        from .autobatch import check_auto_batch
 
-    hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
-    arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
-                               persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
+        dp_main = _dp_size(cfg.strategy, cfg, d)
+        check_auto_batch(cfg, dp_main)
+        micro_auto, why = _auto_micro(arch, cfg, cfg.strategy, precision, gpus_per_node, dp_main,
+                                      lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory), "cuda", max_search)
+        cfg = cfg.model_copy(update={"micro_batch": max(1, micro_auto)})
+        plan_notes.append(f"micro batch 'auto': planned at {cfg.micro_batch}, {why}; `shardlab train --micro-batch auto` "
+                          "confirms it with short trial runs")
+    micro, accum, _ = cfg.resolve_batch(_dp_size(cfg.strategy, cfg, d))
+    if cfg.compile:
+        plan_notes.append(
+            "--compile is NOT modelled: these are eager-mode predictions. Inductor fuses kernels and recomputes cheap "
+            "ops instead of saving them, so a compiled run usually needs less (measured on an H100, gpt2-medium dp "
+            f"micro 16: {MEASURED_H100_COMPILE['measured']:.1f} GiB compiled vs {MEASURED_H100_COMPILE['eager_prediction']:.0f} "
+            "GiB predicted for eager); treat the peaks as an upper bound, not a compiled prediction")
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
     nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None
     names = strategies or PLANNED_STRATEGIES
     out: dict[str, StrategyPlan] = {}
     for s in names:
-        sp = _strategy_plan(s, arch, cfg, micro, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+        s_micro, s_accum, _ = (micro, accum, None) if s != "pipeline" else cfg.resolve_batch(_dp_size(s, cfg, d))
+        try:
+            sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+        except UserError as err:
+            from .plan_pipeline import PipelineNotApplicable
+
+            if not isinstance(err, PipelineNotApplicable) or strategies:
+                raise
+            plan_notes.append(f"pipeline left out: {err.message}")
+            continue
         sp.fits, sp.why = _fits(sp, gpu_memory, host_ram, nvme_free)
         sp.headroom = _usable(gpu_memory) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
         if notes_ds:
             sp.notes.append(notes_ds)
-        sp.max_micro_batch = _largest_micro(s, arch, cfg, accum, precision, gpus_per_node, gpu_memory, ds_est, max_search)
+        sp.max_micro_batch = _largest_micro(s, arch, cfg, s_accum, precision, gpus_per_node, gpu_memory, ds_est, max_search)
         out[s] = sp
     rec, reason, nxt = _recommend(out, arch, cfg, gpus_per_node)
     return Plan(
@@ -686,7 +793,99 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=arch.attn_impl,
         gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=gpu_memory, gpu_memory_source=source,
         host_ram=host_ram, nvme_free=nvme_free, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
+        compile=cfg.compile, notes=plan_notes,
     )
+
+
+def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_per_node: int, dp: int,
+                fits: Callable[[StrategyPlan], bool], device: str, upper: int) -> tuple[int, str]:
+    """Largest allowed micro batch (autobatch.micro_candidates: divisors of a given global batch) whose
+    prediction ``fits``, the accumulation following the batch triple; 0 when even the smallest does not."""
+    from .autobatch import micro_candidates, with_micro_batch
+
+    ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
+    cands = micro_candidates(cfg, dp, upper)
+
+    def ok(i: int) -> bool:
+        c = with_micro_batch(cfg, cands[i])
+        m, a, _ = c.resolve_batch(dp)
+        return fits(_strategy_plan(strategy, arch, c, m, a, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est, device))
+
+    if not cands or not ok(0):
+        return 0, f"not even micro batch 1 is predicted to fit {strategy}"
+    lo, hi = 0, len(cands)  # ok(lo); predicted peaks grow with the micro batch: bisect (galloping first)
+    step = 1
+    while lo + step < hi and ok(lo + step):
+        lo, step = lo + step, step * 2
+    hi = min(hi, lo + step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return cands[lo], f"the largest predicted to fit {strategy}"
+
+
+def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, cpu_budget: float | None = None,
+                     gpu_memory_gb: float | None = None) -> tuple[int, str]:
+    """Where `--micro-batch auto` starts: the largest micro batch predicted to fit ``cfg.strategy``.
+
+    GPU: the detected (or given) GPU memory, with the CUDA context and fragmentation allowance of
+    ``fits``. CPU: the whole run's predicted host memory (``cpu_run_bytes``) within ``cpu_budget`` bytes,
+    at most autobatch.CPU_MAX_MICRO."""
+    from .autobatch import CPU_MAX_MICRO, MAX_MICRO
+    from .optim import resolve_precision
+
+    arch = _arch(cfg)
+    run_cfg = cfg.model_copy(update={"gpus": nproc})
+    if device_type == "cpu":
+        precision = resolve_precision(cfg.precision, "cpu").name
+        if cpu_budget is None:
+            raise UserError("a CPU plan needs a host-RAM budget", "set cpu_memory_budget_gb")
+        micro, _ = _auto_micro(arch, run_cfg, cfg.strategy, precision, nproc, dp,
+                               lambda sp: cpu_run_bytes(sp, nproc) <= cpu_budget, "cpu", CPU_MAX_MICRO)
+        return micro, f"the largest predicted within the {cpu_budget / GiB:.1f} GiB host-RAM budget, at most {CPU_MAX_MICRO} on CPU"
+    precision = cfg.precision if cfg.precision != "auto" else "bf16"
+    if gpu_memory_gb is not None:
+        gpu_memory = gpu_memory_gb * GiB
+    else:
+        gpu_memory = _detect_gpu_memory("cuda")
+        if gpu_memory is None:
+            raise UserError("no CUDA GPU visible to read its memory from", "pass --device cpu")
+    micro, _ = _auto_micro(arch, run_cfg, cfg.strategy, precision, nproc, dp,
+                           lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory), "cuda", MAX_MICRO)
+    return micro, f"the largest predicted to fit {cfg.strategy} in {gpu_memory / GiB:.1f} GiB per GPU"
+
+
+# Peak resident memory of one CPU training process besides what torch allocates for the run (python, torch,
+# transformers, datasets, tokenizer, data): measured on the 2-core CPU test machine (torch 2.13), tiny-gpt2 dp
+# fp32 seq 128: peak RSS (ru_maxrss) minus this module's predicted allocations = 0.59, 0.61, 0.64 GiB at micro
+# 1, 8, 32. tests/test_run_plan.py checks a measured run against it.
+CPU_PROCESS_RSS_BYTES = int(0.62 * GiB)
+# DeepSpeed's import and engine add to that: zero1/2/3(_offload) tiny-gpt2 runs peaked 0.06-0.09 GiB above
+# the same prediction for dp on the same machine.
+CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
+
+
+def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
+    """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
+    StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
+    from .optim import resolve_precision
+
+    precision = resolve_precision(cfg.precision, "cpu").name
+    arch = _arch(cfg)
+    world = nproc * cfg.nodes
+    micro, accum, _ = cfg.resolve_batch(_dp_size(cfg.strategy, cfg, world))
+    sp = _strategy_plan(cfg.strategy, arch, cfg, micro, accum, precision, nproc, cfg.nodes, cfg.gradient_checkpointing,
+                        deepspeed_estimates(arch, nproc, cfg.nodes), device="cpu")
+    return sp, cpu_run_bytes(sp, nproc)
+
+
+def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
+    """Host memory of a whole CPU run (all ranks) for a StrategyPlan computed with ``device='cpu'``:
+    what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
+    what the strategy offloads (already host memory, per node)."""
+    offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
+    baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if sp.strategy in STAGE else 0)
+    return nproc * (sp.gpu_peak + baseline) + offloaded
 
 
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
@@ -763,6 +962,16 @@ def render(p: Plan, console=None) -> None:
             g(sp.nvme_per_node) if sp.nvme_per_node else "-",
         )
     console.print(t)
+    pipe = p.strategies.get("pipeline")
+    if pipe is not None and pipe.stages:
+        pt = Table(title=f"pipeline per GPU ({pipe.notes[0]})")
+        for col in ("GPU", "stages", "blocks", "params", "in flight (peak)", "receive buffers", "logits kept", "peak", "at"):
+            pt.add_column(col, justify="left" if col in ("blocks", "at", "stages") else "right")
+        for st in pipe.stages:
+            pt.add_row(str(st["gpu"]), str(st["stages"]), str(st["blocks"]), f"{st['params']:,}", str(st["peak_in_flight"]),
+                       g(st["receive_buffers"]), g(st["logits_kept"]), f"[bold]{g(st['peak'])}[/bold]", st["moment"])
+        console.print(pt)
+        console.print("pipeline: " + "; ".join(pipe.notes[1:]) + ". It is not ranked in the recommendation: its speed is not measured.")
     console.print("'peak' is not the sum of the columns: gradients freed by zero_grad(set_to_none=True) are not yet there at the "
                   "start of backward (unless --grad-accum > 1), and step buffers exist only during the optimizer step.")
     console.print(f"Not in 'peak': CUDA context ~{CUDA_CONTEXT_BYTES / GiB:.1f} GiB per process; 'fits' also allows x{RESERVED_OVER_ALLOCATED} for "
@@ -779,6 +988,8 @@ def render(p: Plan, console=None) -> None:
                   "master/m/v); DeepSpeed's estimator adds 4 B/param of fp32 grads on the GPU (2+18/N) and 4 x largest layer for "
                   "ZeRO-3, and multiplies CPU by 1.5; shardlab's dp keeps fp32 weights (autocast), so 4+4+8; none of the "
                   "model-state formulas count activations, the loss' logits or communication buckets, which the peak column does.")
+    for note in p.notes:
+        console.print(f"[bold yellow]Note:[/bold yellow] {note}")
     if p.recommendation:
         console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation} - {p.reason}. "
                       f"Largest micro batch that fits: {p.strategies[p.recommendation].max_micro_batch}."
@@ -791,6 +1002,9 @@ def render(p: Plan, console=None) -> None:
 # Source: benchmarks/results/h100-foundation-run2/foundation.json (run 3 for dp; same numbers), gpt2-medium,
 # seq 1024, micro 8, bf16, 1 x H100, max_memory_allocated GiB.
 MEASURED_H100 = {"dp": 25.483, "zero2": 20.220, "zero3": 21.813, "zero2_offload": 16.350, "fsdp": 19.657}
+# dp --compile, micro 16 (benchmarks/results/h100-foundation-run3/foundation.json): not modelled; the eager
+# prediction for the same run is in tests/test_plan.py::test_compile_is_flagged_not_modelled.
+MEASURED_H100_COMPILE = {"measured": 25.248, "eager_prediction": 46.0}
 
 
 __all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "render", "activation_bytes", "arch_from_hf_config",

@@ -177,8 +177,9 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, plan: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.plan = plan  # the launcher's memory prediction (run_plan.py), written into summary.json as-is
         self.device_type = pick_device_type(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device_type)
         self.env = init_distributed(self.device_type)
@@ -306,6 +307,8 @@ class Trainer:
         writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
         try:
             summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
+            if self.plan is not None:
+                summary["plan"] = self.plan
             if cfg.export:
                 path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
                 if path:
@@ -494,10 +497,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
-def run_worker(cfg: RunConfig) -> RunResult:
+def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     """Entry point of one worker process (also the whole run when there is one process)."""
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, plan)
         try:
             return trainer.run()
         except torch.OutOfMemoryError:  # model placement, engine setup, the loop or the export

@@ -1,4 +1,4 @@
-"""`python -m shardlab.worker CONFIG.yaml`: the body of one spawned worker process."""
+"""`python -m shardlab.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         from .trainer import run_worker
 
-        run_worker(load_config(argv[0]))
+        from .run_plan import read_record
+
+        run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
     return status.code
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -147,13 +148,13 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     return float(layer), float(head)
 
 
-def balanced_split(model: nn.Module, seq_len: int, n_stages: int) -> list[tuple[int, int]]:
-    """Block ranges per stage for `model`, the LM head's cost counted on the last stage."""
-    _, _, blocks, _, _ = _model_parts(model)
-    if n_stages == 1:
-        return [(0, len(blocks))]
-    layer_cost, head_cost = _layer_and_head_cost(model, seq_len)
-    return stage_costs(len(blocks), 1.0, head_cost / layer_cost, n_stages)  # in block units
+def split_blocks(config, n_layers: int, seq_len: int, n_stages: int) -> list[tuple[int, int]]:
+    """The [start, end) blocks of every (virtual) stage for an HF ``config``: compute-balanced, the LM head on
+    the last stage weighed in layer-equivalents. One function for the strategy and for `shardlab plan`."""
+    if n_stages <= 1:
+        return [(0, n_layers)]
+    layer_cost, head_cost = _layer_and_head_cost(SimpleNamespace(config=config), seq_len)
+    return stage_costs(n_layers, 1.0, head_cost / layer_cost, n_stages)
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -228,7 +229,8 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self._make_groups()
         self.chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
         n_stages = self.n_ranks * self.chunks
-        bounds = balanced_split(model, self.cfg.seq_len, n_stages)
+        _, _, blocks, _, _ = _model_parts(model)
+        bounds = split_blocks(model.config, len(blocks), self.cfg.seq_len, n_stages)
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device
         # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).

@@ -1,0 +1,200 @@
+"""Memory of `--strategy pipeline` per GPU, as strategies/pipeline.py and torch.distributed.pipelining run it.
+
+Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M micro-batches per step):
+
+* **Model states of its stages only.** The split is the strategy's own (``split_blocks``: ``stage_costs`` over the
+  strategy's per-layer and LM-head FLOP costs), so plan and training cut the model in the same place.
+  The first stage holds the embedding, the last the final norm and LM head; a tied embedding is a
+  second copy on the last GPU. The pipeline uses torch's AdamW over fp32 weights:
+  4 (weights) + 4 (gradients) + 8 (m, v) bytes per parameter.
+* **No autocast.** ``PipelineStrategy.train_step`` runs ``schedule.step`` outside any autocast context,
+  so the stages compute in fp32 whatever ``--precision`` says; activations are counted in fp32.
+* **Activations of the micro-batches in flight.** The schedule's per-GPU action order (the one
+  ``shardlab pipeline simulate`` checks against torch: pipesim.device_orders) is walked: a forward adds
+  that stage's saved tensors for one micro-batch, a backward releases them. GPipe holds all M on every
+  stage; 1F1B holds min(M, P - s) on stage s (P on the first).
+* **torch.distributed.pipelining's buffers** (torch/distributed/pipelining/stage.py, PipelineStage):
+  every non-first stage pre-allocates M receive buffers for its input and every non-last stage M
+  receive buffers for its output gradient (each b·s·h fp32, kept for the whole run); the stage output
+  is kept in ``fwd_cache`` until its backward. The last stage keeps every micro-batch's logits in
+  ``output_chunks`` (4·b·s·V each) until the next step, because shardlab calls ``schedule.step`` with the
+  default ``return_outputs=True``, and concatenates them at the end of the step (another M·4·b·s·V).
+* **The loss** on the last stage as in planner.py: the log-softmax output (4·b·s·V) is saved per
+  micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
+  one layer's temporaries (planner.layer_backward_bytes) and, with checkpointing, one recomputed layer.
+* The peak of a GPU is the largest of: every forward's end, every backward's start (grads live after
+  the first backward of the step), the merge of the logits at the end of the step, and the optimizer
+  step (gradients flattened for the all-reduce across pipeline replicas when there are several).
+The worst GPU is the plan's per-GPU peak; ``StrategyPlan.stages`` lists every GPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+from .errors import UserError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .planner import Arch, StrategyPlan
+
+BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v
+
+
+class PipelineNotApplicable(UserError):
+    """The pipeline strategy cannot run this model / world (plan leaves it out of a full plan)."""
+
+
+def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int, int]]:
+    """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
+    from .strategies.pipeline import split_blocks
+
+    shim = SimpleNamespace(n_embd=arch.hidden, hidden_size=arch.hidden, vocab_size=arch.vocab)  # what split_blocks reads
+    return split_blocks(shim, arch.layers, seq_len, n_stages)
+
+
+def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int, int]:
+    """(GPUs per pipeline P, chunks V, replicas) for ``world`` ranks, with the strategy's own errors."""
+    opts = cfg.strategy_options
+    ranks = opts.pp_stages or world
+    if world % ranks:
+        raise PipelineNotApplicable(
+            f"{world} GPUs cannot form pipelines of {ranks} stages (the world size must be a multiple of --stages)",
+            f"use --stages dividing {world}",
+        )
+    chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
+    if ranks * chunks > layers:
+        raise PipelineNotApplicable(f"{ranks * chunks} pipeline stages but {cfg.model} has only {layers} layers",
+                                    f"use at most {layers} stages (x chunks)")
+    return ranks, chunks, world // ranks
+
+
+def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
+                           nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
+    from .pipesim.schedules import device_orders
+    from .planner import (
+        CUDA_CONTEXT_BYTES,
+        PROCESS_RSS_BYTES,
+        GiB,
+        StrategyPlan,
+        _embed_bytes,
+        _final_bytes,
+        activation_bytes,
+        layer_backward_bytes,
+    )
+
+    parts = arch.pipeline_parts
+    if parts is None:
+        raise PipelineNotApplicable(f"pipeline parallelism in shardlab supports GPT-2 and BLOOM models, not {arch.family}",
+                                    "use another strategy")
+    world = gpus_per_node * nodes
+    P, V, replicas = pipeline_shape(cfg, world, arch.layers)
+    n_stages, M = P * V, accum
+    schedule = cfg.strategy_options.pp_schedule
+    bounds = pipeline_split(arch, cfg.seq_len, n_stages)
+    b, s, h, vocab = micro, cfg.seq_len, arch.hidden, arch.vocab
+    mode = "fp32"  # no autocast around schedule.step (module docstring)
+    act = activation_bytes(arch, micro, s, mode, device, checkpointing)
+    r = 4  # fp32 residual stream: stage inputs, outputs and their gradients
+    sbh, bsv = float(s * b * h), float(b * s * vocab)
+    last = n_stages - 1
+
+    saved, transient, buffers = [], [], []
+    for k, (lo, hi) in enumerate(bounds):
+        x = (hi - lo) * act.per_layer
+        x += _embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
+        x += (_final_bytes(arch, mode, device) * sbh + 4 * bsv) if k == last else r * sbh  # log-softmax out / output in fwd_cache
+        saved.append(x)
+        # backward: the loss' gradients at the head first, then each layer's (recomputed, with checkpointing) temporaries
+        layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh
+        transient.append(max(8 * bsv, layer_bwd) if k == last else layer_bwd)
+        buffers.append(M * r * sbh * ((k > 0) + (k < last)))
+
+    def stage_params(k: int, on_device: list[int]) -> int:
+        lo, hi = bounds[k]
+        n = sum(parts["blocks"][lo:hi])
+        if k == 0:
+            n += parts["embed"]
+        if k == last:
+            n += parts["final_norm"] + parts["head"]
+            if parts["tied"] and 0 in on_device:
+                n -= parts["vocab_x_hidden"]  # the tied weight is one Parameter on one device
+        return n
+
+    per_device = []
+    for d in range(P):
+        mine = [k for k in range(n_stages) if k % P == d]
+        n_d = sum(stage_params(k, mine) for k in mine)
+        grads = BYTES_PER_PARAM["gradients"] * n_d
+        held = retained = 0.0
+        grads_live = False
+        in_flight = peak_in_flight = 0
+        # candidate moments: (saved activations, logits + loss tensors, gradients, step temporaries, what)
+        moments = []
+        for a in device_orders(schedule, P, M, V)[d]:
+            g = grads if grads_live else 0.0
+            if a.kind == "F":
+                held += saved[a.stage]
+                retained += 4 * bsv if a.stage == last else 0.0
+                in_flight += 1
+                peak_in_flight = max(peak_in_flight, in_flight)
+                moments.append((held, retained, g, 0.0, f"end of forward {a.microbatch} (stage {a.stage})"))
+            else:
+                loss_tmp = 8 * bsv if (a.stage == last and 8 * bsv >= transient[a.stage]) else 0.0
+                moments.append((held + transient[a.stage] - loss_tmp, retained + loss_tmp, g, 0.0,
+                                f"start of backward {a.microbatch} (stage {a.stage}, {in_flight} micro-batches in flight)"))
+                held -= saved[a.stage]
+                in_flight -= 1
+                grads_live = True
+        if last in mine:
+            moments.append((0.0, 2 * retained, grads, 0.0, f"end of step: the {M} micro-batches' logits concatenated (return_outputs)"))
+        step_tmp = 4.0 * (parts["vocab_x_hidden"] if (0 in mine or last in mine) else parts["largest_block_param"])  # grad.float().pow(2), clipping norm
+        if replicas > 1:
+            step_tmp += 4.0 * n_d  # _average_over_replicas flattens all gradients into one buffer
+        if device == "cpu":
+            step_tmp += 4.0 * n_d  # foreach AdamW temporary
+        moments.append((0.0, retained, grads, step_tmp, "optimizer step"))
+        acts, logits, g, tmp, moment = max(moments, key=lambda m: m[0] + m[1] + m[2] + m[3])
+        static = (BYTES_PER_PARAM["parameters"] + BYTES_PER_PARAM["optimizer"]) * n_d + sum(buffers[k] for k in mine)
+        per_device.append({
+            "gpu": d, "stages": mine, "blocks": [list(bounds[k]) for k in mine], "params": n_d,
+            "peak_in_flight": peak_in_flight, "peak": static + acts + logits + g + tmp, "moment": moment,
+            "activations": acts, "logits": logits, "gradients_live": g, "step_buffers": tmp,
+            "receive_buffers": sum(buffers[k] for k in mine), "activations_per_microbatch": [saved[k] for k in mine],
+            "logits_kept": 4 * bsv * M if last in mine else 0.0,
+        })
+    worst = max(per_device, key=lambda e: e["peak"])
+    n_w = worst["params"]
+    gpu = {
+        "parameters": float(BYTES_PER_PARAM["parameters"] * n_w),
+        "gradients": float(BYTES_PER_PARAM["gradients"] * n_w),
+        "optimizer": float(BYTES_PER_PARAM["optimizer"] * n_w),
+        "activations": float(worst["activations"]),
+        "logits (loss)": float(worst["logits"]),
+        "temporary": float(worst["receive_buffers"]),
+        "step buffers": float(worst["step_buffers"]),
+        "overhead (not in allocated)": float(CUDA_CONTEXT_BYTES),
+    }
+    where = (f"{schedule}, {P} GPU(s) per pipeline x {replicas} replica(s), {M} micro-batches; fp32 weights, grads and "
+             f"AdamW states of each stage's layers")
+    notes = [
+        f"split (blocks per stage, the strategy's split_blocks): {[list(x) for x in bounds]}",
+        f"worst GPU {worst['gpu']} (stages {worst['stages']}): peak at {worst['moment']}",
+    ]
+    if precision != "fp32":
+        notes.append(f"--precision {precision} is not applied by the pipeline schedule (no autocast around schedule.step): "
+                     "activations counted in fp32")
+    kept = per_device[last % P]["logits_kept"]
+    notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
+                 "return value (return_outputs=True), plus their concatenation at the end of the step")
+    cpu_detail = {
+        "model built in fp32 on the CPU by every rank (load time)": 4.0 * arch.n_params * gpus_per_node,
+        "process (python, torch, CUDA libs)": float(PROCESS_RSS_BYTES * gpus_per_node),
+    }
+    return StrategyPlan(
+        strategy="pipeline", gpu=gpu, gpu_peak=float(worst["peak"]), peak_moment=worst["moment"],
+        cpu_per_node=sum(cpu_detail.values()), cpu_detail=cpu_detail, nvme_per_node=0.0,
+        model_state_bytes_per_param=16.0 * n_w / arch.n_params, paper_bytes_per_param=None,
+        deepspeed_gpu=None, deepspeed_cpu=None, notes=[where] + notes, stages=per_device,
+    )

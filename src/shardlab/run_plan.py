@@ -1,0 +1,157 @@
+"""The plan of one run: `shardlab train` asks the planner about its own config before any worker starts.
+
+On a GPU the prediction is checked against the device: when it does not fit, one warning line names
+the predicted need, the GPU's memory and what the plan says would fit (a smaller micro batch with the
+global batch kept, gradient checkpointing, or the fastest strategy that fits). The run still starts:
+the plan is a prediction, the run is the measurement. On a CPU the prediction is only recorded.
+
+The record is written into the run's summary.json under ``plan`` (``PLAN_KEYS`` always present, read by
+report code; the rest is for people):
+    gpu_peak_gib  predicted peak torch.cuda.max_memory_allocated per GPU (null on CPU)
+    cpu_gib       predicted host memory per node (on CPU: of the whole run, all ranks)
+    fits          GPU: fits with the CUDA context and the fragmentation allowance; null on CPU
+    strategy      the strategy it was made for
+A planning failure never stops a run: the record then carries ``error`` and nulls.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig
+from .errors import UserError
+
+PLAN_KEYS = ("gpu_peak_gib", "cpu_gib", "fits", "strategy")
+GiB = 2**30
+
+
+def _gib(x: float | None) -> float | None:
+    return None if x is None else round(x / GiB, 4)
+
+
+def gpu_memory_gib(nproc: int) -> float:
+    """The smallest total memory among the GPUs this node's ranks will use (0..nproc-1 of the visible ones)."""
+    import torch
+
+    n = max(1, min(nproc, torch.cuda.device_count()))
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) / GiB
+
+
+def host_ram_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / GiB
+
+
+def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: float | None = None,
+                host_ram: float | None = None) -> dict[str, Any]:
+    """The plan record of ``cfg`` (an integer micro batch) on ``nproc`` ranks per node of ``device_type``.
+    ``gpu_memory`` / ``host_ram`` in GiB: detected when omitted."""
+    record: dict[str, Any] = {"gpu_peak_gib": None, "cpu_gib": None, "fits": None, "strategy": cfg.strategy, "device": device_type}
+    try:
+        record.update(_predict(cfg, device_type, nproc, gpu_memory, host_ram))
+    except UserError as err:
+        record["error"] = err.message
+    except Exception as err:  # noqa: BLE001 - a planner bug must not stop a training run; it is recorded instead
+        record["error"] = f"{type(err).__name__}: {err}"
+    return record
+
+
+def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None) -> dict[str, Any]:
+    from .optim import resolve_precision
+    from .planner import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, plan, predict_cpu_run
+
+    # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
+    precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
+    run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": precision})
+    host_ram = host_ram if host_ram is not None else host_ram_gib()
+    if device_type == "cpu":
+        sp, total = predict_cpu_run(run_cfg, nproc)
+        out: dict[str, Any] = {
+            "cpu_gib": _gib(total), "per_rank_gib": _gib(sp.gpu_peak), "host_ram_gib": round(host_ram, 2),
+            "precision": precision, "peak_moment": sp.peak_moment,
+            "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
+            "compile_modelled": False if cfg.compile else None,
+        }
+        return out | _pipeline_fields(sp)
+    gpu_memory = gpu_memory if gpu_memory is not None else gpu_memory_gib(nproc)
+    p = plan(run_cfg, gpu_memory_gb=gpu_memory, host_ram_gb=host_ram, strategies=(cfg.strategy,))
+    sp = p.strategies[cfg.strategy]
+    out = {
+        "gpu_peak_gib": _gib(sp.gpu_peak), "cpu_gib": _gib(sp.cpu_per_node), "fits": bool(sp.fits),
+        "gpu_memory_gib": round(gpu_memory, 2), "host_ram_gib": round(host_ram, 2), "precision": precision,
+        "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "max_micro_batch": sp.max_micro_batch,
+        "need_gib": _gib(sp.gpu_peak * RESERVED_OVER_ALLOCATED + CUDA_CONTEXT_BYTES),
+        "peak_moment": sp.peak_moment, "why": sp.why, "predicts": "peak torch.cuda.max_memory_allocated per GPU",
+        "compile_modelled": False if cfg.compile else None, "notes": p.notes,
+    }
+    if not sp.fits:
+        out["advice"] = advice(run_cfg, p, gpu_memory)
+    return out | _pipeline_fields(sp)
+
+
+def _pipeline_fields(sp) -> dict[str, Any]:
+    if not sp.stages:
+        return {}
+    return {"pipeline_split": [b for st in sp.stages for b in st["blocks"]],
+            "stages": [{"gpu": st["gpu"], "blocks": st["blocks"], "peak_gib": _gib(st["peak"]),
+                        "peak_in_flight": st["peak_in_flight"]} for st in sp.stages]}
+
+
+def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
+    """What the plan says would fit instead, fastest change first: one line."""
+    from .autobatch import micro_candidates
+    from .planner import SPEED_ORDER, plan
+
+    sp = p.strategies[cfg.strategy]
+    out = []
+    per_rank = p.micro_batch * p.grad_accum
+    if 0 < sp.max_micro_batch < p.micro_batch:
+        # divisors of the per-rank batch, largest first; with accumulation the gradients live through forward too
+        for m in reversed(micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)):
+            smaller = cfg.model_copy(update={"micro_batch": m, "grad_accum": per_rank // m, "global_batch": None})
+            if plan(smaller, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits:
+                out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
+                break
+    if not cfg.gradient_checkpointing:
+        ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
+        if ck.strategies[cfg.strategy].fits:
+            out.append("--gradient-checkpointing")
+    others = tuple(s for s in SPEED_ORDER if s != cfg.strategy)
+    alt = plan(cfg, gpu_memory_gb=gpu_memory, strategies=others)
+    fitting = [s for s in others if alt.strategies[s].fits]
+    if fitting:
+        out.append(f"--strategy {fitting[0]}")
+    return "; or ".join(out) if out else "nothing the plan knows fits: more GPUs, a shorter --seq-len, or a smaller model"
+
+
+def warning_line(record: dict[str, Any]) -> str | None:
+    """One line for a GPU run predicted not to fit, else None."""
+    if record.get("fits") is not False:
+        return None
+    compiled = " (eager estimate: --compile is not modelled and usually needs less)" if record.get("compile_modelled") is False else ""
+    return (f"warning: the plan predicts {record['strategy']} will not fit: {record['need_gib']:.1f} GiB per GPU "
+            f"(peak {record['gpu_peak_gib']:.1f} GiB allocated + CUDA context + fragmentation allowance) on "
+            f"{record['gpu_memory_gib']:.1f} GiB GPUs{compiled}; fits instead: {record.get('advice', '-')}")
+
+
+def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=None) -> dict[str, Any]:
+    """What the launcher does before spawning: predict, warn on a GPU when it does not fit, return the record."""
+    record = predict_run(cfg, device_type, nproc)
+    if auto is not None:
+        record["micro_batch_auto"] = auto.to_dict()
+    line = warning_line(record) if device_type == "cuda" else None
+    if line:
+        (log or (lambda m: print(f"[shardlab] {m}", flush=True)))(line)
+    return record
+
+
+def write_record(record: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(record))
+    return path
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())

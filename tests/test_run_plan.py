@@ -1,0 +1,100 @@
+"""`shardlab train` plans itself before any worker starts: the record in summary.json, the GPU warning
+with what would fit instead, the --compile caveat, and a planning failure that must not stop a run."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from shardlab.config import RunConfig
+from shardlab.planner import MEASURED_H100, RESERVED_OVER_ALLOCATED, GiB, _usable, plan
+from shardlab.run_plan import PLAN_KEYS, predict_run, warning_line
+
+
+def _fits(cfg: RunConfig, gpu_gib: float) -> bool:
+    sp = plan(cfg, gpu_memory_gb=gpu_gib, strategies=(cfg.strategy,)).strategies[cfg.strategy]
+    return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_gib * GiB)
+
+
+def test_gpu_record_that_fits():
+    """The H100 foundation run's config: the record's prediction is the plan's, within 10% of what was measured."""
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp")
+    rec = predict_run(cfg, "cuda", 1, gpu_memory=79.1, host_ram=128)
+    assert set(PLAN_KEYS) <= set(rec) and rec["strategy"] == "dp" and rec["fits"] is True
+    assert isinstance(rec["gpu_peak_gib"], float) and isinstance(rec["cpu_gib"], float)
+    assert rec["gpu_peak_gib"] == pytest.approx(MEASURED_H100["dp"], rel=0.10)
+    assert rec["gpu_memory_gib"] == 79.1 and rec["micro_batch"] == 8 and rec["max_micro_batch"] > 8
+    assert rec["compile_modelled"] is None and "error" not in rec
+    assert warning_line(rec) is None
+
+
+def test_gpu_warning_names_what_fits_instead():
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp")
+    rec = predict_run(cfg, "cuda", 1, gpu_memory=28.0, host_ram=128)
+    assert rec["fits"] is False and rec["need_gib"] > 28 > rec["gpu_peak_gib"]  # the peak alone would fit: context + fragmentation do not
+    line = warning_line(rec)
+    assert "\n" not in line and line.startswith("warning: the plan predicts dp will not fit")
+    assert f"{rec['need_gib']:.1f} GiB per GPU (peak {rec['gpu_peak_gib']:.1f} GiB" in line and "28.0 GiB GPUs" in line
+    assert "fits instead:" in line and "--gradient-checkpointing" in line
+    # every suggestion is one the plan predicts to fit
+    m = re.search(r"--micro-batch (\d+) --grad-accum (\d+) \(same global batch\)", line)
+    assert m and int(m[1]) * int(m[2]) == 8 and int(m[1]) <= rec["max_micro_batch"]
+    assert _fits(cfg.model_copy(update={"micro_batch": int(m[1]), "grad_accum": int(m[2])}), 28.0)
+    larger = [d for d in range(int(m[1]) + 1, 8) if 8 % d == 0]  # the largest divisor of 8 that fits
+    assert not larger or not _fits(cfg.model_copy(update={"micro_batch": larger[0], "grad_accum": 8 // larger[0]}), 28.0)
+    assert _fits(cfg.model_copy(update={"gradient_checkpointing": True}), 28.0)
+    s = re.search(r"--strategy (\w+)", line)
+    assert s and _fits(cfg.model_copy(update={"strategy": s[1]}), 28.0)
+    # and the first of them is the fastest such strategy in the planner's speed order
+    from shardlab.planner import SPEED_ORDER
+
+    faster = SPEED_ORDER[: SPEED_ORDER.index(s[1])]
+    assert not any(_fits(cfg.model_copy(update={"strategy": f}), 28.0) for f in faster if f != "dp")
+
+
+def test_compile_is_flagged_not_modelled():
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=16, grad_accum=1, precision="bf16", strategy="dp", compile=True)
+    rec = predict_run(cfg, "cuda", 1, gpu_memory=40.0, host_ram=128)
+    assert rec["compile_modelled"] is False and any("--compile is NOT modelled" in n for n in rec["notes"])
+    assert "--compile is not modelled" in warning_line(rec)
+    # the note's figure is the planner's own eager prediction for the measured compiled run
+    from shardlab.planner import MEASURED_H100_COMPILE
+
+    assert rec["gpu_peak_gib"] == pytest.approx(MEASURED_H100_COMPILE["eager_prediction"], abs=0.5)
+    assert rec["gpu_peak_gib"] > 1.5 * MEASURED_H100_COMPILE["measured"]
+
+
+def test_cpu_record_and_a_planner_failure(monkeypatch):
+    cfg = RunConfig(model="tiny-gpt2", seq_len=64, micro_batch=2, strategy="zero2", device="cpu")
+    rec = predict_run(cfg, "cpu", 2, host_ram=16)
+    assert rec["gpu_peak_gib"] is None and rec["fits"] is None and rec["strategy"] == "zero2"
+    assert 2 * 0.6 < rec["cpu_gib"] < 2 * 1.0  # two ranks of ~0.7 GiB (process baseline + tiny model)
+    assert warning_line(rec) is None
+
+    import shardlab.planner
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in the planner")
+
+    monkeypatch.setattr(shardlab.planner, "predict_cpu_run", broken)
+    rec = predict_run(cfg, "cpu", 1)
+    assert rec == {"gpu_peak_gib": None, "cpu_gib": None, "fits": None, "strategy": "zero2", "device": "cpu",
+                   "error": "RuntimeError: a bug in the planner"}
+
+
+@pytest.mark.slow
+def test_spawned_ranks_write_the_launchers_plan(tmp_path, train_cli):
+    """Two gloo ranks (the launcher's spawn path: plan.json beside the config): the pipeline split in the
+    record is the one the strategy really used."""
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--device", "cpu", "--max-steps", "2",
+                     "--micro-batch", "2", "--grad-accum", "2", "--seq-len", "32", "--no-export",
+                     "--set", "dataset.eval_samples=1"], tmp_path / "pp")  # fmt: skip
+    run.check()
+    rec = run.summary["plan"]
+    assert set(PLAN_KEYS) <= set(rec) and rec["strategy"] == "pipeline" and rec["device"] == "cpu"
+    assert rec["gpu_peak_gib"] is None and rec["cpu_gib"] > 0 and "error" not in rec
+    used = re.search(r"blocks split (\[.*?\])", run.stdout)[1]
+    assert [tuple(b) for b in rec["pipeline_split"]] == ast.literal_eval(used)
+    assert [s["gpu"] for s in rec["stages"]] == [0, 1]

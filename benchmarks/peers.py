@@ -169,6 +169,8 @@ def hf_worker(args) -> dict:
     targs = TrainingArguments(
         output_dir=str(args.out / f"hf-{args.data}"), per_device_train_batch_size=args.micro, gradient_accumulation_steps=1,
         max_steps=args.steps, learning_rate=1e-4, bf16=bf16, deepspeed=ds_config, logging_steps=10**6, save_strategy="no",
+        # transformers 5.17 fills the JSON's "auto" warmup_num_steps with 0, which DeepSpeed 0.19's WarmupLR refuses.
+        warmup_steps=1,
         report_to="none", use_cpu=not cuda, seed=args.seed, disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collator, callbacks=[StepClock()])

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .pipesim.cli import add_pipeline_parser
 
     add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
+    from .cluster_cli import add_cluster_parsers
+
+    add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
     return parser
 
 
@@ -218,7 +221,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan}[args.command](args)
+        from .cluster_cli import cmd_export, cmd_slurm
+
+        commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "export": cmd_export,
+                    "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
+        commands[args.command](args)
     return status.code
 
 

@@ -49,7 +49,11 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     if cfg.strategy == "pipeline":
         _check_pipeline(cfg, world, hf_config)
-    cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))
+    dp_world = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
+    cfg.resolve_batch(dp_world)
+    from .reshard import check_resume
+
+    check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.nan_policy == "skip" and cfg.strategy == "zero0":
@@ -141,7 +145,12 @@ def spawn(cfg: RunConfig, nproc: int) -> None:
             with ForwardToWorkers():
                 elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file))
         except ChildFailedError as err:
-            raise WorkerFailed.from_failures(err.failures) from None
+            failed = WorkerFailed.from_failures(err.failures)
+            if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective
+                from .guards import publish_failure
+
+                publish_failure(cfg.master_addr, port, launch.run_id, f"on node {cfg.node_rank}, {failed}")
+            raise failed from None
         except Exception as err:  # the agent's SignalException (SIGINT/SIGHUP/SIGQUIT): workers already stopped
             if type(err).__name__ == "SignalException":
                 raise WorkerFailed(REQUEUE_EXIT if getattr(err, "sigval", None) == signal.SIGTERM else 130, f"stopped by {err.sigval.name}") from None
@@ -169,7 +178,7 @@ class WorkerFailed(Exception):
         if not failures:
             return cls(1)
         rank, first = min(failures.items(), key=lambda kv: kv[1].timestamp)
-        if all(f.exitcode == REQUEUE_EXIT for f in failures.values()):
+        if first.exitcode == REQUEUE_EXIT:  # ranks stop at the same step, so the first to exit speaks for all
             return cls(REQUEUE_EXIT, "the workers checkpointed and stopped on a signal (exit 75: requeue and resume with --resume auto)")
         if first.exitcode < 0:  # killed by a signal: it could not say so itself
             name = first.signal_name()

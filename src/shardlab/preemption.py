@@ -33,6 +33,9 @@ class Preempted(UserError):
         where = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint could be written"
         super().__init__(f"stopped by {what} after step {step}; {where}", "run the same command with --resume auto (a `shardlab slurm` job requeues and resumes by itself)")
 
+    def __str__(self) -> str:
+        return f"{self.message} (to continue: {self.hint})"
+
 
 class StopSignals:
     """Worker side: remember stop/save requests; the training loop acts on them between steps.

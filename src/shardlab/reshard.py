@@ -68,14 +68,33 @@ def supported(src: str, dst: str) -> bool:
     return (src in TORCH_DCP and dst in TORCH_DCP) or (src in ZERO and (dst in ZERO or dst in TORCH_DCP))
 
 
-def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Collective: load a checkpoint written under another layout into `strategy`."""
+def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    check_batch(saved, now)
     src, dst = saved["strategy"], now["strategy"]
-    if not supported(src, dst):
+    if not loads_natively(saved, now) and not supported(src, dst):
         raise UserError(
             f"a {src} checkpoint written on {saved['world_size']} rank(s) cannot be resumed as {dst} on {now['world_size']} rank(s)",
             f"resume it as {src} on {saved['world_size']} rank(s), or export it (`shardlab export`) and fine-tune from the model; supported: {SUPPORTED}",
         )
+
+
+def check_resume(cfg, world_size: int, dp_size: int) -> None:
+    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
+    from .checkpoint import find_resume_dir, read_state
+
+    if not cfg.resume:
+        return
+    found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
+    saved = read_state(found).get("layout") if found is not None else None
+    if saved:
+        micro, accum, glob = cfg.resolve_batch(dp_size)
+        check_pair(saved, layout(cfg, world_size, dp_size, micro, accum, glob))
+
+
+def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Collective: load a checkpoint written under another layout into `strategy`."""
+    check_pair(saved, now)
+    dst = now["strategy"]
     universal = ensure_universal(directory, strategy.env)
     if dst in ZERO:
         strategy.load_checkpoint(directory, tag=UNIVERSAL_DIR, universal=True)
@@ -137,16 +156,21 @@ def _convert(source: Path, tmp: Path) -> None:
     _normalize(tmp / "zero")
 
 
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed checkpoint file, with weights_only=True plus the few DeepSpeed classes it pickles."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _normalize(zero: Path) -> None:
     """zero/optimizer_state.pt as both ZeRO-1/2 and ZeRO-3 read it (DeepSpeed writes the source stage's form):
     1/2 want top-level `param_groups` and `ds_version`; 3 wants `optimizer_state_dict` with a step."""
     import deepspeed
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    def load(path: Path):
-        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):  # DeepSpeed pickles these
-            return torch.load(path, map_location="cpu", weights_only=True)
+    load = load_deepspeed_file
 
     # ZeRO-3 writes each tensor flat; ZeRO-1/2 read {"param": full-shape tensor} (ZeRO-3 accepts that too).
     shapes: dict[str, Any] = {}
@@ -210,5 +234,5 @@ def read_universal(universal: Path, with_optimizer: bool = True) -> FullState:
     scheduler = None
     states = sorted(universal.glob("mp_rank_*_model_states.pt"))
     if with_optimizer and states:
-        scheduler = torch.load(states[0], map_location="cpu", weights_only=True).get("lr_scheduler")
+        scheduler = load_deepspeed_file(states[0]).get("lr_scheduler")
     return FullState(model, optim, step, scheduler)

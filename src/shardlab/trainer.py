@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, faults, metrics, reshard
+from . import checkpoint, faults, guards, metrics, reshard
 from .config import RunConfig, dump_config
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
@@ -514,5 +514,9 @@ def run_worker(cfg: RunConfig) -> RunResult:
             return trainer.run()
         except torch.OutOfMemoryError:  # model placement, engine setup, the loop or the export
             raise trainer.oom_error() from None
+        except Exception as err:  # another rank died or hung: one line, naming it where known (guards.py)
+            if trainer.env.is_distributed and guards.is_comm_failure(err):
+                raise guards.comm_failure(err, trainer.env.rank, cfg.dist_timeout_s) from None
+            raise
     finally:
         shutdown_distributed()

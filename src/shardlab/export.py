@@ -71,12 +71,17 @@ def _complete(found: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     same: dict[int, list[str]] = {}
     for name, p in params.items():
         same.setdefault(id(p), []).append(name)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, so save_pretrained sees the tie
     for name, meta in model.state_dict().items():
-        source = next((a for a in [name, *same.get(id(params.get(name)), [])] if a in found), None)
+        key = id(params[name]) if name in params else id(meta)
+        if key in by_param:
+            out[name] = by_param[key]
+            continue
+        source = next((a for a in [name, *same.get(key, [])] if a in found), None)
         if source is None:
             raise UserError(f"the checkpoint has no weight {name!r} of {type(model).__name__}", "export with the config the checkpoint was written with")
-        out[name] = found[source].reshape(meta.shape).float()
+        out[name] = by_param[key] = found[source].reshape(meta.shape).float()
     return out
 
 

@@ -3,7 +3,7 @@
 SHARDLAB_FAULTS is a comma-separated list of
     kill_in_save@STEP[:RANK]   the rank SIGKILLs itself while the checkpoint of STEP is half-written
                                (its shards are on disk, the directory is not yet renamed)
-    nan_loss@STEP[:RANK]       the rank's batches of STEP carry no label (HF's loss is then 0/0 = NaN)
+    nan_loss@STEP[:RANK]       the rank's LM head returns NaN logits in STEP (loss and gradients NaN)
 RANK defaults to every rank. Nothing here runs unless the variable is set.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-from typing import Any
 
 ENV = "SHARDLAB_FAULTS"
 
@@ -31,16 +29,19 @@ def in_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def poison_batches(batches: Iterator[dict[str, Any]], first_step: int, accum: int, rank: int) -> Iterator[dict[str, Any]]:
-    """Wrap the micro-batch iterator of an epoch whose next optimizer step is `first_step + 1`."""
-    if ENV not in os.environ:
-        return batches
+def arm(model, rank: int, done_steps: int, accum: int) -> None:
+    """nan_loss: NaN logits from the LM head in the training forwards of the chosen step, so that the
+    loss *and* every gradient are NaN, as after a real overflow. Eval forwards are left alone."""
+    if ENV not in os.environ or "nan_loss" not in os.environ[ENV]:
+        return
+    head = model.get_output_embeddings()
+    calls = {"n": 0}
 
-    def gen():
-        for i, batch in enumerate(batches):
-            step = first_step + 1 + i // accum
-            if _wanted("nan_loss", step, rank):
-                batch = dict(batch, labels=batch["labels"].clone().fill_(-100))
-            yield batch
+    def hook(module, args, output):
+        if not module.training:
+            return output
+        step = done_steps + 1 + calls["n"] // accum
+        calls["n"] += 1
+        return output * float("nan") if _wanted("nan_loss", step, rank) else output
 
-    return gen()
+    head.register_forward_hook(hook)

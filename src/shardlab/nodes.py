@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from pathlib import Path
 
 from .config import RunConfig
@@ -65,28 +64,13 @@ def apply_hostfile(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"nodes": len(hosts), "gpus": slots.pop(), "node_rank": node_rank, "master_addr": hosts[0][0]})
 
 
-def slurm_hostnames(nodelist: str) -> list[str]:
-    """`scontrol show hostnames` where it exists (it expands every bracket form), else the first host."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True).stdout
-        hosts = out.split()
-        if hosts:
-            return hosts
-    except (OSError, subprocess.SubprocessError):
-        pass
-    first = first_slurm_host()
-    return [first] if first else []
-
-
 def apply_slurm_node_agent(cfg: RunConfig) -> RunConfig:
     """One srun task per node (the script `shardlab slurm` writes): the node's place from SLURM."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
-    hosts = slurm_hostnames(nodelist) if nodelist else []
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or len(hosts) or 1)
-    node_rank = int(os.environ.get("SLURM_NODEID", "0"))
-    update = {"nodes": nodes, "node_rank": node_rank}
-    if hosts:
-        update["master_addr"] = hosts[0]
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    update: dict = {"nodes": nodes, "node_rank": int(os.environ.get("SLURM_NODEID", "0"))}
+    first = first_slurm_host()  # the node list's first host ("gpu[07-09]" -> "gpu07"), without calling scontrol
+    if first:
+        update["master_addr"] = first
     return cfg.model_copy(update=update)
 
 

@@ -226,7 +226,8 @@ class Trainer:
     def _loaders(self, splits) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
         sampler = DistributedSampler(splits.train, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
         pin = self.device_type == "cuda"
-        # Its own generator: iter() then draws no number from the global RNG, whose state checkpoints restore.
+        # Own generators: iter() then draws no number from the global RNG, whose state checkpoints restore
+        # (an epoch-end eval after a checkpoint would otherwise shift every later dropout mask).
         generator = torch.Generator().manual_seed(self.cfg.seed)
         train = DataLoader(splits.train, batch_size=self.micro, sampler=sampler, drop_last=True, pin_memory=pin, generator=generator)
         evl = None
@@ -234,7 +235,8 @@ class Trainer:
             es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
             whole_steps = strategy_class(self.cfg.strategy).eval_whole_steps
             eval_batch = self.micro * (self.accum if whole_steps else 1)
-            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps)
+            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps,
+                             generator=torch.Generator().manual_seed(self.cfg.seed))  # fmt: skip
         return train, sampler, evl
 
     def _steps_per_epoch(self, train_loader: DataLoader) -> int:
@@ -294,6 +296,7 @@ class Trainer:
             else:
                 log0(env, "no checkpoint to resume from; starting fresh")
 
+        faults.arm(model, env.rank, state["global_step"], self.accum)  # tests only (SHARDLAB_FAULTS)
         wandb_run = None
         if cfg.wandb and env.is_main:
             try:
@@ -346,7 +349,10 @@ class Trainer:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
         if self.cfg.nan_policy == "stop":
             raise UserError(f"non-finite {what} at step {step}", "lower --lr, use bf16 instead of fp16, check the data, or pass --nan-policy skip")
-        log0(self.env, f"step {step}: non-finite {what}; update skipped (nan_policy skip, {strategy.skipped_steps} skipped so far)")
+        if strategy.last_step_skipped:
+            log0(self.env, f"step {step}: non-finite {what}; update skipped (nan_policy skip, {strategy.skipped_steps} skipped so far)")
+        else:  # e.g. a batch without a single supervised token: 0/0 loss, zero gradients
+            log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
 
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
@@ -374,7 +380,7 @@ class Trainer:
                 batches = iter(train_loader)
                 for _ in range(skip * self.accum):  # replay the sampler to where the checkpoint stopped
                     next(batches)
-                batches = DevicePrefetcher(faults.poison_batches(batches, global_step, self.accum, env.rank), env.device)
+                batches = DevicePrefetcher(batches, env.device)
                 epoch_t0, epoch_losses, epoch_steps = time.perf_counter(), [], 0
                 for step_in_epoch in range(skip, steps_per_epoch):
                     if global_step >= stage_end:
@@ -388,7 +394,6 @@ class Trainer:
                     epoch_losses.append(loss_value)
                     epoch_steps += 1
                     window_losses.append(loss_value)
-                    self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
@@ -403,6 +408,7 @@ class Trainer:
                         row.update(metrics.memory_snapshot(env.device))
                         writer.log(row)
                         window_losses.clear()
+                    self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)  # after the row: it shows the step
                     if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
                         last_eval = evaluate(strategy, eval_loader, env)
                         writer.log({"step": global_step, **last_eval})

@@ -65,7 +65,17 @@ $(STAMP): pyproject.toml
 	else \
 	  echo "setup: NOTE: chromium is missing; the HTML report rendering test is skipped until: sudo apt-get install chromium"; \
 	fi
-	@# 3. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
+	@# 2c. slurmctld, slurmd, munge: the tests run `shardlab slurm` jobs on a one-node SLURM cluster on localhost.
+	@if command -v slurmd >/dev/null 2>&1 && command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then \
+	  echo "setup: SLURM and munge present (the SLURM tests run a local cluster)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "setup: installing slurmctld slurmd munge with apt-get (for the SLURM tests)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null; } \
+	    || echo "setup: NOTE: apt-get could not install SLURM; the SLURM tests will skip"; \
+	else \
+	  echo "setup: NOTE: SLURM is missing; the SLURM tests need root and: sudo apt-get install slurmctld slurmd slurm-client munge"; \
+	fi
+	@# 4. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
 	$(PIP) install -e ".[test]"
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 

@@ -1,8 +1,12 @@
 """Checkpoints that are either complete or absent, resume, and HF-format export.
 
-A checkpoint is written into `step-N.tmp/` by all ranks, then renamed to `step-N/` by
-rank 0 after a barrier, and `latest` is replaced atomically: a job killed mid-save leaves
-only a `.tmp` directory, which resume ignores and the next save removes.
+A checkpoint is written into `step-N.tmp/` by all ranks, fsynced, then renamed to `step-N/` by
+rank 0 after a barrier, and `latest` is replaced atomically: a job killed mid-save leaves only a
+`.tmp` directory, which resume ignores and the next save removes. Besides the engine's state a
+checkpoint holds every rank's RNG state (`rng_rankR.pt`), the data position and the layout it was
+written with (`trainer_state.json`) and the resolved run config (`config.yaml`).
+
+Resuming under another strategy or number of ranks goes through reshard.py.
 """
 
 from __future__ import annotations
@@ -14,28 +18,59 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from . import faults
 from .errors import UserError
 
 TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a directory fsync; a no-op where unsupported)."""
+    try:
+        _fsync_file(path)
+    except OSError:
+        pass
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_file(Path(dirpath) / name)
+        _fsync_dir(Path(dirpath))
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def checkpoints_root(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
-def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int) -> Path:
+def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int, config_text: str | None = None) -> Path:
     """Collective: every rank writes its part; returns the final directory."""
     env = strategy.env
     root = checkpoints_root(output_dir)
-    name = f"step-{trainer_state['global_step']:07d}"
+    step = trainer_state["global_step"]
+    name = f"step-{step:07d}"
     final, tmp = root / name, root / (name + ".tmp")
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -43,11 +78,17 @@ def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int) -
     env.barrier()
     strategy.save_checkpoint(tmp)
     torch.save(_rng_state(), tmp / f"rng_rank{env.rank}.pt")
+    faults.in_save(step, env.rank)
+    env.barrier()
+    _fsync_tree(tmp)  # each rank: nothing is renamed into place before every rank's bytes are on disk
     env.barrier()
     if env.is_main:
-        _atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))
+        if config_text is not None:
+            _atomic_write_text(tmp / CONFIG_FILE, config_text)
+        _atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))  # last: marks it complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _atomic_write_text(root / "latest", name)
         _prune(root, keep)
     env.barrier()
@@ -62,34 +103,58 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def is_complete(path: Path) -> bool:
+    return (path / TRAINER_STATE).is_file() and not path.name.endswith(".tmp")
+
+
 def find_resume_dir(resume: str, output_dir: Path) -> Path | None:
-    """'auto': the latest complete checkpoint under output_dir (None if there is none); else a path."""
+    """'auto': the newest complete checkpoint under output_dir (None if there is none); else a path."""
     if resume == "auto":
         root = checkpoints_root(output_dir)
         latest = root / "latest"
+        done = sorted(p for p in root.glob("step-*") if is_complete(p))
         if latest.is_file():
             cand = root / latest.read_text().strip()
-            if (cand / TRAINER_STATE).is_file():
+            if is_complete(cand) and (not done or cand.name >= done[-1].name):
                 return cand
-        done = sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file())
         return done[-1] if done else None
     path = Path(resume)
-    if not (path / TRAINER_STATE).is_file():
+    if not is_complete(path):
         raise UserError(f"{resume!r} is not a complete shardlab checkpoint (no {TRAINER_STATE})", "pass --resume auto or a checkpoints/step-N directory")
     return path
 
 
-def load(strategy, directory: Path) -> dict[str, Any]:
-    """Collective: restore engine state and this rank's RNG; returns the trainer state."""
-    strategy.load_checkpoint(directory)
-    rng_file = directory / f"rng_rank{strategy.env.rank}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+def read_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / TRAINER_STATE).read_text())
 
 
+def load(strategy, directory: Path, layout: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Collective: restore engine state and this rank's RNG; returns the trainer state.
+
+    `layout` describes the resuming run (reshard.layout); a checkpoint written with another
+    strategy or number of ranks is converted by reshard.py where that pair is supported.
+    """
+    from . import reshard
+
+    state = read_state(directory)
+    saved = state.get("layout")
+    if layout is not None and saved is not None:
+        reshard.check_batch(saved, layout)
+    if layout is None or saved is None or reshard.loads_natively(saved, layout):
+        strategy.load_checkpoint(directory)
+    else:
+        reshard.load(strategy, directory, saved, layout)
+    rng_file = directory / f"rng_rank{strategy.env.rank}.pt"
+    if rng_file.is_file() and (saved is None or layout is None or saved.get("world_size") == layout["world_size"]):
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return state
+
+
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's key array as a tensor: the file then loads with weights_only=True
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -98,8 +163,23 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path) -> Path:
+    """Write a `from_pretrained`-loadable directory atomically (tmp dir, then rename)."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.contiguous() for k, v in state.items()}
+    hf_model.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
 
 
 def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:
@@ -108,14 +188,6 @@ def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:
     if not strategy.env.is_main:
         strategy.env.barrier()
         return None
-    final = output_dir / "model"
-    tmp = output_dir / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_model = strategy.hf_model
-    state = {k: v.contiguous() for k, v in state.items()}
-    hf_model.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / "model")
     strategy.env.barrier()
     return final

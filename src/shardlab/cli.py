@@ -59,12 +59,17 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--node-rank", "node_rank", int, "this node's index"),
     ("--master-addr", "master_addr", str, "address of node 0"),
     ("--master-port", "master_port", int, "port on node 0"),
+    ("--hostfile", "hostfile", str, "DeepSpeed-style hostfile ('host slots=N'): nodes, GPUs per node, master, node rank"),
+    ("--dist-timeout", "dist_timeout_s", int, "seconds a collective waits for a silent rank before failing"),
     ("--seed", "seed", int, "random seed"),
     ("--output-dir", "output_dir", str, "run directory"),
     ("--resume", "resume", str, "'auto' or a checkpoint directory"),
     ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
     ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
     ("--save-every", "save_every", int, "optimizer steps between checkpoints"),
+    ("--save-each-epoch", "save_each_epoch", "bool", "also checkpoint at the end of every epoch"),
+    ("--keep-checkpoints", "keep_checkpoints", int, "how many recent checkpoints to keep"),
+    ("--nan-policy", "nan_policy", str, "non-finite loss/gradients: stop (naming the step) or skip the step"),
     ("--export", "export", "bool", "save the final model in HF format"),
     ("--tensorboard", "tensorboard", "bool", "log to TensorBoard"),
     ("--wandb", "wandb", "bool", "log to Weights & Biases"),
@@ -81,17 +86,22 @@ class _Status:
 def report_errors():
     """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
     from .launch import WorkerFailed
+    from .preemption import Preempted
 
     status = _Status()
     try:
         yield status
+    except Preempted as err:  # not a failure: the run checkpointed and wants to be requeued
+        if os.environ.get("RANK") in (None, "0"):
+            print(f"[shardlab] {err}", file=sys.stderr, flush=True)
+        status.code = err.exit_code
     except UserError as err:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         status.code = err.exit_code
     except WorkerFailed as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}", file=sys.stderr, flush=True)
         status.code = err.exitcode
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -161,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)  # `bench`: a matrix of runs
     add_report_parser(sub)  # `report`: tables, plots, HTML from run directories
+    from .cluster_cli import add_cluster_parsers
+
+    add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
     return parser
 
 
@@ -231,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         args = build_parser().parse_args(argv)
         from .bench.cli import cmd_bench, cmd_report
+        from .cluster_cli import cmd_export, cmd_slurm
 
-        {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report}[args.command](args)
+        commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
+                    "export": cmd_export, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
+        commands[args.command](args)
     return status.code
 
 

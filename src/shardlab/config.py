@@ -131,6 +131,8 @@ class RunConfig(_Strict):
     node_rank: int = Field(0, ge=0)
     master_addr: str = "127.0.0.1"
     master_port: int = Field(29500, gt=0, lt=65536)
+    hostfile: str | None = Field(None, description="DeepSpeed-style hostfile ('host slots=N' lines): nodes, GPUs per node, master, this node's rank")
+    dist_timeout_s: int = Field(1800, gt=0, description="seconds a collective waits for a silent rank before the job fails")
     seed: int = 42
     # outputs
     output_dir: str = "runs/latest"
@@ -139,6 +141,8 @@ class RunConfig(_Strict):
     eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
+    save_each_epoch: bool = Field(False, description="also checkpoint at the end of every epoch")
+    nan_policy: Literal["stop", "skip"] = Field("stop", description="non-finite loss or gradients: stop naming the step, or skip that optimizer step")
     export: bool = Field(True, description="save the final model in HF format under output_dir/model")
     monitor_interval_s: float = Field(0.5, gt=0, description="seconds between GPU (NVML) and process-tree (psutil) memory samples")
     tensorboard: bool = False

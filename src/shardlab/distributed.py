@@ -44,10 +44,16 @@ class DistEnv:
                 dist.barrier()
 
 
+# Set by the script `shardlab slurm` writes: this srun task is one node's launcher, not a rank.
+NODE_AGENT_ENV = "SHARDLAB_NODE_AGENT"
+
+
 def in_launched_job() -> bool:
     """True when some launcher (ours, torchrun, deepspeed, srun with >1 task) already made us a rank."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
+    if os.environ.get(NODE_AGENT_ENV):
+        return False
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
@@ -62,16 +68,16 @@ def launched_world_size() -> int | None:
 
 def _adopt_slurm_env() -> None:
     """Map srun's variables onto torch's, so `srun shardlab train` joins instead of relaunching."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or os.environ.get(NODE_AGENT_ENV):
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_ADDR", _first_slurm_host() or "127.0.0.1")
+    os.environ.setdefault("MASTER_ADDR", first_slurm_host() or "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def _first_slurm_host() -> str | None:
+def first_slurm_host() -> str | None:
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if not nodelist:
         return None
@@ -97,7 +103,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str, timeout_minutes: int = 30) -> DistEnv:
+def init_distributed(device_type: str, timeout_s: float = 1800) -> DistEnv:
     """Create the process group (gloo on CPU, nccl on GPU) and return this process's place in it."""
     _adopt_slurm_env()
     if "RANK" not in os.environ:  # plain `python`/`shardlab train`: a world of one
@@ -117,7 +123,9 @@ def init_distributed(device_type: str, timeout_minutes: int = 30) -> DistEnv:
         backend = "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+        # The timeout bounds how long a collective waits for a rank that hangs (a dead one usually
+        # breaks the connection at once); NCCL's watchdog then aborts the process.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
 
 

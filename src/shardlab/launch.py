@@ -9,9 +9,9 @@ or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worke
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import torch
@@ -49,15 +49,20 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     if cfg.strategy == "pipeline":
         _check_pipeline(cfg, world, hf_config, device_type)
-    dp = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
+    dp_world = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
     if cfg.micro_batch == "auto":
         from .autobatch import check_auto
 
-        check_auto(cfg, dp)
+        check_auto(cfg, dp_world)
     else:
-        cfg.resolve_batch(dp)
+        cfg.resolve_batch(dp_world)
+    from .reshard import check_resume
+
+    check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
+    if cfg.nan_policy == "skip" and cfg.strategy == "zero0":
+        raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
     if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
         raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
     if cfg.strategy == "infinity":  # NVMe path missing, not writable or too small: before any run dir exists
@@ -95,6 +100,9 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
 def train(cfg: RunConfig):
     """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
+    from .nodes import resolve_nodes
+
+    cfg = resolve_nodes(cfg)
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
     auto = None
@@ -138,6 +146,8 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .preemption import REQUEUE_EXIT, ForwardToWorkers
+
     port = cfg.master_port
     if cfg.nodes == 1 and port == RunConfig.model_fields["master_port"].default:
         port = free_port()  # two single-node jobs on one machine must not fight over 29500
@@ -153,25 +163,57 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             min_nodes=cfg.nodes,
             max_nodes=cfg.nodes,
             nproc_per_node=nproc,
-            run_id=f"shardlab-{uuid.uuid4().hex[:8]}",
+            run_id=_run_id(cfg, port),
             rdzv_backend="static",
             rdzv_endpoint=f"{cfg.master_addr}:{port}",
-            rdzv_configs={"rank": cfg.node_rank},
+            # Explicit: with every node on one machine (tests) each would otherwise try to host the store.
+            rdzv_configs={"rank": cfg.node_rank, "is_host": cfg.node_rank == 0},
             max_restarts=0,
             monitor_interval=0.5,
         )
+        if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # torch >= 2.8
+            launch.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded by ForwardToWorkers
         print(f"[shardlab] launching {nproc} worker(s) on node {cfg.node_rank} of {cfg.nodes} (master {cfg.master_addr}:{port})", flush=True)
         try:
-            elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file), *plan_args)
+            with ForwardToWorkers():
+                elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file), *plan_args)
         except ChildFailedError as err:
-            first = min(err.failures.values(), key=lambda f: f.timestamp) if err.failures else None
-            code = first.exitcode if first else 1
-            raise WorkerFailed(code) from None
+            failed = WorkerFailed.from_failures(err.failures)
+            if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective
+                from .guards import publish_failure
+
+                publish_failure(cfg.master_addr, port, launch.run_id, f"on node {cfg.node_rank}, {failed}")
+            raise failed from None
+        except Exception as err:  # the agent's SignalException (SIGINT/SIGHUP/SIGQUIT): workers already stopped
+            if type(err).__name__ == "SignalException":
+                raise WorkerFailed(REQUEUE_EXIT if getattr(err, "sigval", None) == signal.SIGTERM else 130, f"stopped by {err.sigval.name}") from None
+            raise
+
+
+def _run_id(cfg: RunConfig, port: int) -> str:
+    """The same on every node of a job (the static rendezvous keys its store entries by it)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"shardlab-{job}" if job else f"shardlab-{cfg.master_addr}-{port}"
 
 
 class WorkerFailed(Exception):
-    """A worker exited non-zero; it has already printed its own error."""
+    """A worker exited non-zero. A worker that raised printed its own error; one that was killed is named here."""
 
-    def __init__(self, exitcode: int):
-        super().__init__(f"a worker process failed with exit code {exitcode} (its error is printed above)")
+    def __init__(self, exitcode: int, message: str | None = None):
+        super().__init__(message or f"a worker process failed with exit code {exitcode} (its error is printed above)")
         self.exitcode = exitcode if exitcode and exitcode > 0 else 1
+
+    @classmethod
+    def from_failures(cls, failures: dict) -> "WorkerFailed":
+        """The first failure in time is the cause; the others are ranks the launcher stopped after it."""
+        from .preemption import REQUEUE_EXIT
+
+        if not failures:
+            return cls(1)
+        rank, first = min(failures.items(), key=lambda kv: kv[1].timestamp)
+        if first.exitcode == REQUEUE_EXIT:  # ranks stop at the same step, so the first to exit speaks for all
+            return cls(REQUEUE_EXIT, "the workers checkpointed and stopped on a signal (exit 75: requeue and resume with --resume auto)")
+        if first.exitcode < 0:  # killed by a signal: it could not say so itself
+            name = first.signal_name()
+            return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped")
+        return cls(first.exitcode, f"rank {rank} failed with exit code {first.exitcode} (its error is printed above)")

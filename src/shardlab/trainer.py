@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, metrics, mfu
+from . import checkpoint, faults, guards, metrics, mfu, reshard
 from .config import RunConfig, dump_config
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
+from .preemption import Preempted, StopSignals
 from .profiling import StepProfiler
 from .strategies import strategy_class
 
@@ -97,17 +98,19 @@ def apply_dropout(model: nn.Module, p: float | None) -> None:
             setattr(model.config, attr, p)
 
 
-def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv) -> tuple[float, float]:
-    """This step's loss averaged over ranks and its non-pad tokens summed over ranks.
+def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv, stop: bool = False, save: bool = False) -> tuple[float, float, bool, bool]:
+    """This step's loss averaged over ranks, its non-pad tokens summed over ranks, and whether any
+    rank was asked to stop / to checkpoint (preemption.py), in the same all-reduce.
 
     One process needs no collective and no host-to-device copy: one `.item()` is the only sync.
     """
     if not env.is_distributed:
-        return loss.item(), float(useful_tokens)
-    values = torch.stack([loss.float(), torch.tensor(float(useful_tokens), device=loss.device)])
+        return loss.item(), float(useful_tokens), stop, save
+    extra = torch.tensor([float(useful_tokens), float(stop), float(save)], device=loss.device)
+    values = torch.cat([loss.float().reshape(1), extra])
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    total_loss, total_useful = values.tolist()
-    return total_loss / env.world_size, total_useful
+    total_loss, total_useful, stops, saves = values.tolist()
+    return total_loss / env.world_size, total_useful, stops > 0, saves > 0
 
 
 def _without_trivial_mask(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -182,20 +185,24 @@ class Trainer:
         self.plan = plan  # the launcher's memory prediction (run_plan.py), written into summary.json as-is
         self.device_type = pick_device_type(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device_type)
-        self.env = init_distributed(self.device_type)
+        self.env = init_distributed(self.device_type, cfg.dist_timeout_s)
         # Ranks that see different data: all of them, except pipeline stages, which share theirs.
         self.dp_size = strategy_class(cfg.strategy).data_parallel_size(cfg, self.env.world_size)
         self.dp_rank = self.env.rank * self.dp_size // self.env.world_size
         self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.dp_size)
         self.run_dir = Path(cfg.output_dir)
         self.step_losses: list[float] = []
+        self.layout = reshard.layout(cfg, self.env.world_size, self.dp_size, self.micro, self.accum, self.global_batch)
+        self.signals = StopSignals()
+        self.config_text: str | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = self.cfg.model_copy(update={"micro_batch": self.micro, "grad_accum": self.accum, "global_batch": self.global_batch})
-            (self.run_dir / "config.yaml").write_text(dump_config(resolved))
+            self.config_text = dump_config(resolved)  # also copied into every checkpoint
+            (self.run_dir / "config.yaml").write_text(self.config_text)
             (self.run_dir / "env.json").write_text(json.dumps(environment_info(self.env, self.precision), indent=1))
         self.env.barrier()
 
@@ -223,13 +230,17 @@ class Trainer:
     def _loaders(self, splits) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
         sampler = DistributedSampler(splits.train, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
         pin = self.device_type == "cuda"
-        train = DataLoader(splits.train, batch_size=self.micro, sampler=sampler, drop_last=True, pin_memory=pin)
+        # Own generators: iter() then draws no number from the global RNG, whose state checkpoints restore
+        # (an epoch-end eval after a checkpoint would otherwise shift every later dropout mask).
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        train = DataLoader(splits.train, batch_size=self.micro, sampler=sampler, drop_last=True, pin_memory=pin, generator=generator)
         evl = None
         if splits.eval is not None and len(splits.eval) > 0:
             es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
             whole_steps = strategy_class(self.cfg.strategy).eval_whole_steps
             eval_batch = self.micro * (self.accum if whole_steps else 1)
-            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps)
+            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps,
+                             generator=torch.Generator().manual_seed(self.cfg.seed))  # fmt: skip
             if len(evl) == 0:
                 log0(self.env, f"no eval: {len(splits.eval)} eval samples per rank are fewer than one eval batch of {eval_batch} "
                                "(raise dataset.eval_samples / --eval-split)")
@@ -289,11 +300,12 @@ class Trainer:
         if cfg.resume:
             resume_dir = checkpoint.find_resume_dir(cfg.resume, self.run_dir)
             if resume_dir is not None:
-                state = checkpoint.load(strategy, resume_dir)
+                state = checkpoint.load(strategy, resume_dir, self.layout)
                 log0(env, f"resumed from {resume_dir} at step {state['global_step']}")
             else:
                 log0(env, "no checkpoint to resume from; starting fresh")
 
+        faults.arm(model, env.rank, state["global_step"], self.accum)  # tests only (SHARDLAB_FAULTS)
         wandb_run = None
         if cfg.wandb and env.is_main:
             try:
@@ -305,6 +317,7 @@ class Trainer:
         if env.is_main and state["global_step"] > 0:
             metrics.drop_rows_after(self.run_dir / "metrics.jsonl", state["global_step"])
         writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
+        self.signals.install()  # SIGTERM/SIGUSR1: checkpoint and stop after this step; SIGUSR2: checkpoint
         try:
             summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
             if self.plan is not None:
@@ -315,6 +328,7 @@ class Trainer:
                     log0(env, f"exported HF model to {path}")
                     summary["export_dir"] = str(path)
         finally:
+            self.signals.uninstall()
             writer.close()
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -329,12 +343,27 @@ class Trainer:
             f"or a strategy that shards more ({next_strategy(cfg.strategy)})",
         )
 
-    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None]:
-        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm)."""
+    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None, bool, bool]:
+        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
+        stop requested on some rank, checkpoint requested on some rank)."""
         step_loss, useful = strategy.train_step(batches, self.accum)
         grad_norm = strategy.optimizer_step()
-        loss_value, useful_total = _reduce_step(step_loss / self.accum, useful, self.env)
-        return loss_value, useful_total, grad_norm
+        stop, save = self.signals.stop_signal is not None, self.signals.take_save_request()
+        loss_value, useful_total, stop, save = _reduce_step(step_loss / self.accum, useful, self.env, stop, save)
+        return loss_value, useful_total, grad_norm, stop, save
+
+    def _guard_nonfinite(self, strategy, step: int, loss: float, grad_norm: float | None) -> None:
+        """nan_policy: 'stop' raises naming the step; 'skip' goes on (the strategy did not apply the update)."""
+        bad_grad = grad_norm is not None and not math.isfinite(grad_norm) and strategy.precision.name != "fp16"
+        if math.isfinite(loss) and not bad_grad and not (strategy.last_step_skipped and strategy.precision.name != "fp16"):
+            return
+        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+        if self.cfg.nan_policy == "stop":
+            raise UserError(f"non-finite {what} at step {step}", "lower --lr, use bf16 instead of fp16, check the data, or pass --nan-policy skip")
+        if strategy.last_step_skipped:
+            log0(self.env, f"step {step}: non-finite {what}; update skipped (nan_policy skip, {strategy.skipped_steps} skipped so far)")
+        else:  # e.g. a batch without a single supervised token: 0/0 loss, zero gradients
+            log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
 
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
@@ -369,7 +398,7 @@ class Trainer:
                     if global_step >= stage_end:
                         break
                     timer.start()
-                    loss_value, useful_total, grad_norm = self._train_step(strategy, batches)
+                    loss_value, useful_total, grad_norm, stop, save_now = self._train_step(strategy, batches)
                     profiler.step(timer.stop())
                     global_step += 1
                     useful_per_step.append(useful_total)
@@ -377,8 +406,6 @@ class Trainer:
                     epoch_losses.append(loss_value)
                     epoch_steps += 1
                     window_losses.append(loss_value)
-                    if not math.isfinite(loss_value):
-                        raise UserError(f"loss became {loss_value} at step {global_step}", "lower --lr, use bf16 instead of fp16, or enable clipping")
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
@@ -388,16 +415,22 @@ class Trainer:
                                "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
                                "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
                                "samples_per_s": self.global_batch / timer.times[-1]}
+                        if strategy.skipped_steps:
+                            row["skipped_steps"] = strategy.skipped_steps  # so far: non-finite or fp16-overflow steps
                         row.update(metrics.memory_snapshot(env.device))
                         writer.log(row)
                         window_losses.clear()
+                    self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)  # after the row: it shows the step
                     if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
                         last_eval = evaluate(strategy, eval_loader, env)
                         writer.log({"step": global_step, **last_eval})
-                    if cfg.save_every and global_step % cfg.save_every == 0:
-                        done_epoch = step_in_epoch + 1 == steps_per_epoch
-                        nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch, "step_in_epoch": 0 if done_epoch else step_in_epoch + 1}
-                        checkpoint.save(strategy, self.run_dir, nxt, cfg.keep_checkpoints)
+                    done_epoch = step_in_epoch + 1 == steps_per_epoch
+                    if stop or save_now or (cfg.save_every and global_step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
+                        nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch,
+                               "step_in_epoch": 0 if done_epoch else step_in_epoch + 1, "layout": self.layout}
+                        saved = checkpoint.save(strategy, self.run_dir, nxt, cfg.keep_checkpoints, self.config_text)
+                        if stop:
+                            raise Preempted(self.signals.describe(), global_step, str(saved))
                 # epoch end
                 epoch_time = time.perf_counter() - epoch_t0
                 ev = evaluate(strategy, eval_loader, env) if eval_loader is not None else {}
@@ -424,6 +457,7 @@ class Trainer:
             "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
             "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
             "total_time_s": total_time, "compile": cfg.compile, "gradient_checkpointing": cfg.gradient_checkpointing,
+            "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
             "epochs": epochs_summary,
             **strategy.summary_extras(),
@@ -505,5 +539,9 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
             return trainer.run()
         except torch.OutOfMemoryError:  # model placement, engine setup, the loop or the export
             raise trainer.oom_error() from None
+        except Exception as err:  # another rank died or hung: one line, naming it where known (guards.py)
+            if trainer.env.is_distributed and guards.is_comm_failure(err):
+                raise guards.comm_failure(err, trainer.env.rank, cfg.dist_timeout_s) from None
+            raise
     finally:
         shutdown_distributed()

@@ -26,6 +26,10 @@ class Strategy(ABC):
     supports_compile: bool = True
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
     eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
+    # Optimizer steps not applied: non-finite gradients, or fp16 loss-scale overflows (counted apart too).
+    skipped_steps: int = 0
+    overflow_steps: int = 0
+    last_step_skipped: bool = False
 
     def __init__(self, cfg: RunConfig, env: DistEnv, precision: Precision, grad_accum: int, micro_batch: int):
         self.cfg = cfg

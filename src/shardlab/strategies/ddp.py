@@ -8,16 +8,11 @@ master weights (plus a GradScaler for fp16), the standard PyTorch recipe.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .torch_optim import TorchOptimizerStrategy
-
-STATE_FILE = "dp_state.pt"
-
 
 class DDPStrategy(TorchOptimizerStrategy):
     name = "dp"
@@ -39,23 +34,6 @@ class DDPStrategy(TorchOptimizerStrategy):
         if isinstance(ddp, DistributedDataParallel) and not last_micro:
             return ddp.no_sync()  # skip the all-reduce until the accumulation window closes
         return contextlib.nullcontext()
-
-    def save_checkpoint(self, directory: Path) -> None:
-        if self.env.is_main:
-            state = {
-                "model": self.hf_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-            }
-            torch.save(state, directory / STATE_FILE)
-
-    def load_checkpoint(self, directory: Path) -> None:
-        state = torch.load(directory / STATE_FILE, map_location=self.env.device, weights_only=True)
-        self.hf_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
 
     def full_state_dict(self):
         if not self.env.is_main:

@@ -274,7 +274,12 @@ class DeepSpeedStrategy(Strategy):
             # Stage 0 in fp32 leaves grads in place and reports no norm; compute it as DDP does.
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
-        self.engine.step()
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()  # ZeRO-1/2/3 skip the update themselves when a gradient is inf/nan (any precision)
+        self.last_step_skipped = self.engine.skipped_steps > skipped_before
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            self.overflow_steps += self.precision.name == "fp16"
         norm = self.engine.get_global_grad_norm()
         if norm is not None:
             grad_norm = float(norm)
@@ -286,10 +291,22 @@ class DeepSpeedStrategy(Strategy):
     def save_checkpoint(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=CKPT_TAG, save_latest=False)
 
-    def load_checkpoint(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    def load_checkpoint(self, directory: Path, tag: str = CKPT_TAG, universal: bool = False) -> None:
+        """`universal`: `directory/tag` is a DeepSpeed universal checkpoint (any stage, any world size)."""
+        self.engine._config.load_universal_checkpoint = universal  # read at load time only; no engine rebuild needed
+        try:
+            path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
         if path is None:
             raise UserError(f"no DeepSpeed checkpoint in {str(directory)!r}", "resume from a checkpoint written by a DeepSpeed strategy")
+        if universal:
+            # ZeRO-3's universal load gives every parameter group the *same* step tensor; torch's AdamW
+            # increments it in place, once per group, so bias correction would run ahead. One each.
+            base = getattr(self.engine.optimizer, "optimizer", None)
+            for state in getattr(base, "state", {}).values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
 
     def full_state_dict(self):
         module = self.engine.module

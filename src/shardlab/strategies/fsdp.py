@@ -8,15 +8,10 @@ weights and fp32 gradient reduction.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from .torch_optim import TorchOptimizerStrategy
-
-CKPT_DIR = "fsdp_dcp"
-
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`)."""
@@ -61,31 +56,6 @@ class FSDPStrategy(TorchOptimizerStrategy):
         # Reduce-scatter only once per optimizer step, like DDP's no_sync.
         self.hf_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
-
-    def _state(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    def save_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        # Distributed checkpoint: every rank writes its own shards, no gather to rank 0.
-        dcp.save(self._state(), checkpoint_id=str(directory / CKPT_DIR))
-        if self.env.is_main:
-            torch.save({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}, directory / "fsdp_extra.pt")
-
-    def load_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(directory / CKPT_DIR))
-        set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        extra = torch.load(directory / "fsdp_extra.pt", map_location="cpu", weights_only=True)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.scaler.load_state_dict(extra["scaler"])
 
     def full_state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

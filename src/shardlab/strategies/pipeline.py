@@ -358,8 +358,12 @@ class PipelineStrategy(TorchOptimizerStrategy):
         norm = sq.sqrt()
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(own, self.cfg.max_grad_norm, norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        self.last_step_skipped = not bool(torch.isfinite(norm))  # non-finite gradients never reach the weights
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 

@@ -1,13 +1,24 @@
 """What the PyTorch-native strategies (dp, fsdp, pipeline) share: torch's AdamW, the lr schedule,
-GradScaler for fp16, and the clip-then-step sequence. DeepSpeed brings its own equivalents."""
+GradScaler for fp16, the clip-then-step sequence, and (dp, fsdp) one checkpoint format.
+
+dp and fsdp write torch.distributed.checkpoint (DCP) directories keyed by parameter name: every
+rank writes its own shards (replicated tensors once), and DCP reshards on load, so a checkpoint of
+either strategy resumes under the other and on another number of ranks without conversion."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import optim
 from .base import Strategy
+
+CKPT_DIR = "torch_dcp"
+EXTRA_FILE = "torch_extra.pt"  # scheduler and GradScaler: plain state dicts, identical on every rank
 
 
 class TorchOptimizerStrategy(Strategy):
@@ -27,21 +38,98 @@ class TorchOptimizerStrategy(Strategy):
 
     def optimizer_step(self) -> float | None:
         norm = None
+        params = list(self.hf_model.parameters())
         if self.cfg.max_grad_norm is not None and self._fold_clip:
-            norm = optim.clip_and_step_fused(self.optimizer, self.hf_model.parameters(), self.cfg.max_grad_norm)
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return float(norm)
-        if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(self.hf_model.parameters(), self.cfg.max_grad_norm)
+            norm_t = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = float(norm_t)
+            self.last_step_skipped = not math.isfinite(norm)
+            if not self.last_step_skipped:  # the clip rides in the fused AdamW kernel
+                optim.fused_clipped_step(self.optimizer, norm_t, self.cfg.max_grad_norm)
+        else:
+            if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
+                self.scaler.unscale_(self.optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            elif self.cfg.nan_policy == "skip" and not self.scaler.is_enabled():  # skipping needs the norm first
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the mesh
                 norm = norm.full_tensor()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
+            norm = None if norm is None else float(norm)
+            if self.scaler.is_enabled():
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)  # skips the update itself on inf/nan gradients
+                self.scaler.update()
+                self.last_step_skipped = self.scaler.get_scale() < scale
+                if self.last_step_skipped:
+                    self.overflow_steps += 1
+            else:
+                self.last_step_skipped = norm is not None and not math.isfinite(norm)
+                if not self.last_step_skipped:  # non-finite gradients never reach the weights
+                    self.optimizer.step()
+        if not self.last_step_skipped:
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
+        return norm
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    # ---- checkpoints (dp, fsdp; the pipeline keeps its per-stage files) --------------------------------
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(), checkpoint_id=str(directory / CKPT_DIR))
+        if self.env.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}, directory / EXTRA_FILE)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(directory / CKPT_DIR))
+        set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(directory / EXTRA_FILE, map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scaler.load_state_dict(extra["scaler"])
+
+    def load_full_state(self, full) -> None:
+        """Resume from a consolidated state (reshard.FullState): full tensors keyed by parameter name.
+
+        Every rank passes the full tensors; torch's set_state_dict keeps each rank's shard (FSDP).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        from ..errors import UserError
+
+        params = dict(self.hf_model.named_parameters(remove_duplicate=False))
+        aliases: dict[int, list[str]] = {}
+        for name, p in params.items():  # tied weights (GPT-2's lm_head is wte): one tensor, several names
+            aliases.setdefault(id(p), []).append(name)
+        model_sd = {}
+        for name, value in self.hf_model.state_dict().items():
+            source = next((a for a in [name, *aliases.get(id(params.get(name)), [])] if a in full.model), None)
+            if source is None:
+                raise UserError(f"the checkpoint lacks the weight {name!r} of this model", "resume with the model the checkpoint was written with")
+            # (ZeRO-3 universal checkpoints keep flat tensors: the model gives the shapes back)
+            model_sd[name] = full.model[source].reshape(value.shape).to(value.dtype)
+        names = {id(p): n for n, p in self.hf_model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in self.optimizer.param_groups]
+        state = {}
+        for group in groups:
+            for name in group["params"]:
+                moments = full.optim.get(name)
+                if moments is not None:
+                    shape = params[name].shape
+                    state[name] = {"step": torch.tensor(float(full.step)), **{k: v.reshape(shape).float() for k, v in moments.items()}}
+        set_state_dict(self.hf_model, self.optimizer, model_state_dict=model_sd, optim_state_dict={"state": state, "param_groups": groups},
+                       options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        if full.scheduler is not None:
+            self.scheduler.load_state_dict(full.scheduler)

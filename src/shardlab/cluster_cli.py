@@ -1,0 +1,50 @@
+"""The `slurm` and `export` subcommands (thin: parse, then call slurm.py / export.py)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+
+def add_cluster_parsers(sub, add_run_flags) -> None:
+    sl = sub.add_parser("slurm", help="write an sbatch script for a run (code and config snapshotted), print or submit it")
+    add_run_flags(sl)
+    sl.add_argument("--partition", help="SLURM partition")
+    sl.add_argument("--account", help="SLURM account")
+    sl.add_argument("--time", help="time limit, e.g. 04:00:00 or 1-00:00:00")
+    sl.add_argument("--mem", help="memory per node, e.g. 64G")
+    sl.add_argument("--cpus-per-task", type=int, help="CPU cores per node for its workers (one task per node)")
+    sl.add_argument("--job-name", help="job name (default: shardlab-<output dir name>)")
+    sl.add_argument("--setup", action="append", default=[], metavar="LINE", help="shell line before training, e.g. 'module load cuda/12.4' or 'source venv/bin/activate' (repeatable)")
+    sl.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS", help="SIGUSR1 this long before the time limit: checkpoint and requeue (default 300; 0: none)")
+    sl.add_argument("--python", default=None, help="python on the compute nodes (default: this one; 'python' after --setup that activates an environment)")
+    sl.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra sbatch option, e.g. --sbatch-arg=--qos=short (repeatable)")
+    sl.add_argument("--submit", action="store_true", help="run sbatch (default: print the command)")
+    ex = sub.add_parser("export", help="write any checkpoint (any strategy) as a Hugging Face model + tokenizer")
+    ex.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints/step-N, or OUTPUT_DIR for its newest checkpoint")
+    ex.add_argument("out", help="new directory for the model (from_pretrained loads it)")
+
+
+def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
+    import sys
+
+    from .slurm import SlurmOptions, prepare, submit
+
+    cfg = config_from_args(args)
+    opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, mem=args.mem, cpus_per_task=args.cpus_per_task,
+                        job_name=args.job_name, setup=args.setup, signal_lead_s=args.signal_lead, python=args.python or sys.executable,
+                        sbatch_args=args.sbatch_arg)  # fmt: skip
+    job = prepare(cfg, opts)
+    print(f"[shardlab] code and config snapshotted in {job.snapshot}")
+    if args.submit:
+        submit(job)
+        print(f"[shardlab] submitted job {job.job_id}; log: {job.snapshot}/slurm-{job.job_id}.out")
+    else:
+        print(shlex.join(job.command))
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from .export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"[shardlab] exported {args.checkpoint} to {out}")

@@ -1,0 +1,158 @@
+"""`shardlab export CKPT OUT`: any shardlab checkpoint, of any strategy, as a Hugging Face model + tokenizer.
+
+Runs in one process without GPUs or a process group: the shards are read offline.
+    dp, fsdp, fsdp_offload   torch.distributed.checkpoint read without a process group
+    zero1/2/3 (+ _offload)   DeepSpeed's universal checkpoint (reshard.py) -> full fp32 weights
+    zero0                    the full module DeepSpeed stores in its model-states file
+    pipeline                 each stage file mapped back to the model's names through the recorded split
+The directory is written like the end-of-run export (checkpoint.save_hf: tmp dir, then rename).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, reshard
+from .config import RunConfig, load_config
+from .errors import UserError
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoints/step-N directory, or a run directory (its newest complete checkpoint)."""
+    p = Path(path)
+    if checkpoint.is_complete(p):
+        return p
+    if (p / "checkpoints").is_dir():
+        found = checkpoint.find_resume_dir("auto", p)
+        if found is not None:
+            return found
+    raise UserError(f"{str(p)!r} is neither a complete checkpoint nor a run directory with one", "pass OUTPUT_DIR or OUTPUT_DIR/checkpoints/step-N")
+
+
+def checkpoint_config(ckpt: Path) -> RunConfig:
+    for candidate in (ckpt / checkpoint.CONFIG_FILE, ckpt.parent.parent / "config.yaml"):  # older checkpoints: the run's
+        if candidate.is_file():
+            return load_config(candidate)
+    raise UserError(f"no config.yaml in {str(ckpt)!r} or its run directory", "export from a checkpoint written by shardlab")
+
+
+def _meta_model(cfg: RunConfig):
+    from transformers import AutoModelForCausalLM
+
+    from .models import build_hf_config
+
+    with torch.device("meta"):  # names and shapes only; the weights come from the checkpoint
+        return AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=torch.float32)
+
+
+def full_weights(ckpt: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Every weight of the model, full and fp32, keyed by the model's state_dict names."""
+    strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
+    model = _meta_model(cfg)
+    if strategy in reshard.TORCH_DCP:
+        found = _dcp_weights(ckpt, model)
+    elif strategy in reshard.ZERO:
+        found = _zero_weights(ckpt)
+    elif strategy == "zero0":
+        found = _zero0_weights(ckpt)
+    elif strategy == "pipeline":
+        found = _pipeline_weights(ckpt, cfg, model)
+    else:
+        raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its model at the end")
+    return _complete(found, model)
+
+
+def _complete(found: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Fill tied names (GPT-2's lm_head is wte) and check that nothing is missing; shapes from the model."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    same: dict[int, list[str]] = {}
+    for name, p in params.items():
+        same.setdefault(id(p), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, so save_pretrained sees the tie
+    for name, meta in model.state_dict().items():
+        key = id(params[name]) if name in params else id(meta)
+        if key in by_param:
+            out[name] = by_param[key]
+            continue
+        source = next((a for a in [name, *same.get(key, [])] if a in found), None)
+        if source is None:
+            raise UserError(f"the checkpoint has no weight {name!r} of {type(model).__name__}", "export with the config the checkpoint was written with")
+        out[name] = by_param[key] = found[source].reshape(meta.shape).float()
+    return out
+
+
+def _dcp_weights(ckpt: Path, model) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .strategies.torch_optim import CKPT_DIR
+
+    wanted = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}}
+    # tied names may be stored once: load what is there, _complete fills the rest
+    dcp.load(wanted, checkpoint_id=str(ckpt / CKPT_DIR), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    stored = _dcp_keys(ckpt / CKPT_DIR)
+    return {k: v for k, v in wanted["model"].items() if f"model.{k}" in stored}
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _zero_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    universal = ckpt / reshard.UNIVERSAL_DIR
+    if universal.is_dir():
+        return reshard.read_universal(universal, with_optimizer=False).model
+    with tempfile.TemporaryDirectory(prefix="shardlab-export-") as tmp:  # leave the checkpoint as it was
+        out = reshard.convert_to_universal(ckpt, Path(tmp) / reshard.UNIVERSAL_DIR)
+        return reshard.read_universal(out, with_optimizer=False).model
+
+
+def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    files = sorted((ckpt / reshard.DS_TAG).glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise UserError(f"{str(ckpt)!r} holds no DeepSpeed model states", "pass a checkpoint written by strategy zero0")
+    state = reshard.load_deepspeed_file(files[0])
+    return {k: v for k, v in state["module"].items()}
+
+
+def _pipeline_weights(ckpt: Path, cfg: RunConfig, model) -> dict[str, torch.Tensor]:
+    """Rebuild the split on the meta model; each stage's parameter names map back by identity."""
+    from .strategies.pipeline import _Stage
+
+    files = sorted(ckpt.glob("pipeline_rank*.pt"), key=lambda p: int(p.stem.removeprefix("pipeline_rank")))
+    if not files:
+        raise UserError(f"{str(ckpt)!r} holds no pipeline stage files", "pass a checkpoint written by strategy pipeline")
+    layout = checkpoint.read_state(ckpt).get("layout") or {}
+    n_ranks = cfg.strategy_options.pp_stages or layout.get("world_size") or len(files)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out: dict[str, torch.Tensor] = {}
+    for rank, file in enumerate(files[:n_ranks]):  # replica 0 holds every stage once
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+        bounds = [tuple(b) for b in saved["bounds"]]
+        mine = [s for s in range(len(bounds)) if s % n_ranks == rank]
+        for s, stage_sd in zip(mine, saved["stages"]):
+            stage = _Stage(model, *bounds[s], first=s == 0, last=s == len(bounds) - 1)
+            for local, p in stage.named_parameters(remove_duplicate=False):
+                if local in stage_sd:
+                    out.setdefault(names[id(p)], stage_sd[local])
+    return out
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    from .models import load_tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    cfg = checkpoint_config(ckpt)
+    weights = full_weights(ckpt, cfg)
+    model = _meta_model(cfg)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{str(out)!r} exists and is not empty", "pass a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return checkpoint.save_hf(model, weights, load_tokenizer(cfg), out)

@@ -1,0 +1,238 @@
+"""Elastic resume: a checkpoint written under one strategy / number of ranks, resumed under another.
+
+Supported pairs (anything else is a UserError naming them):
+
+    dp, fsdp, fsdp_offload      -> dp, fsdp, fsdp_offload, any number of ranks
+        natively: both write torch.distributed.checkpoint (DCP), which reshards on load.
+    zero1/2/3 (+ _offload)      -> zero1/2/3 (+ _offload), any number of ranks
+        through DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal), made once
+        per checkpoint into its `universal/` folder and loaded with DeepSpeed's `load_universal`.
+    zero1/2/3 (+ _offload)      -> dp, fsdp, fsdp_offload, any number of ranks
+        the universal checkpoint's full fp32 weights and Adam moments, by parameter name.
+
+Not supported (resume them with the strategy and number of ranks they were written with):
+dp/fsdp -> ZeRO (DeepSpeed can only load its own universal format), zero0 and infinity (no
+partitioned optimizer files / NVMe swap state), pipeline (its per-stage files follow its split).
+
+What carries over: weights, AdamW moments and step, the lr schedule, the data position (a step
+counts `global_batch` samples whatever the layout, so the global batch must stay the same).
+RNG streams are per rank and continue only when the number of ranks is unchanged; with dropout 0
+(or none) the losses continue as an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import UserError
+
+TORCH_DCP = {"dp", "fsdp", "fsdp_offload"}
+ZERO = {"zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload"}
+UNIVERSAL_DIR = "universal"
+DS_TAG = "deepspeed"  # strategies/deepspeed_zero.CKPT_TAG
+
+SUPPORTED = (
+    "dp/fsdp/fsdp_offload -> dp/fsdp/fsdp_offload; zero1/2/3(_offload) -> zero1/2/3(_offload), dp, fsdp, fsdp_offload; "
+    "each on any number of ranks with the same global batch"
+)
+
+
+def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_batch: int) -> dict[str, Any]:
+    """How a run is laid out; stored in every checkpoint's trainer_state.json."""
+    return {"strategy": cfg.strategy, "world_size": world_size, "dp_size": dp_size, "micro_batch": micro,
+            "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages}  # fmt: skip
+
+
+def check_batch(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    if saved["global_batch"] != now["global_batch"]:
+        raise UserError(
+            f"the checkpoint was written with global batch {saved['global_batch']}, this run uses {now['global_batch']}: "
+            "the data position (steps x global batch) would not match",
+            f"resume with --global-batch {saved['global_batch']} (any micro batch / accumulation / GPU count that gives it)",
+        )
+
+
+def loads_natively(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    if saved["strategy"] in TORCH_DCP and now["strategy"] in TORCH_DCP:
+        return True
+    return saved["strategy"] == now["strategy"] and saved["world_size"] == now["world_size"] and saved.get("pp_stages") == now.get("pp_stages")
+
+
+def supported(src: str, dst: str) -> bool:
+    return (src in TORCH_DCP and dst in TORCH_DCP) or (src in ZERO and (dst in ZERO or dst in TORCH_DCP))
+
+
+def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    check_batch(saved, now)
+    src, dst = saved["strategy"], now["strategy"]
+    if not loads_natively(saved, now) and not supported(src, dst):
+        raise UserError(
+            f"a {src} checkpoint written on {saved['world_size']} rank(s) cannot be resumed as {dst} on {now['world_size']} rank(s)",
+            f"resume it as {src} on {saved['world_size']} rank(s), or export it (`shardlab export`) and fine-tune from the model; supported: {SUPPORTED}",
+        )
+
+
+def check_resume(cfg, world_size: int, dp_size: int) -> None:
+    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
+    from .checkpoint import find_resume_dir, read_state
+
+    if not cfg.resume:
+        return
+    found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
+    saved = read_state(found).get("layout") if found is not None else None
+    if saved:
+        micro, accum, glob = cfg.resolve_batch(dp_size)
+        check_pair(saved, layout(cfg, world_size, dp_size, micro, accum, glob))
+
+
+def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Collective: load a checkpoint written under another layout into `strategy`."""
+    check_pair(saved, now)
+    dst = now["strategy"]
+    universal = ensure_universal(directory, strategy.env)
+    if dst in ZERO:
+        strategy.load_checkpoint(directory, tag=UNIVERSAL_DIR, universal=True)
+    else:
+        strategy.load_full_state(read_universal(universal))
+
+
+# ---- DeepSpeed universal checkpoints -----------------------------------------------------------------
+
+
+def ensure_universal(directory: Path, env) -> Path:
+    """Collective: rank 0 converts `directory`'s ZeRO shards once (atomically); every rank gets the path."""
+    out = directory / UNIVERSAL_DIR
+    if env.is_main and not out.is_dir():
+        convert_to_universal(directory, out)
+    env.barrier()
+    return out
+
+
+def convert_to_universal(directory: Path, out: Path) -> Path:
+    """DeepSpeed's own converter (what `python -m deepspeed.checkpoint.ds_to_universal` runs), into `out`."""
+    source = directory / DS_TAG
+    if not source.is_dir():
+        raise UserError(f"{str(directory)!r} holds no DeepSpeed checkpoint", "pass a checkpoint written by a zero* strategy")
+    for stale in out.parent.glob(out.name + ".tmp*"):  # a conversion killed half-way
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        _convert(source, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, out)
+    return out
+
+
+def _convert(source: Path, tmp: Path) -> None:
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are noise in a training log
+        ds_to_universal.main(args)
+    # DeepSpeed reads a universal checkpoint's metadata (lr schedule, counters; the weights come from
+    # zero/) from the file name its *own* stage writes: give both names, so ZeRO-1/2 <-> 3 both load.
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    present = [n for n in names if (tmp / n).is_file()]
+    if not present:
+        present = [p.name for p in sorted(source.glob("*model_states.pt"))[:1]]
+        if present:
+            shutil.copy2(source / present[0], tmp / present[0])
+    for name in names:
+        if present and not (tmp / name).is_file():
+            shutil.copy2(tmp / present[0], tmp / name)
+    _normalize(tmp / "zero")
+
+
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed checkpoint file, with weights_only=True plus the few DeepSpeed classes it pickles."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _normalize(zero: Path) -> None:
+    """zero/optimizer_state.pt as both ZeRO-1/2 and ZeRO-3 read it (DeepSpeed writes the source stage's form):
+    1/2 want top-level `param_groups` and `ds_version`; 3 wants `optimizer_state_dict` with a step."""
+    import deepspeed
+
+    load = load_deepspeed_file
+
+    # ZeRO-3 writes each tensor flat; ZeRO-1/2 read {"param": full-shape tensor} (ZeRO-3 accepts that too).
+    shapes: dict[str, Any] = {}
+    for states in sorted(zero.parent.glob("*model_states.pt"))[:1]:
+        found = load(states).get("param_shapes") or []
+        for group in [found] if isinstance(found, dict) else found:
+            shapes.update(group)
+    for file in zero.glob("*/*.pt"):
+        if file.stem in ("fp32", "exp_avg", "exp_avg_sq"):
+            x = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(x, dict):
+                shape = shapes.get(file.parent.name)
+                torch.save({"param": x.reshape(shape) if shape is not None else x, "cat_dim": 0}, file)
+
+    path = zero / "optimizer_state.pt"
+    sd = load(path)
+    inner = sd.get("optimizer_state_dict") or {}
+    groups = sd.get("param_groups") or inner.get("param_groups")
+    step_files = sorted(zero.glob("*/step.pt"))
+    if step_files:  # ZeRO-1/2 source: a step per parameter
+        step = torch.load(step_files[0], map_location="cpu", weights_only=True)
+    else:  # ZeRO-3 source: one step in the optimizer state; ZeRO-1/2 targets read it per parameter
+        step = next(iter(inner.get("state", {}).values()), {}).get("step", torch.tensor(0.0))
+        for moments in zero.glob("*/exp_avg.pt"):
+            torch.save(step, moments.parent / "step.pt")
+    sd.setdefault("param_groups", groups)
+    sd.setdefault("ds_version", deepspeed.__version__)
+    if not inner.get("state"):
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": groups}
+    torch.save(sd, path)
+
+
+@dataclass
+class FullState:
+    """Unsharded fp32 training state keyed by parameter name."""
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg", "exp_avg_sq"}
+    step: int
+    scheduler: dict[str, Any] | None
+
+
+def read_universal(universal: Path, with_optimizer: bool = True) -> FullState:
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    step = 0
+    def tensor(path: Path) -> torch.Tensor:  # {"param": t, ...} (see _normalize)
+        x = torch.load(path, map_location="cpu", weights_only=True)
+        return x["param"] if isinstance(x, dict) else x
+
+    for param_dir in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
+        name = param_dir.name
+        model[name] = tensor(param_dir / "fp32.pt")
+        if not with_optimizer:
+            continue
+        moments = {k: tensor(param_dir / f"{k}.pt") for k in ("exp_avg", "exp_avg_sq") if (param_dir / f"{k}.pt").is_file()}
+        if moments:
+            optim[name] = moments
+        if (param_dir / "step.pt").is_file():
+            step = max(step, int(torch.load(param_dir / "step.pt", map_location="cpu", weights_only=True)))
+    scheduler = None
+    states = sorted(universal.glob("mp_rank_*_model_states.pt"))
+    if with_optimizer and states:
+        scheduler = load_deepspeed_file(states[0]).get("lr_scheduler")
+    return FullState(model, optim, step, scheduler)

@@ -235,14 +235,19 @@ def test_nan_stop_names_the_step(root):
     assert last_step(run.out) == 3 and latest(run.out) == "step-0000002" and not (run.out / "summary.json").exists()
 
 
-def test_nan_skip_skips_the_update(root):
-    run = Run([*BASE, "--max-steps", "6", "--nan-policy", "skip", "--no-export"], root / "nan-skip", env={"SHARDLAB_FAULTS": "nan_loss@3"}).ok()
+def test_nan_skip_skips_the_update_and_usr2_checkpoints_on_demand(root):
+    run = Run([*BASE, "--max-steps", "12", "--nan-policy", "skip", "--no-export"], root / "nan-skip", env={"SHARDLAB_FAULTS": "nan_loss@3"})
+    run.wait_for_step(4)
+    run.proc.send_signal(signal.SIGUSR2)  # checkpoint after the current step, and go on
+    run.ok()
     assert "step 3: non-finite loss nan; update skipped" in run.stdout_path.read_text()
     got = losses(run.out)
-    assert math.isnan(got[3]) and all(math.isfinite(got[s]) for s in (1, 2, 4, 5, 6))
+    assert math.isnan(got[3]) and all(math.isfinite(got[s]) for s in range(1, 13) if s != 3)
     summary = json.loads((run.out / "summary.json").read_text())
-    assert summary["skipped_steps"] == 1 and summary["overflow_steps"] == 0 and summary["steps"] == 6
-    assert [r.get("skipped_steps") for r in rows(run.out) if "loss" in r] == [None, None, 1, 1, 1, 1]
+    assert summary["skipped_steps"] == 1 and summary["overflow_steps"] == 0 and summary["steps"] == 12
+    assert [r.get("skipped_steps") for r in rows(run.out) if "loss" in r] == [None, None] + [1] * 10
+    saved = [p.name for p in (run.out / "checkpoints").iterdir() if p.is_dir()]
+    assert len(saved) == 1 and 4 < int(saved[0].removeprefix("step-")) <= 12, saved  # no --save-every: only the asked-for one
 
 
 # ---- elastic resume: zero2 on 2 ranks -> zero3 on 1 -> fsdp on 2 -> dp on 1 --------------------------------------
@@ -342,6 +347,21 @@ def test_export_cli_equals_the_end_of_run_export(elastic, tmp_path):
         export_checkpoint(elastic, tmp_path / "cli")
     with pytest.raises(UserError, match="neither a complete checkpoint nor a run directory"):
         export_checkpoint(tmp_path, tmp_path / "other")
+
+
+@pytest.mark.parametrize("strategy,gpus", [("pipeline", 2), ("zero0", 1)])
+def test_export_of_pipeline_and_zero0_checkpoints_equals_their_run_export(root, tmp_path, strategy, gpus):
+    """Layouts whose shards are not plain names (pipeline stages; DeepSpeed stage 0's module file): the offline
+    export of the last checkpoint equals, tensor for tensor, the model the run itself exported at its end."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardlab.export import export_checkpoint
+
+    run = Run([*BASE, "--strategy", strategy, "--gpus", str(gpus), "--max-steps", "2", "--save-every", "2", "--export"], root / f"export-{strategy}").ok()
+    mine = AutoModelForCausalLM.from_pretrained(export_checkpoint(run.out, tmp_path / "hf")).state_dict()
+    end = AutoModelForCausalLM.from_pretrained(run.out / "model").state_dict()
+    assert mine.keys() == end.keys() and all(torch.equal(mine[k], end[k]) for k in mine)
 
 
 # ---- a real SLURM: sbatch the rendered script, preempt it twice, it requeues and resumes by itself ------------------

@@ -216,4 +216,4 @@ class WorkerFailed(Exception):
         if first.exitcode < 0:  # killed by a signal: it could not say so itself
             name = first.signal_name()
             return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped")
-        return cls(first.exitcode, f"rank {rank} failed with exit code {first.exitcode} (its error is printed above)")
+        return cls(first.exitcode, f"a worker process failed with exit code {first.exitcode} (rank {rank}; its error is printed above)")

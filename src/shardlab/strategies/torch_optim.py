@@ -93,6 +93,11 @@ class TorchOptimizerStrategy(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if not (directory / CKPT_DIR).is_dir():
+            from ..errors import UserError
+
+            raise UserError(f"{str(directory)!r} has no {CKPT_DIR}/ (a checkpoint of another strategy, or of a shardlab before dp and fsdp shared one format)",
+                            "resume it with the strategy and shardlab version that wrote it")  # fmt: skip
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(directory / CKPT_DIR))
         set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

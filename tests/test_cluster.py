@@ -206,12 +206,14 @@ def test_dead_or_hung_rank_stops_the_other_node(root):
             node0.wait(timeout=60)
             took[how] = time.time() - t0
         dead, hung = jobs["dies"][0], jobs["hangs"][0]
-        assert dead.rc == 2 and took["dies"] < timeout, (took, dead.stderr[-2000:])
+        # A death is reported as such (not as a collective timeout); the bound leaves room for a loaded 2-core CI box.
+        assert dead.rc == 2 and took["dies"] < timeout + 25, (took, dead.stderr[-2000:])
+        assert "a collective waited more than" not in dead.stderr
         pid = victims["dies"].pid
         assert f"rank 0 lost the other ranks: on node 1, rank 1 (pid {pid}) was killed by SIGKILL" in dead.stderr
         jobs["dies"][1].wait(timeout=60)
         assert f"rank 1 (pid {pid}) was killed by SIGKILL" in jobs["dies"][1].stderr
-        assert hung.rc == 2 and timeout <= took["hangs"] < timeout + 15, (took, hung.stderr[-2000:])
+        assert hung.rc == 2 and timeout <= took["hangs"] < timeout + 30, (took, hung.stderr[-2000:])
         assert f"a collective waited more than {timeout} s (dist_timeout_s)" in hung.stderr
     finally:
         for victim in victims.values():

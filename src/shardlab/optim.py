@@ -96,13 +96,6 @@ def fused_clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tenso
         del optimizer.grad_scale
 
 
-def clip_and_step_fused(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` then `optimizer.step()` through `fused_clipped_step`. Returns the pre-clip norm."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    fused_clipped_step(optimizer, norm, max_norm)
-    return norm
-
-
 def lr_lambda(cfg: RunConfig, total_steps: int):
     """Multiplier of the peak lr at optimizer step `step`: linear warmup, then cosine/linear/constant."""
     warmup = cfg.warmup_steps

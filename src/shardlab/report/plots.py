@@ -136,19 +136,25 @@ def _gpu_timeline(cell: Cell) -> tuple[list[float], list[float]]:
     return xs, [by_time[s] for s in stamps]
 
 
+def _timeline_figure(data: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str, title: str):
+    """One line per run (label, xs, ys) over time."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for i, (label, xs, ys) in enumerate(data):
+        ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], linewidth=1.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title)
+    return fig
+
+
 def gpu_timeline_plot(cells: list[Cell]) -> Plot | None:
     data = [(c.label, *_gpu_timeline(c)) for c in cells if c.ok and any(gpu_csv_stats(r) for r in c.runs)]
     data = [d for d in data if d[1]]
     if not data:
         return None
-    fig = _figure()
-    ax = fig.add_subplot()
-    for i, (label, xs, ys) in enumerate(data):
-        ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], linewidth=1.2)
-    ax.set_xlabel("seconds since the run started")
-    ax.set_ylabel("memory.used, busiest GPU (GiB)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("GPU memory over time (NVML)")
+    fig = _timeline_figure(data, "seconds since the run started", "memory.used, busiest GPU (GiB)", "GPU memory over time (NVML)")
     return Plot("gpu_memory_time", "GPU memory over time", _png(fig), "From gpu_memory.csv of the first repeat of each run.")
 
 
@@ -167,14 +173,8 @@ def cpu_timeline_plot(cells: list[Cell]) -> Plot | None:
                 data.append((c.label, xs, ys))
     if not data:
         return None
-    fig = _figure()
-    ax = fig.add_subplot()
-    for i, (label, xs, ys) in enumerate(data):
-        ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], linewidth=1.2)
-    ax.set_xlabel("seconds since the launcher started")
-    ax.set_ylabel("process tree RSS (GB)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("CPU memory over time (psutil, launcher + all ranks)")
+    fig = _timeline_figure(data, "seconds since the launcher started", "process tree RSS (GB)",
+                           "CPU memory over time (psutil, launcher + all ranks)")
     return Plot("cpu_memory_time", "CPU memory over time", _png(fig), "From cpu_memory.csv of the first repeat of each run.")
 
 

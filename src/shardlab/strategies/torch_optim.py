@@ -22,7 +22,7 @@ EXTRA_FILE = "torch_extra.pt"  # scheduler and GradScaler: plain state dicts, id
 
 
 class TorchOptimizerStrategy(Strategy):
-    # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (optim.clip_and_step_fused).
+    # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (optim.fused_clipped_step).
     plain_tensor_params = False
 
     def _build_optimizer(self, module: nn.Module, device_type: str, total_steps: int) -> None:

@@ -8,6 +8,7 @@ leak from one test into the next.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -97,3 +98,25 @@ def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEO
 @pytest.fixture(scope="session")
 def train_cli():
     return shardlab_train
+
+
+def eval_loss_like_the_trainer(model, dataset, world: int) -> float:
+    """Token-weighted mean loss over the blocks DistributedSampler(drop_last=False) gives `world` ranks."""
+    import torch
+
+    n = len(dataset)
+    indices = list(range(n)) + list(range(n))[: math.ceil(n / world) * world - n]
+    total = tokens = 0.0
+    with torch.no_grad():
+        for i in indices:
+            batch = {k: v.unsqueeze(0) for k, v in dataset[i].items()}
+            n_tok = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch).loss.double()) * n_tok
+            tokens += n_tok
+    return total / tokens
+
+
+@pytest.fixture(scope="session")
+def trainer_eval_loss():
+    """`eval_loss_like_the_trainer`: what an exported model's eval loss must reproduce."""
+    return eval_loss_like_the_trainer

@@ -318,24 +318,8 @@ def test_unsupported_pair_is_refused_before_anything_starts(ref0):
 # ---- export: every strategy's checkpoint reloads with the eval loss the run measured --------------------------------
 
 
-def eval_loss_like_the_trainer(model, dataset, world: int) -> float:
-    """Token-weighted mean loss over the blocks DistributedSampler(drop_last=False) gives `world` ranks."""
-    import torch
-
-    n = len(dataset)
-    indices = list(range(n)) + list(range(n))[: math.ceil(n / world) * world - n]
-    total = tokens = 0.0
-    with torch.no_grad():
-        for i in indices:
-            batch = {k: v.unsqueeze(0) for k, v in dataset[i].items()}
-            n_tok = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch).loss.double()) * n_tok
-            tokens += n_tok
-    return total / tokens
-
-
 @pytest.mark.parametrize("strategy,world,step", [("zero2", 2, 4), ("zero3", 1, 8), ("fsdp", 2, 12), ("dp", 1, 16)])
-def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_path, strategy, world, step):
+def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_path, trainer_eval_loss, strategy, world, step):
     from transformers import AutoModelForCausalLM
 
     from shardlab.config import load_config
@@ -352,7 +336,7 @@ def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_pa
     cfg = load_config(ckpt / "config.yaml")
     assert cfg.strategy == strategy
     splits = build_datasets(cfg.dataset, load_tokenizer(cfg), cfg.seq_len, cfg.seed)
-    assert eval_loss_like_the_trainer(model, splits.eval, world) == pytest.approx(eval_losses(run)[step], rel=1e-5)
+    assert trainer_eval_loss(model, splits.eval, world) == pytest.approx(eval_losses(run)[step], rel=1e-5)
 
 
 def test_export_cli_equals_the_end_of_run_export(elastic, tmp_path):

@@ -18,7 +18,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-import torch
 
 STRATEGIES_1 = ["dp", "zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "fsdp", "fsdp_offload"]
 STRATEGIES_2 = ["dp", "zero2", "zero3", "fsdp"]
@@ -199,23 +198,8 @@ def test_tiny_bloom_trains(runs):
 # ---- export: the HF directory reproduces the run's eval loss ------------------------------------------------
 
 
-def _eval_loss_like_the_trainer(model, dataset, world: int) -> float:
-    """Token-weighted mean loss, over the blocks DistributedSampler(drop_last=False) gives `world` ranks."""
-    n = len(dataset)
-    indices = list(range(n))
-    indices += indices[: math.ceil(n / world) * world - n]
-    total = tokens = 0.0
-    with torch.no_grad():
-        for i in indices:
-            batch = {k: v.unsqueeze(0) for k, v in dataset[i].items()}
-            n_tok = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch).loss.double()) * n_tok
-            tokens += n_tok
-    return total / tokens
-
-
 @pytest.mark.parametrize("strategy,gpus", [("dp", 1), pytest.param("zero3", 2, marks=pytest.mark.slow), pytest.param("fsdp", 2, marks=pytest.mark.slow)])
-def test_export_reloads_and_reproduces_eval_loss(runs, strategy, gpus):
+def test_export_reloads_and_reproduces_eval_loss(runs, trainer_eval_loss, strategy, gpus):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardlab.config import load_config
@@ -234,7 +218,7 @@ def test_export_reloads_and_reproduces_eval_loss(runs, strategy, gpus):
     assert tok(text)["input_ids"] == ref_tok(text)["input_ids"]
     splits = build_datasets(cfg.dataset, ref_tok, cfg.seq_len, cfg.seed)
     assert splits.eval is not None and len(splits.eval) > 0
-    loss = _eval_loss_like_the_trainer(model, splits.eval, run.summary["world_size"])
+    loss = trainer_eval_loss(model, splits.eval, run.summary["world_size"])
     assert loss == pytest.approx(run.summary["final_eval_loss"], rel=1e-4)
 
 

@@ -20,7 +20,8 @@ def _fits(cfg: RunConfig, gpu_gib: float) -> bool:
 
 def test_gpu_record_that_fits():
     """The H100 foundation run's config: the record's prediction is the plan's, within 10% of what was measured."""
-    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp")
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp",
+                    loss_kernel="hf")  # as measured: the loss inside the model
     rec = predict_run(cfg, "cuda", 1, gpu_memory=79.1, host_ram=128)
     assert set(PLAN_KEYS) <= set(rec) and rec["strategy"] == "dp" and rec["fits"] is True
     assert isinstance(rec["gpu_peak_gib"], float) and isinstance(rec["cpu_gib"], float)
@@ -31,7 +32,7 @@ def test_gpu_record_that_fits():
 
 
 def test_gpu_warning_names_what_fits_instead():
-    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp")
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp", loss_kernel="hf")
     rec = predict_run(cfg, "cuda", 1, gpu_memory=28.0, host_ram=128)
     assert rec["fits"] is False and rec["need_gib"] > 28 > rec["gpu_peak_gib"]  # the peak alone would fit: context + fragmentation do not
     line = warning_line(rec)

@@ -120,6 +120,9 @@ class RunConfig(_Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     compile: bool = False
+    loss_kernel: Literal["auto", "compiled", "hf"] = Field(
+        "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
+        "'auto' = compiled on CUDA without --compile, hf otherwise (shardlab.loss)")
     # strategy
     strategy: str = "dp"
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)

@@ -28,11 +28,13 @@ How
   4h-wide tensors instead of one, RMSNorm saves a fp32 copy, torch autocast keeps the residual
   stream and LayerNorm in fp32, and CUDA dropout masks are 1-byte bools. The per-family counts
   were checked on CPU against the exact saved-tensor bytes (``tests/test_plan.py``).
-* The loss: transformers' ``ForCausalLMLoss`` upcasts the logits to fp32 and calls
-  ``cross_entropy``; log-softmax saves its fp32 output (4·b·s·V B) and its backward holds that,
-  the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of backward.
+* The loss: transformers' ``ForCausalLMLoss`` (``loss_kernel=hf``, and on CPUs) upcasts the logits
+  to fp32 and calls ``cross_entropy``; log-softmax saves its fp32 output (4·b·s·V B) and its backward
+  holds that, the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of
+  backward. shardlab's compiled loss (``shardlab.loss``, the default on CUDA) keeps only the 16-bit
+  logits and then their 16-bit gradient: 2·2·b·s·V (fp32 runs: 2·4·b·s·V).
 * The peak is the larger of two moments: the start of backward (all activations + the loss'
-  12·b·s·V + communication buckets + gathered parameters; gradients that ``zero_grad
+  logits peak above + communication buckets + gathered parameters; gradients that ``zero_grad
   (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
   backward / optimizer step (all gradients, step temporaries, no activations).
 
@@ -50,6 +52,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from .config import STRATEGIES, RunConfig
+from .loss import resolve_loss_kernel
 from .errors import UserError
 
 # Every strategy; `pipeline` is modelled per stage in plan_pipeline.py.
@@ -331,8 +334,8 @@ def _final_bytes(arch: Arch, mode: str, device: str) -> float:
 class Activations:
     layers: float  # saved by all decoder layers at the end of forward
     embed_final: float
-    logits_saved: float  # fp32 log-softmax output saved by cross_entropy (4 b s V)
-    logits_peak: float  # at the start of backward: saved output + its grad + grad wrt logits (12 b s V)
+    logits_saved: float  # hf: fp32 log-softmax output saved by cross_entropy (4 b s V); compiled: the logits (p b s V)
+    logits_peak: float  # start of backward; hf: saved output + its grad + grad wrt logits (12 b s V); compiled: 2 p b s V
     recompute: float  # gradient checkpointing: one layer recomputed during backward
     per_layer: float = 0.0  # saved by one decoder layer (its input only with gradient checkpointing)
 
@@ -347,7 +350,8 @@ class Activations:
         return self.layers + self.embed_final + self.recompute + self.logits_peak
 
 
-def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False) -> Activations:
+def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
+                     loss_kernel: str = "hf") -> Activations:
     b, s, h, a = micro, seq, arch.hidden, arch.heads
     per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
     one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
@@ -359,11 +363,16 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         layers = arch.layers * one_layer
         recompute = 0.0
     bsv = b * s * arch.vocab
+    if loss_kernel == "compiled":  # shardlab.loss: the fused kernel keeps the logits, then their gradient, same dtype
+        p = 4 if mode == "fp32" else 2
+        logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
+    else:
+        logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
         layers=layers,
         embed_final=_embed_final_bytes(arch, mode, device) * s * b * h,
-        logits_saved=4.0 * bsv,
-        logits_peak=12.0 * bsv,
+        logits_saved=logits_saved,
+        logits_peak=logits_peak,
         recompute=recompute,
         per_layer=layers / arch.layers if arch.layers else 0.0,
     )
@@ -517,7 +526,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         mode = "autocast" if mixed else "fp32"
     else:
         mode = "lp" if mixed else "fp32"
-    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing)
+    kernel = resolve_loss_kernel(cfg.loss_kernel, device, cfg.compile)
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel)
     temp: dict[str, float] = {}  # live at the start of backward
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import loss
 from ..config import RunConfig
 from ..distributed import DistEnv
 from ..optim import Precision
@@ -25,6 +26,7 @@ class Strategy(ABC):
     name: str = "base"
     supports_compile: bool = True
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
+    own_loss: bool = False  # the strategy computes the loss itself (pipeline's last stage): no loss_kernel
     eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
     # Optimizer steps not applied: non-finite gradients, or fp16 loss-scale overflows (counted apart too).
     skipped_steps: int = 0
@@ -38,6 +40,8 @@ class Strategy(ABC):
         self.grad_accum = grad_accum
         self.micro_batch = micro_batch
         self.model: nn.Module | None = None  # what the loop calls forward on
+        # None: the HF model computes its own loss from `labels`; else a fused loss on its logits.
+        self.loss_fn = None if self.own_loss else loss.build(cfg.loss_kernel, env.device.type, cfg.compile and self.supports_compile)
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
 
     # ---- building -----------------------------------------------------------------------------
@@ -77,9 +81,14 @@ class Strategy(ABC):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.model is not None
+        if self.loss_fn is None:
+            with self.autocast():
+                # No KV cache in training: it only costs memory and time here.
+                return self.model(**batch, use_cache=False).loss
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self.autocast():
-            # No KV cache in training: it only costs memory and time here.
-            return self.model(**batch, use_cache=False).loss
+            logits = self.model(**inputs, use_cache=False).logits
+        return self.loss_fn(logits, batch["labels"])
 
     def accumulate(self, last_micro: bool):
         """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""

@@ -214,6 +214,7 @@ class StageTimer:
 class PipelineStrategy(TorchOptimizerStrategy):
     name = "pipeline"
     supports_compile = False
+    own_loss = True  # transformers' loss on the last stage, applied per micro-batch by the schedule
     eval_whole_steps = True  # the schedule splits every batch, eval ones too, into its micro-batches
 
     @staticmethod

@@ -1,0 +1,65 @@
+"""shardlab.loss: the causal-LM loss outside the model equals transformers' own, eager and compiled."""
+
+import pytest
+import torch
+
+from shardlab import loss
+from shardlab.models import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from shardlab.config import RunConfig
+
+    return build_model(RunConfig(model="tiny-gpt2", device="cpu")).eval()  # eval: no dropout, both passes see the same network
+
+
+def _batch(vocab: int, pad_tail: int = 0):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (3, 32), generator=g)
+    labels = ids.clone()
+    labels[0, :7] = loss.IGNORE_INDEX  # a QA prompt: loss on the answer only
+    if pad_tail:
+        labels[1, -pad_tail:] = loss.IGNORE_INDEX  # padding
+    return ids, labels
+
+
+@pytest.mark.parametrize("pad_tail", [0, 5])
+def test_equals_the_models_own_loss_and_gradients(tiny, pad_tail):
+    ids, labels = _batch(tiny.config.vocab_size, pad_tail)
+    tiny.zero_grad()
+    hf = tiny(input_ids=ids, labels=labels)
+    hf.loss.backward()
+    want = {n: p.grad.clone() for n, p in tiny.named_parameters()}
+    tiny.zero_grad()
+    ours = loss.causal_lm_loss(tiny(input_ids=ids).logits, labels)
+    ours.backward()
+    assert ours.item() == pytest.approx(hf.loss.item(), rel=1e-6)
+    for n, p in tiny.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_compiled_bf16_logits_match_the_fp32_upcast_path():
+    """The fused kernel upcasts in registers: same loss and bf16 gradient as HF's materialised fp32 copy."""
+    g = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(2, 48, 500, generator=g)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 500, (2, 48), generator=g)
+    labels[1, :10] = loss.IGNORE_INDEX
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    want = ForCausalLMLoss(logits, labels, vocab_size=500)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    compiled = loss.build("compiled", "cpu", model_compiled=False)
+    got = compiled(logits, labels)
+    (got_grad,) = torch.autograd.grad(got, logits)
+    assert got.dtype == torch.float32 and got_grad.dtype == torch.bfloat16
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-2, atol=1e-6)  # one bf16 rounding apart at most
+
+
+def test_auto_is_compiled_on_cuda_only_without_model_compile():
+    assert loss.resolve_loss_kernel("auto", "cuda", model_compiled=False) == "compiled"
+    assert loss.resolve_loss_kernel("auto", "cuda", model_compiled=True) == "hf"  # the model's graph holds the loss
+    assert loss.resolve_loss_kernel("auto", "cpu", model_compiled=False) == "hf"
+    assert loss.resolve_loss_kernel("compiled", "cpu", model_compiled=False) == "compiled"
+    assert loss.build("auto", "cpu", model_compiled=False) is None

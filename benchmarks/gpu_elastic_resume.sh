@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Elastic resume on GPU (issue 6): gpt2-medium trained under ZeRO-3 on one GPU, checkpointed, resumed as
 # ZeRO-2 (on 1 GPU, and on 2 GPUs when there are two), against an uninterrupted ZeRO-3 run with the same
-# global batch. Writes $OUT/elastic-resume.{json,md}; copy them to benchmarks/results/.
+# global batch. The lr is constant after warm-up: the first half stops at --max-steps HALF, and a decaying
+# schedule would be sized to that half, not to the whole run. Writes $OUT/elastic-resume.{json,md}; copy them to benchmarks/results/.
 # Usage (repo root, on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_elastic_resume.sh
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -9,14 +10,14 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PRECISION="${PRECISION:-bf16}"; STEPS="${STEPS:-40}"; HALF=$((STEPS / 2))
-GPUS=$(nvidia-smi -L | wc -l)
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")  # honours CUDA_VISIBLE_DEVICES
 COMMON=(--model gpt2-medium --dataset offline --seq-len 1024 --global-batch 16 --micro-batch 8 --precision "$PRECISION"
-        --dropout 0 --lr 1e-4 --warmup-steps 5 --lr-schedule cosine --max-steps "$STEPS" --log-every 1 --no-export --seed 1)
+        --dropout 0 --lr 1e-4 --warmup-steps 5 --lr-schedule constant --max-steps "$STEPS" --log-every 1 --no-export --seed 1)
 R="$OUT/elastic"; rm -rf "$R"; mkdir -p "$R"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m shardlab train "${COMMON[@]}" --strategy zero3 --gpus 1 --output-dir "$R/zero3-straight" 2>&1 | tail -n 3
 python3 -m shardlab train "${COMMON[@]}" --strategy zero3 --gpus 1 --max-steps "$HALF" --save-every "$HALF" --output-dir "$R/z3-then-z2-1gpu" 2>&1 | tail -n 3
-cp -r "$R/z3-then-z2-1gpu" "$R/z3-then-z2-2gpu"
+[[ "$GPUS" -ge 2 ]] && cp -r "$R/z3-then-z2-1gpu" "$R/z3-then-z2-2gpu"
 python3 -m shardlab train "${COMMON[@]}" --strategy zero2 --gpus 1 --resume auto --output-dir "$R/z3-then-z2-1gpu" 2>&1 | tail -n 3
 if [[ "$GPUS" -ge 2 ]]; then
   python3 -m shardlab train "${COMMON[@]}" --strategy zero2 --gpus 2 --resume auto --output-dir "$R/z3-then-z2-2gpu" 2>&1 | tail -n 3

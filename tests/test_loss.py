@@ -49,7 +49,7 @@ def test_compiled_bf16_logits_match_the_fp32_upcast_path():
 
     want = ForCausalLMLoss(logits, labels, vocab_size=500)
     (want_grad,) = torch.autograd.grad(want, logits)
-    compiled = loss.build("compiled", "cpu", model_compiled=False)
+    compiled = loss.build("compiled", "cpu")
     got = compiled(logits, labels)
     (got_grad,) = torch.autograd.grad(got, logits)
     assert got.dtype == torch.float32 and got_grad.dtype == torch.bfloat16
@@ -57,9 +57,9 @@ def test_compiled_bf16_logits_match_the_fp32_upcast_path():
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-2, atol=1e-6)  # one bf16 rounding apart at most
 
 
-def test_auto_is_compiled_on_cuda_only_without_model_compile():
-    assert loss.resolve_loss_kernel("auto", "cuda", model_compiled=False) == "compiled"
-    assert loss.resolve_loss_kernel("auto", "cuda", model_compiled=True) == "hf"  # the model's graph holds the loss
-    assert loss.resolve_loss_kernel("auto", "cpu", model_compiled=False) == "hf"
-    assert loss.resolve_loss_kernel("compiled", "cpu", model_compiled=False) == "compiled"
-    assert loss.build("auto", "cpu", model_compiled=False) is None
+def test_auto_is_compiled_on_cuda_only():
+    assert loss.resolve_loss_kernel("auto", "cuda") == "compiled"
+    assert loss.resolve_loss_kernel("auto", "cpu") == "hf"
+    assert loss.resolve_loss_kernel("compiled", "cpu") == "compiled"
+    assert loss.resolve_loss_kernel("hf", "cuda") == "hf"
+    assert loss.build("auto", "cpu") is None

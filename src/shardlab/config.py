@@ -122,7 +122,7 @@ class RunConfig(_Strict):
     compile: bool = False
     loss_kernel: Literal["auto", "compiled", "hf"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
-        "'auto' = compiled on CUDA without --compile, hf otherwise (shardlab.loss)")
+        "'auto' = compiled on CUDA, hf on CPU (shardlab.loss)")
     # strategy
     strategy: str = "dp"
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)

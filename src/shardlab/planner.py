@@ -526,7 +526,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         mode = "autocast" if mixed else "fp32"
     else:
         mode = "lp" if mixed else "fp32"
-    kernel = resolve_loss_kernel(cfg.loss_kernel, device, cfg.compile)
+    kernel = resolve_loss_kernel(cfg.loss_kernel, device)
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel)
     temp: dict[str, float] = {}  # live at the start of backward
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step

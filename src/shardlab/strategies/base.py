@@ -41,7 +41,7 @@ class Strategy(ABC):
         self.micro_batch = micro_batch
         self.model: nn.Module | None = None  # what the loop calls forward on
         # None: the HF model computes its own loss from `labels`; else a fused loss on its logits.
-        self.loss_fn = None if self.own_loss else loss.build(cfg.loss_kernel, env.device.type, cfg.compile and self.supports_compile)
+        self.loss_fn = None if self.own_loss else loss.build(cfg.loss_kernel, env.device.type)
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
 
     # ---- building -----------------------------------------------------------------------------

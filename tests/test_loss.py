@@ -34,9 +34,9 @@ def test_equals_the_models_own_loss_and_gradients(tiny, pad_tail):
     tiny.zero_grad()
     ours = loss.causal_lm_loss(tiny(input_ids=ids).logits, labels)
     ours.backward()
-    assert ours.item() == pytest.approx(hf.loss.item(), rel=1e-6)
+    assert ours.item() == pytest.approx(hf.loss.item(), rel=1e-5)  # fp32; CPU kernels may split reductions by thread count
     for n, p in tiny.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_compiled_bf16_logits_match_the_fp32_upcast_path():

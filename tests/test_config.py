@@ -208,6 +208,7 @@ def test_build_ds_config_per_strategy(strategy, device_type, tmp_path):
     assert ("stage3_prefetch_bucket_size" in zero) == (zero["stage"] == 3)
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is False
+        assert zero["stage3_max_reuse_distance"] == cfg.strategy_options.stage3_max_reuse_distance  # the planner models it
 
     kind = offload_kind(strategy)
     if kind is None:

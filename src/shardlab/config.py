@@ -72,6 +72,9 @@ class StrategyOptions(_Strict):
     stage3_prefetch_bucket_size: int = Field(50_000_000, gt=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
+    stage3_max_reuse_distance: int = Field(
+        1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "
+        "(DeepSpeed's default; below the model's size it lowers the peak at the start of backward, at the cost of re-gathering)")
     fsdp_reshard_after_forward: bool = True
     pp_stages: int | None = Field(None, gt=0, description="pipeline: number of ranks the layers are split over (default: all)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", description="pipeline schedule")

@@ -54,6 +54,7 @@ def build_ds_config(
             stage3_prefetch_bucket_size=opts.stage3_prefetch_bucket_size,
             stage3_param_persistence_threshold=opts.stage3_param_persistence_threshold,
             stage3_max_live_parameters=opts.stage3_max_live_parameters,
+            stage3_max_reuse_distance=opts.stage3_max_reuse_distance,
             # Export gathers weights itself (full_state_dict); no 16-bit copy needed at save time.
             stage3_gather_16bit_weights_on_model_save=False,
         )

@@ -17,7 +17,7 @@ never materialised. The loss keeps fp32 accuracy: each logit is upcast in regist
 (inductor's compile time on a CPU would outweigh the gain for the short runs CPUs do). Under
 ``--compile`` too the loss stays apart from the model's graph: on an H100 (gpt2-medium, micro 16)
 the loss inside the compiled graph cost 1.4 GiB more peak memory and ran 0.9% slower
-(benchmarks/results/h100-foundation.md).
+(benchmarks/results/2026-11-21-h100-session3/foundation-compile-call1/).
 """
 
 from __future__ import annotations

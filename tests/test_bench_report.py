@@ -430,3 +430,16 @@ def test_gpu_columns_mem_savings_and_the_stacked_memory_plot(bench, tmp_path):
     assert {p.name for p in plots} >= {"memory", "gpu_memory_time"}
     assert next(p for p in plots if p.name == "memory").title == "Peak GPU memory per run"  # stacked: allocated, cache, outside torch
     assert any("saved 19% of peak GPU memory" in line for line in advice)
+
+
+def test_a_cell_the_bench_never_finished_says_so(tmp_path):
+    """A bench stopped by a time limit leaves planned cells without repeats: 'not finished', not 'failed: unknown'."""
+    import json
+
+    from shardlab.report.load import BENCH_FILE, load_bench
+    from shardlab.report.tables import _status
+
+    (tmp_path / BENCH_FILE).write_text(json.dumps({"cells": [
+        {"label": "zero3_offload-unpinned", "parts": ["pin-memory/pin-memory"], "repeats_planned": 1, "repeats": []}]}))
+    (cell,) = load_bench(tmp_path)
+    assert not cell.ok and _status(cell).startswith("FAILED (not finished): the bench stopped before this cell ended")

@@ -334,10 +334,10 @@ def test_compiled_dp_matches_eager(runs):
     assert_same_losses(run, runs.strategy("dp"), n=6)
 
 
-@pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2)])
+@pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2), ("fsdp", 2)])
 def test_compiled_loss_kernel_matches_the_models_own_loss(runs, strategy, gpus):
     """loss_kernel=compiled (the loss outside the model, torch.compile'd) changes memory and speed, not the losses;
-    zero3 on 2 ranks: the logits leave the engine's gathered-parameter forward and the loss is taken outside it."""
+    zero3 and fsdp on 2 ranks: the logits leave the engines' sharded forward and the loss is taken outside them."""
     run = runs.get(f"{strategy}-{gpus}rank-compiled-loss", train_args(strategy=strategy, gpus=gpus, steps=6, extra=["--set", "loss_kernel=compiled"]))
     run.check()
     assert run.summary["loss_kernel"] == "compiled" and runs.strategy(strategy, gpus).summary["loss_kernel"] == "hf"

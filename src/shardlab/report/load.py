@@ -216,6 +216,10 @@ def load_bench(root: Path) -> list[Cell]:
             else:
                 status = "skipped" if rec.get("status") == "skipped" else "failed"
                 cell.failures.append({**rec, "status": status, "reason": rec.get("reason") or "its summary.json is missing"})
+        missing = int(entry.get("repeats_planned", 1)) - len(entry.get("repeats", []))
+        if missing > 0 and not cell.runs and not cell.failures:  # the bench was stopped (time limit, Ctrl-C) before it
+            cell.failures.append({"status": "failed", "kind": "not finished",
+                                  "reason": "the bench stopped before this cell ended; run the same `shardlab bench` again to finish it"})
         if cell.runs:  # the resolved config the trainer wrote (batch triple filled in), as for loose run dirs
             cell.config = cell.runs[0].config
         cells.append(cell)

@@ -63,3 +63,27 @@ def test_auto_is_compiled_on_cuda_only():
     assert loss.resolve_loss_kernel("compiled", "cpu") == "compiled"
     assert loss.resolve_loss_kernel("hf", "cuda") == "hf"
     assert loss.build("auto", "cpu") is None
+
+
+def test_a_mixture_of_experts_keeps_its_router_loss():
+    """transformers adds router_aux_loss_coef x aux_loss to the loss it computes; the loss outside the model must too."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                           router_aux_loss_coef=0.5, max_position_embeddings=64)
+    model = MixtralForCausalLM(config).eval()
+    ids, labels = _batch(128)
+    want = model(input_ids=ids, labels=labels).loss
+    outputs = model(input_ids=ids)
+    assert outputs.aux_loss is not None and outputs.aux_loss.item() > 0
+    got = loss.model_loss(outputs, labels, loss.causal_lm_loss, model)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert got.item() != pytest.approx(loss.causal_lm_loss(outputs.logits, labels).item(), rel=1e-3)  # the term matters here
+    from types import SimpleNamespace
+
+    from shardlab.errors import UserError
+
+    with pytest.raises(UserError, match="no coefficient shardlab knows"):  # a model whose coefficient has another name
+        loss.model_loss(outputs, labels, loss.causal_lm_loss, SimpleNamespace(config=SimpleNamespace()))

@@ -36,6 +36,31 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+def router_aux_coef(model) -> float:
+    """The weight transformers gives a mixture-of-experts model's router load-balancing loss when it computes the
+    loss itself (Mixtral, Qwen-MoE, OLMoE, ...: `router_aux_loss_coef`; JetMoE: `aux_loss_coef`)."""
+    config = getattr(model, "config", None)
+    for owner, name in ((model, "router_aux_loss_coef"), (model, "aux_loss_coef"), (config, "router_aux_loss_coef"),
+                        (getattr(config, "text_config", None), "router_aux_loss_coef")):
+        value = getattr(owner, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    from .errors import UserError
+
+    raise UserError(f"{type(model).__name__} returns a router aux loss but no coefficient shardlab knows for it",
+                    "train it with --set loss_kernel=hf (the model's own loss)")
+
+
+def model_loss(outputs, labels: torch.Tensor, loss_fn: Callable, model) -> torch.Tensor:
+    """`loss_fn` on the logits plus what transformers adds to its own loss: a mixture-of-experts router's
+    load-balancing term (`aux_loss`, present when config.output_router_logits is on)."""
+    loss = loss_fn(outputs.logits, labels)
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is not None:
+        loss = loss + router_aux_coef(model) * aux.to(loss.device)
+    return loss
+
+
 def resolve_loss_kernel(choice: str, device_type: str) -> str:
     """'compiled' or 'hf' for the `loss_kernel` setting on this device."""
     if choice != "auto":

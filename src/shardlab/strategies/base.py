@@ -87,8 +87,8 @@ class Strategy(ABC):
                 return self.model(**batch, use_cache=False).loss
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self.autocast():
-            logits = self.model(**inputs, use_cache=False).logits
-        return self.loss_fn(logits, batch["labels"])
+            outputs = self.model(**inputs, use_cache=False)
+        return loss.model_loss(outputs, batch["labels"], self.loss_fn, self.hf_model)
 
     def accumulate(self, last_micro: bool):
         """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""

@@ -88,7 +88,9 @@ class Strategy(ABC):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self.autocast():
             outputs = self.model(**inputs, use_cache=False)
-        return loss.model_loss(outputs, batch["labels"], self.loss_fn, self.hf_model)
+        # Eval (no grad) saves nothing for backward; the eager loss spares a second compile inside the timed eval.
+        fn = self.loss_fn if torch.is_grad_enabled() else loss.causal_lm_loss
+        return loss.model_loss(outputs, batch["labels"], fn, self.hf_model)
 
     def accumulate(self, last_micro: bool):
         """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""

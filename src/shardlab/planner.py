@@ -788,6 +788,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
             "ops instead of saving them, so a compiled run usually needs less (measured on an H100, gpt2-medium dp "
             f"micro 16: {MEASURED_H100_COMPILE['measured']:.1f} GiB compiled vs {MEASURED_H100_COMPILE['eager_prediction']:.0f} "
             "GiB predicted for eager); treat the peaks as an upper bound, not a compiled prediction")
+    if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
+        plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
+                          "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
     nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None

@@ -99,9 +99,12 @@ def test_one_f_one_b_needs_less_than_gpipe_and_the_worst_gpu_is_the_peak():
     pg = plan(RunConfig(**base, strategy_options={"pp_schedule": "gpipe"}), gpu_memory_gb=80, strategies=("pipeline",)).strategies["pipeline"]
     assert p1.gpu_peak < 0.5 * pg.gpu_peak
     assert p1.gpu_peak == max(st["peak"] for st in p1.stages)
-    assert any("no autocast" in n for n in p1.notes) and any("return_outputs=True" in n for n in p1.notes)
-    # M micro-batches' logits kept on the last GPU: 4·b·s·V each
-    assert p1.stages[-1]["logits_kept"] == 8 * 4 * 4 * 1024 * 50257
+    assert any("no autocast" in n for n in p1.notes)
+    from shardlab.strategies.pipeline import step_keeps_outputs
+
+    keeps = step_keeps_outputs()  # torch 2.13: step(return_outputs=False) frees each micro-batch's logits at its backward
+    assert any("return_outputs needs torch 2.10+" in n for n in p1.notes) == keeps
+    assert p1.stages[-1]["logits_kept"] == (8 * 4 * 4 * 1024 * 50257 if keeps else 0)  # else M x 4·b·s·V kept
     assert p1.max_micro_batch > 4
 
 

@@ -16,9 +16,10 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
 * **torch.distributed.pipelining's buffers** (torch/distributed/pipelining/stage.py, PipelineStage):
   every non-first stage pre-allocates M receive buffers for its input and every non-last stage M
   receive buffers for its output gradient (each b·s·h fp32, kept for the whole run); the stage output
-  is kept in ``fwd_cache`` until its backward. The last stage keeps every micro-batch's logits in
-  ``output_chunks`` (4·b·s·V each) until the next step, because shardlab calls ``schedule.step`` with the
-  default ``return_outputs=True``, and concatenates them at the end of the step (another M·4·b·s·V).
+  is kept in ``fwd_cache`` until its backward, the last stage's logits (4·b·s·V) too. On a torch whose
+  ``schedule.step`` takes ``return_outputs`` (2.10+) shardlab passes False and that is all; on older ones
+  the last stage also keeps every micro-batch's logits in ``output_chunks`` until the next step and
+  concatenates them at the end of the step (another M·4·b·s·V).
 * **The loss** on the last stage as in planner.py: the log-softmax output (4·b·s·V) is saved per
   micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
   one layer's temporaries (planner.layer_backward_bytes) and, with checkpointing, one recomputed layer.
@@ -100,11 +101,15 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     sbh, bsv = float(s * b * h), float(b * s * vocab)
     last = n_stages - 1
 
+    from .strategies.pipeline import step_keeps_outputs
+
+    keeps = step_keeps_outputs()  # the last stage's logits kept in output_chunks until the step ends
     saved, transient, buffers = [], [], []
     for k, (lo, hi) in enumerate(bounds):
         x = (hi - lo) * act.per_layer
         x += _embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
-        x += (_final_bytes(arch, mode, device) * sbh + 4 * bsv) if k == last else r * sbh  # log-softmax out / output in fwd_cache
+        # last: log-softmax out, and (when not kept in output_chunks) the logits in fwd_cache; else: the output in fwd_cache
+        x += (_final_bytes(arch, mode, device) * sbh + (4 if keeps else 8) * bsv) if k == last else r * sbh
         saved.append(x)
         # backward: the loss' gradients at the head first, then each layer's (recomputed, with checkpointing) temporaries
         layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh
@@ -136,7 +141,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
             g = grads if grads_live else 0.0
             if a.kind == "F":
                 held += saved[a.stage]
-                retained += 4 * bsv if a.stage == last else 0.0
+                retained += 4 * bsv if (a.stage == last and keeps) else 0.0
                 in_flight += 1
                 peak_in_flight = max(peak_in_flight, in_flight)
                 moments.append((held, retained, g, 0.0, f"end of forward {a.microbatch} (stage {a.stage})"))
@@ -147,7 +152,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                 held -= saved[a.stage]
                 in_flight -= 1
                 grads_live = True
-        if last in mine:
+        if last in mine and keeps:
             moments.append((0.0, 2 * retained, grads, 0.0, f"end of step: the {M} micro-batches' logits concatenated (return_outputs)"))
         step_tmp = 4.0 * (parts["vocab_x_hidden"] if (0 in mine or last in mine) else parts["largest_block_param"])  # grad.float().pow(2), clipping norm
         if replicas > 1:
@@ -162,7 +167,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
             "peak_in_flight": peak_in_flight, "peak": static + acts + logits + g + tmp, "moment": moment,
             "activations": acts, "logits": logits, "gradients_live": g, "step_buffers": tmp,
             "receive_buffers": sum(buffers[k] for k in mine), "activations_per_microbatch": [saved[k] for k in mine],
-            "logits_kept": 4 * bsv * M if last in mine else 0.0,
+            "logits_kept": 4 * bsv * M if (last in mine and keeps) else 0.0,
         })
     worst = max(per_device, key=lambda e: e["peak"])
     n_w = worst["params"]
@@ -185,9 +190,11 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     if precision != "fp32":
         notes.append(f"--precision {precision} is not applied by the pipeline schedule (no autocast around schedule.step): "
                      "activations counted in fp32")
-    kept = per_device[last % P]["logits_kept"]
-    notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
-                 "return value (return_outputs=True), plus their concatenation at the end of the step")
+    if keeps:
+        kept = per_device[last % P]["logits_kept"]
+        notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
+                     "return value (this torch's schedules cannot decline it: return_outputs needs torch 2.10+), plus their "
+                     "concatenation at the end of the step")
     cpu_detail = {
         "model built in fp32 on the CPU by every rank (load time)": 4.0 * arch.n_params * gpus_per_node,
         "process (python, torch, CUDA libs)": float(PROCESS_RSS_BYTES * gpus_per_node),

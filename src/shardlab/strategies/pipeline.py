@@ -211,6 +211,20 @@ class StageTimer:
 # ---- the strategy --------------------------------------------------------------------------------------
 
 
+def step_keeps_outputs() -> bool:
+    """Whether `schedule.step` keeps every micro-batch's last-stage output (the logits) until the step ends.
+
+    It does by default, to return them merged; torch versions whose schedules take `return_outputs`
+    (pytorch/pytorch#159251) let the caller decline, and then each micro-batch's logits are freed at its
+    backward. shardlab declines where it can (nothing reads the merged logits in training).
+    """
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    return not all("return_outputs" in inspect.signature(c.step).parameters for c in (PipelineScheduleSingle, PipelineScheduleMulti))
+
+
 class PipelineStrategy(TorchOptimizerStrategy):
     name = "pipeline"
     supports_compile = False
@@ -319,9 +333,9 @@ class PipelineStrategy(TorchOptimizerStrategy):
         inputs = torch.cat([b["input_ids"] for b, _ in micro])
         labels = torch.cat([b["labels"] for b, _ in micro])
         losses: list[torch.Tensor] = []
-        kwargs = {}
+        kwargs = {} if step_keeps_outputs() else {"return_outputs": False}
         if self.is_last:
-            kwargs = {"target": labels, "losses": losses}
+            kwargs.update(target=labels, losses=losses)
         self.timer.active = True
         metrics.sync(self.env.device)
         t0 = time.perf_counter()

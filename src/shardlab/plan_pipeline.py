@@ -17,7 +17,7 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   every non-first stage pre-allocates M receive buffers for its input and every non-last stage M
   receive buffers for its output gradient (each b·s·h fp32, kept for the whole run); the stage output
   is kept in ``fwd_cache`` until its backward, the last stage's logits (4·b·s·V) too. On a torch whose
-  ``schedule.step`` takes ``return_outputs`` (2.10+) shardlab passes False and that is all; on older ones
+  ``schedule.step`` takes ``return_outputs`` (checked at run time; 2.13's does) shardlab passes False and that is all; on older ones
   the last stage also keeps every micro-batch's logits in ``output_chunks`` until the next step and
   concatenates them at the end of the step (another M·4·b·s·V).
 * **The loss** on the last stage as in planner.py: the log-softmax output (4·b·s·V) is saved per
@@ -193,7 +193,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     if keeps:
         kept = per_device[last % P]["logits_kept"]
         notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
-                     "return value (this torch's schedules cannot decline it: return_outputs needs torch 2.10+), plus their "
+                     "return value (this torch's schedule.step has no return_outputs to decline it), plus their "
                      "concatenation at the end of the step")
     cpu_detail = {
         "model built in fp32 on the CPU by every rank (load time)": 4.0 * arch.n_params * gpus_per_node,

@@ -572,21 +572,19 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
             if device == "cpu":
                 gather = min(gather, n)
+            label = "ZeRO-3 gathered params (largest layer + prefetch bucket)"
             if d > 1 or strategy in ("zero3_offload", "infinity"):
-                # Gathered copies are allocations of their own here (one GPU without parameter offload showed no such
-                # extra: its cells are within -6.2%..+3.6% with the allowance above). DeepSpeed keeps a gathered parameter whose next use lies within stage3_max_reuse_distance
-                # parameters of the module trace (partitioned_param_coordinator.__params_to_release); after forward the
-                # next uses are backward's, so up to that many parameters stay gathered at the start of backward.
-                # Measured: gpt2-large zero3_offload -16.4% and zero3 on 2/4 GPUs -6.6%/-7.5% with the largest-layer
-                # allowance alone, -1.0% and -0.7%/-0.6% with this (benchmarks/results/2026-11-21-h100-session3/).
+                # Gathered copies are allocations of their own here (one GPU without parameter offload showed no
+                # such extra: its cells are within -6.2%..+3.6% with the allowance above). DeepSpeed keeps a gathered
+                # parameter whose next use lies within stage3_max_reuse_distance parameters of the module trace
+                # (partitioned_param_coordinator.__params_to_release); after forward the next uses are backward's,
+                # so up to that many parameters stay gathered at the start of backward. Measured: gpt2-large
+                # zero3_offload -16.4% and zero3 on 2/4 GPUs -6.6%/-7.5% with the largest-layer allowance alone,
+                # -1.0% and -0.7%/-0.6% with this (benchmarks/results/2026-11-21-h100-session3/).
                 kept = min(n, opts.stage3_max_reuse_distance + opts.stage3_prefetch_bucket_size)
                 if kept > gather:
-                    gather = kept
-                    temp["ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"] = float(lo * gather)
-                else:
-                    temp["ZeRO-3 gathered params (largest layer + prefetch bucket)"] = float(lo * gather)
-            else:
-                temp["ZeRO-3 gathered params (largest layer + prefetch bucket)"] = float(lo * gather)
+                    gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
+            temp[label] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
     grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
     if stage == 3 and strategy == "zero3":

@@ -405,7 +405,13 @@ def test_slurm_job_survives_signal_and_requeue(slurm, root, ref):
 
     reach(3)
     slurm.run("scancel", "--signal=USR1", job)  # what `--signal=USR1@N` sends before the time limit
-    reach(last_step(out) + 2)
+    # The ranks see the stop flag at a step's loss all-reduce, so the first run may finish a step or two more:
+    # wait for the requeue itself, then for the requeued run to train past the checkpoint.
+    deadline = time.time() + TIMEOUT
+    while slurm.restarts(job) < 1:  # (the state passes through requeue transitions meanwhile)
+        assert time.time() < deadline, f"job {job} not requeued after SIGUSR1: {slurm.state(job)}"
+        time.sleep(0.2)
+    reach(last_step(out) + 1)
     assert slurm.restarts(job) == 1
     slurm.run("scontrol", "requeue", job)  # SIGTERM, then requeued by SLURM itself
     assert slurm.wait_state(job, ENDED, TIMEOUT) == "COMPLETED"

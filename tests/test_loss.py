@@ -18,9 +18,9 @@ def _batch(vocab: int, pad_tail: int = 0):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (3, 32), generator=g)
     labels = ids.clone()
-    labels[0, :7] = loss.IGNORE_INDEX  # a QA prompt: loss on the answer only
+    labels[0, :7] = loss.IGNORE  # a QA prompt: loss on the answer only
     if pad_tail:
-        labels[1, -pad_tail:] = loss.IGNORE_INDEX  # padding
+        labels[1, -pad_tail:] = loss.IGNORE  # padding
     return ids, labels
 
 
@@ -44,7 +44,7 @@ def test_compiled_bf16_logits_match_the_fp32_upcast_path():
     g = torch.Generator().manual_seed(2)
     logits = (3 * torch.randn(2, 48, 500, generator=g)).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, 500, (2, 48), generator=g)
-    labels[1, :10] = loss.IGNORE_INDEX
+    labels[1, :10] = loss.IGNORE
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     want = ForCausalLMLoss(logits, labels, vocab_size=500)

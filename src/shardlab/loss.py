@@ -27,13 +27,13 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-IGNORE_INDEX = -100  # transformers' ignore index: padding and (QA answer-only) prompt positions
+from .data.blocks import IGNORE  # transformers' ignore index: padding and (QA answer-only) prompt positions
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' ForCausalLMLoss (num_items_in_batch=None): mean token cross-entropy, fp32."""
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts t+1
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # token t predicts t+1
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE)
 
 
 def router_aux_coef(model) -> float:

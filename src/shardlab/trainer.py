@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from . import checkpoint, faults, guards, metrics, mfu, reshard
 from .config import RunConfig, dump_config
+from .data.blocks import IGNORE
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
@@ -165,8 +166,8 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
     for batch in loader:
         batch = _to_device(_without_trivial_mask(batch)[0], env.device)
         loss = strategy.forward(batch)
-        # HF averages over predicted positions: labels != -100 after the shift by one.
-        n_tok = (batch["labels"][:, 1:] != -100).sum()
+        # HF averages over predicted positions: labels != IGNORE after the shift by one.
+        n_tok = (batch["labels"][:, 1:] != IGNORE).sum()
         totals += torch.stack([loss.double() * n_tok, n_tok.double(), torch.tensor(len(batch["input_ids"]), device=env.device, dtype=torch.float64)])
     if env.is_distributed:
         dist.all_reduce(totals)

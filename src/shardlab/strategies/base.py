@@ -81,13 +81,12 @@ class Strategy(ABC):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.model is not None
-        if self.loss_fn is None:
-            with self.autocast():
-                # No KV cache in training: it only costs memory and time here.
-                return self.model(**batch, use_cache=False).loss
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        # With a loss_fn the model gets no labels: it returns logits and computes no loss of its own.
+        inputs = batch if self.loss_fn is None else {k: v for k, v in batch.items() if k != "labels"}
         with self.autocast():
-            outputs = self.model(**inputs, use_cache=False)
+            outputs = self.model(**inputs, use_cache=False)  # no KV cache in training: it only costs memory and time
+        if self.loss_fn is None:
+            return outputs.loss
         # Eval (no grad) saves nothing for backward; the eager loss spares a second compile inside the timed eval.
         fn = self.loss_fn if torch.is_grad_enabled() else loss.causal_lm_loss
         return loss.model_loss(outputs, batch["labels"], fn, self.hf_model)

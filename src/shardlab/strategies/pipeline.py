@@ -15,6 +15,7 @@ a tied weight would be (the same thing Megatron-LM does for its embedding group)
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -211,6 +212,7 @@ class StageTimer:
 # ---- the strategy --------------------------------------------------------------------------------------
 
 
+@functools.cache  # asked on every training step; the answer is torch's, fixed for the process
 def step_keeps_outputs() -> bool:
     """Whether `schedule.step` keeps every micro-batch's last-stage output (the logits) until the step ends.
 

@@ -129,8 +129,9 @@ def test_slurm_cli_prints_the_command_and_submit_needs_sbatch(tmp_path, capsys, 
 # ---- elastic resume rules, checkpoint discovery ---------------------------------------------------------------------
 
 
-def layout(strategy: str, world: int, glob: int = 8) -> dict:
-    return {"strategy": strategy, "world_size": world, "dp_size": world, "micro_batch": 1, "grad_accum": glob // world, "global_batch": glob, "pp_stages": None}
+def layout(strategy: str, world: int, glob: int = 8, weight_decay: float = 0.0) -> dict:
+    return {"strategy": strategy, "world_size": world, "dp_size": world, "micro_batch": 1, "grad_accum": glob // world, "global_batch": glob,
+            "pp_stages": None, "weight_decay": weight_decay}  # fmt: skip
 
 
 @pytest.mark.parametrize("src,dst,ok", [
@@ -155,6 +156,18 @@ def test_elastic_resume_needs_the_same_global_batch():
 
     with pytest.raises(UserError, match="global batch 8, this run uses 16"):
         check_pair(layout("dp", 2, 8), layout("dp", 2, 16))
+
+
+def test_resume_keeps_the_weight_decay():
+    from shardlab.reshard import check_pair
+
+    check_pair(layout("zero2", 2, weight_decay=0.1), layout("fsdp", 1, weight_decay=0.1))
+    with pytest.raises(UserError, match="weight decay 0.1, this run uses 0.0"):
+        check_pair(layout("zero2", 2, weight_decay=0.1), layout("zero2", 2))
+    older = {k: v for k, v in layout("dp", 2).items() if k != "weight_decay"}  # before decay 0 became one group
+    with pytest.raises(UserError, match="older shardlab, whose optimizer state has two parameter groups"):
+        check_pair(older, layout("dp", 2))
+    check_pair(older, layout("dp", 2, weight_decay=0.1))  # two groups then and now
 
 
 def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path):

@@ -412,6 +412,20 @@ def test_param_groups_decay_matrices_only():
     assert opt.defaults["lr"] == 1e-4 and opt.defaults["betas"] == (0.9, 0.95) and not opt.defaults.get("fused")
 
 
+def test_param_groups_without_weight_decay_are_one_group():
+    """Decay 0 makes the split moot: one group, so fused AdamW runs once per step, as a bare loop's does."""
+    from shardlab.models import build_model
+
+    model = build_model(RunConfig(model="tiny-gpt2"))
+    model.transformer.wpe.requires_grad_(False)
+    (group,) = param_groups(model, 0.0)
+    assert group["weight_decay"] == 0.0
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters() if p.requires_grad]
+    ids = {id(p) for p in group["params"]}
+    assert id(model.transformer.wpe.weight) not in ids and id(model.transformer.ln_f.bias) in ids
+    assert len(adamw(model, RunConfig(weight_decay=0.0), "cpu").param_groups) == 1
+
+
 def test_param_groups_without_vectors_and_frozen_params():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2))
     model[1].requires_grad_(False)

@@ -266,6 +266,22 @@ def test_resume_continues_like_an_uninterrupted_run(runs, strategy, gpus):
         assert r["loss"] == pytest.approx(want, rel=1e-4), f"{strategy} step {r['step']}: {r['loss']} vs uninterrupted {want}"
 
 
+def test_resume_with_another_weight_decay_is_refused(runs, train_cli, tmp_path):
+    """The optimizer state holds the weight decay it was written with (a new value would be ignored),
+    and decay 0 is one parameter group, not two: the launcher refuses before any worker starts."""
+    import shutil
+
+    first, _ = resume_runs(runs, "dp", 1)
+    out = tmp_path / "copy"
+    shutil.copytree(first.out, out)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    run = train_cli(train_args(steps=14, extra=["--resume", "auto", "--weight-decay", "0.1"]), out)
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "written with weight decay 0.0, this run uses 0.1" in lines[0] and "--weight-decay 0.0" in lines[0], run.stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
 # ---- data formats: QA with answer-only loss, curriculum ------------------------------------------------------
 
 

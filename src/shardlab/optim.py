@@ -55,11 +55,18 @@ NO_DECAY_HINTS = ("bias", "norm", "ln_", "ln_f")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: biases, norms (and other 1-D tensors) are not decayed, as in GPT-2/nanoGPT."""
+    """Decay matrices only: biases, norms (and other 1-D tensors) are not decayed, as in GPT-2/nanoGPT.
+
+    Without weight decay the split changes nothing, so every parameter goes into one group: fused
+    AdamW (and DeepSpeed's flat buffers) then run once per step instead of once per group, as in a
+    bare `AdamW(model.parameters())` loop. The group count is part of a checkpoint's layout
+    (reshard.layout), so a resume cannot switch between the two silently.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if weight_decay == 0:
+        return [{"params": trainable, "weight_decay": 0.0}]
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
+    for p in trainable:
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:

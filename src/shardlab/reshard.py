@@ -46,15 +46,29 @@ SUPPORTED = (
 def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_batch: int) -> dict[str, Any]:
     """How a run is laid out; stored in every checkpoint's trainer_state.json."""
     return {"strategy": cfg.strategy, "world_size": world_size, "dp_size": dp_size, "micro_batch": micro,
-            "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages}  # fmt: skip
+            "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages,
+            "weight_decay": cfg.weight_decay}  # fmt: skip
 
 
 def check_batch(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """What a resume must keep: the global batch (the data position) and the weight decay."""
     if saved["global_batch"] != now["global_batch"]:
         raise UserError(
             f"the checkpoint was written with global batch {saved['global_batch']}, this run uses {now['global_batch']}: "
             "the data position (steps x global batch) would not match",
             f"resume with --global-batch {saved['global_batch']} (any micro batch / accumulation / GPU count that gives it)",
+        )
+    # The optimizer state carries its groups' weight decay (a changed value would be ignored), and
+    # decay 0 means one group instead of two (optim.param_groups).
+    if "weight_decay" not in saved and now.get("weight_decay") == 0:  # written before decay 0 became one group
+        raise UserError(
+            "the checkpoint was written by an older shardlab, whose optimizer state has two parameter groups even without weight decay",
+            "resume it with the shardlab version that wrote it, or export the model (`shardlab export`) and fine-tune from it",
+        )
+    if "weight_decay" in saved and saved["weight_decay"] != now.get("weight_decay"):
+        raise UserError(
+            f"the checkpoint was written with weight decay {saved['weight_decay']}, this run uses {now['weight_decay']}",
+            f"resume with --weight-decay {saved['weight_decay']}, or export the model (`shardlab export`) and fine-tune from it",
         )
 
 

@@ -235,20 +235,30 @@ def test_dead_or_hung_rank_stops_the_other_node(root):
 
 @pytest.fixture(scope="module")
 def single_runs(root) -> dict[str, Run]:
-    """Four small runs at once: the NaN guard both ways (SHARDLAB_FAULTS: the LM head returns NaN in step 3),
-    and the pipeline and zero0 runs whose checkpoints the export tests read."""
+    """Five small runs at once: the NaN guard both ways (SHARDLAB_FAULTS: the LM head returns NaN in step 3),
+    the pipeline and zero0 runs whose checkpoints the export tests read, and one run aborted by SIGABRT."""
     runs = {
         "nan-stop": Run([*BASE, "--strategy", "zero2", "--max-steps", "6", "--save-every", "2", "--no-export"], root / "nan-stop",
                         env={"SHARDLAB_FAULTS": "nan_loss@3"}),
         "nan-skip": Run([*BASE, "--max-steps", "12", "--nan-policy", "skip", "--no-export"], root / "nan-skip", env={"SHARDLAB_FAULTS": "nan_loss@3"}),
         "pipeline": Run([*BASE, "--strategy", "pipeline", "--gpus", "2", "--max-steps", "2", "--save-every", "2", "--export"], root / "export-pipeline"),
         "zero0": Run([*BASE, "--strategy", "zero0", "--max-steps", "2", "--save-every", "2", "--export"], root / "export-zero0"),
+        "abort": Run([*BASE, "--max-steps", "500", "--no-export"], root / "abort"),
     }  # fmt: skip
+    runs["abort"].wait_for_step(2)
+    runs["abort"].proc.send_signal(signal.SIGABRT)  # what a C++ std::terminate does to a process
     runs["nan-skip"].wait_for_step(4)
     runs["nan-skip"].proc.send_signal(signal.SIGUSR2)  # checkpoint after the current step, and go on
     for run in runs.values():
         run.wait()
     return runs
+
+
+def test_a_native_abort_prints_where_python_was(single_runs):
+    """faulthandler: a rank killed by SIGABRT/SIGSEGV leaves its Python stack, not just an exit code."""
+    run = single_runs["abort"]
+    assert run.rc == -signal.SIGABRT, run.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in run.stderr and "in run_worker" in run.stderr, run.stderr[-3000:]
 
 
 def test_nan_stop_names_the_step(single_runs):

@@ -11,6 +11,7 @@ Strategy verbs (strategies/base.py).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import platform
@@ -535,6 +536,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     """Entry point of one worker process (also the whole run when there is one process)."""
+    # A rank killed by a native fault (SIGSEGV, SIGABRT from a C++ terminate) prints its Python stacks
+    # first, so "rank 1 was killed by SIGABRT" comes with where it was.
+    faulthandler.enable(all_threads=True)
     try:
         trainer = Trainer(cfg, plan)
         try:

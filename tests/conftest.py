@@ -54,7 +54,7 @@ class TrainRun:
     stderr: str
 
     def check(self) -> "TrainRun":
-        assert self.returncode == 0, f"shardlab train {' '.join(self.args)} exited {self.returncode}:\n{self.stderr[-4000:]}"
+        assert self.returncode == 0, f"shardlab train {' '.join(self.args)} exited {self.returncode}:\n{self.stderr[-8000:]}"
         return self
 
     @property

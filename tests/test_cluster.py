@@ -61,7 +61,7 @@ class Run:
 
     def ok(self) -> "Run":
         self.wait()
-        assert self.rc == 0, f"shardlab {' '.join(self.args)} exited {self.rc}:\n{self.stderr[-3000:]}"
+        assert self.rc == 0, f"shardlab {' '.join(self.args)} exited {self.rc} after logging step {last_step(self.out)}:\n{self.stderr[-8000:]}"
         return self
 
     def wait_for_step(self, step: int, timeout: float = TIMEOUT) -> None:

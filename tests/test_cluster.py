@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from slurm_cluster import LocalSlurm, missing_reason
 
 BASE = ["--model", "tiny-gpt2", "--dataset", "offline", "--device", "cpu", "--seq-len", "64", "--precision", "fp32",

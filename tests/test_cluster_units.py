@@ -16,7 +16,6 @@ import torch
 from shardlab.config import load_config
 from shardlab.errors import UserError
 
-
 # ---- hostfile and SLURM topology ----------------------------------------------------------------------------------
 
 

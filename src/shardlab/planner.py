@@ -52,8 +52,8 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from .config import STRATEGIES, RunConfig
-from .loss import resolve_loss_kernel
 from .errors import UserError
+from .loss import resolve_loss_kernel
 
 # Every strategy; `pipeline` is modelled per stage in plan_pipeline.py.
 PLANNED_STRATEGIES = STRATEGIES

@@ -11,9 +11,8 @@ from .config import load_config
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with report_errors() as status:
-        from .trainer import run_worker
-
         from .run_plan import read_record
+        from .trainer import run_worker
 
         run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
     return status.code

@@ -8,11 +8,13 @@ master weights (plus a GradScaler for fp16), the standard PyTorch recipe.
 from __future__ import annotations
 
 import contextlib
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .torch_optim import TorchOptimizerStrategy
+
 
 class DDPStrategy(TorchOptimizerStrategy):
     name = "dp"

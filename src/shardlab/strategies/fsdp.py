@@ -13,6 +13,7 @@ from torch import nn
 
 from .torch_optim import TorchOptimizerStrategy
 
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`)."""
     best: nn.ModuleList | None = None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the offline wheelhouse (.whl/, built on a machine with the registry, see
-# benchmarks/README.md) into /tmp/site on the GPU machine, which has no network.
+# benchmarks/README_bare_reference.md) into /tmp/site on the GPU machine, which has no network.
 #
 #   bash benchmarks/install_gpu_deps.sh            # from the repository root
 #   eval "$(bash benchmarks/install_gpu_deps.sh --print-env)"   # install + export in this shell

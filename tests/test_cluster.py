@@ -151,6 +151,7 @@ def test_kill9_mid_epoch_names_the_rank(crash_chain):
     a = crash_chain["a"]
     assert a.rc not in (0, None)
     assert f"rank 1 (pid {crash_chain['victim_pid']}) was killed by SIGKILL" in a.stderr
+    assert "the host's out-of-memory killer" in a.stderr and "--micro-batch" in a.stderr  # the likely cause, and the fix
 
 
 def test_kill9_during_save_leaves_the_last_checkpoint_intact(crash_chain):

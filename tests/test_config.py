@@ -152,7 +152,7 @@ def test_set_null_clears_a_key():
     [
         (["--set", "nokey"], ("not KEY=VALUE",)),
         (["--set", "lr=[1"], ("not a valid YAML value",)),
-        (["--set", "strategy_options.pin_mem=false"], ("unknown config key", "strategy_options.pin_mem")),
+        (["--set", "strategy_options.pin_mem=false"], ("unknown config key", "strategy_options.pin_mem", "did you mean 'strategy_options.pin_memory'?")),
         (["--set", "lr=fast"], ("lr", "fast")),
         (["--micro-batch", "x"], ("--micro-batch", "positive integer or 'auto'", "'x'")),
         (["--precision", "fp8"], ("precision", "fp8")),
@@ -173,8 +173,10 @@ def test_yaml_errors(tmp_path):
         load_config(write(tmp_path, "bad.yaml", "lr: 1\nmodel: [x\n"))
     with pytest.raises(UserError, match="must hold a mapping"):
         load_config(write(tmp_path, "list.yaml", "- 1\n- 2\n"))
-    with pytest.raises(UserError, match="unknown config key 'curriculum.0.datset'"):
+    with pytest.raises(UserError, match="unknown config key 'curriculum.0.datset' .*did you mean 'curriculum.0.dataset'"):
         load_config(write(tmp_path, "cur.yaml", "curriculum:\n  - datset: {source: offline}\n"))
+    with pytest.raises(UserError, match="unknown config key 'dataset.qqq' .*the keys of 'dataset' are: answer_only_loss, eval_samples"):
+        load_config(write(tmp_path, "far.yaml", "dataset: {qqq: 1}\n"))
     with pytest.raises(UserError, match="'micro_batch'.*'two'"):
         load_config(write(tmp_path, "type.yaml", "micro_batch: two\n"))
 

@@ -57,6 +57,7 @@ def _cases(f: dict[str, Path]) -> dict[str, Case]:
         "unknown_yaml_key": Case(["--config", str(f["unknown_key.yaml"])], ("unknown config key", "micro_batchsize")),
         "unknown_nested_key": Case(["--config", str(f["nested_key.yaml"])], ("unknown config key", "dataset.sorce")),
         "unknown_set_key": Case(["--set", "strategy_options.pin_mem=false"], ("unknown config key", "strategy_options.pin_mem")),
+        "unknown_flag": Case(["--micro-batchsize", "2"], ("unrecognized arguments: --micro-batchsize 2", "shardlab train --help")),
         "bad_yaml_syntax": Case(["--config", str(f["bad_syntax.yaml"])], ("not valid yaml", "line")),
         "wrong_type_flag": Case(["--micro-batch", "x"], ("--micro-batch", "positive integer or 'auto'", "'x'")),
         "wrong_type_yaml": Case(["--config", str(f["wrong_type.yaml"])], ("micro_batch", "integer", "'two'")),

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from .config import STRATEGIES
 from .errors import UserError
 
 # (flag, config key, type, help). type "bool" gives --flag / --no-flag.
@@ -40,7 +41,7 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
     ("--max-grad-norm", "max_grad_norm", float, "gradient clipping norm"),
     ("--precision", "precision", str, "auto, bf16, fp16 or fp32"),
-    ("--strategy", "strategy", str, "dp, zero0-3, zero1/2/3_offload, infinity, fsdp, fsdp_offload"),
+    ("--strategy", "strategy", str, ", ".join(STRATEGIES)),
     ("--deepspeed-config", "deepspeed_config", str, "your own DeepSpeed JSON ('auto' values are filled in)"),
     ("--pin-memory", "strategy_options.pin_memory", "bool", "page-locked CPU buffers for offload"),
     ("--nvme-path", "strategy_options.nvme_path", str, "infinity: swap directory on local NVMe"),
@@ -242,7 +243,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
+            raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
         from .bench.cli import cmd_bench, cmd_report
         from .cluster_cli import cmd_export, cmd_slurm
 

@@ -237,6 +237,31 @@ class RunConfig(_Strict):
 # Loading: YAML file + overrides -> RunConfig, with one-line errors
 
 
+def _key_fix(loc: tuple) -> str:
+    """The fix for an unknown key: the closest valid key at its level, or the valid keys there."""
+    import difflib
+    import typing
+
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list item (curriculum stages)
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return "remove it or check its spelling"
+        inner = [field.annotation, *typing.get_args(field.annotation)]
+        inner += [a for t in inner for a in typing.get_args(t)]  # list[Stage] | None
+        model = next((t for t in inner if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    if model is None:
+        return "remove it or check its spelling"
+    keys = sorted(model.model_fields)
+    prefix = ".".join(str(x) for x in loc[:-1])
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if near:
+        return f"did you mean {'.'.join(filter(None, [prefix, near[0]]))!r}?"
+    return f"remove it; the keys{' of ' + repr(prefix) if prefix else ''} are: {', '.join(keys)}"
+
+
 def _format_validation_error(err: ValidationError) -> UserError:
     errors = err.errors()
     # a misspelt key is also a missing one: name the misspelling, the root cause
@@ -244,7 +269,7 @@ def _format_validation_error(err: ValidationError) -> UserError:
     where = ".".join(str(p) for p in first["loc"]) or "config"
     kind = first["type"]
     if kind == "extra_forbidden":
-        return UserError(f"unknown config key {where!r}", "remove it or check its spelling (`shardlab train --help` lists the keys)")
+        return UserError(f"unknown config key {where!r}", _key_fix(first["loc"]))
     if kind == "missing":
         return UserError(f"missing config key {where!r}", "add it to your YAML")
     if kind == "value_error":

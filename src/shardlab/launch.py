@@ -215,5 +215,9 @@ class WorkerFailed(Exception):
             return cls(REQUEUE_EXIT, "the workers checkpointed and stopped on a signal (exit 75: requeue and resume with --resume auto)")
         if first.exitcode < 0:  # killed by a signal: it could not say so itself
             name = first.signal_name()
-            return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped")
+            why = ""
+            if name == "SIGKILL":  # nobody on a cluster sends it by hand: usually the kernel's OOM killer or a job limit
+                why = (" (if nobody killed it: the host's out-of-memory killer or the job's memory limit; check `dmesg` or "
+                       "`sacct`, and lower --micro-batch, or use --no-pin-memory / a strategy that offloads less)")
+            return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped{why}")
         return cls(first.exitcode, f"a worker process failed with exit code {first.exitcode} (rank {rank}; its error is printed above)")

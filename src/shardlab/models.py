@@ -577,7 +577,7 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
         if fallback is None:
             raise UserError(
                 f"tokenizer {name!r} has no pad, eos or unk token to pad with",
-                "use a tokenizer that defines an eos token, or --dataset.packing pack",
+                "use a tokenizer that defines an eos token, or --packing pack",
             )
         tok.pad_token = fallback
     return tok

@@ -7,8 +7,11 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   The first stage holds the embedding, the last the final norm and LM head; a tied embedding is a
   second copy on the last GPU. The pipeline uses torch's AdamW over fp32 weights:
   4 (weights) + 4 (gradients) + 8 (m, v) bytes per parameter.
-* **No autocast.** ``PipelineStrategy.train_step`` runs ``schedule.step`` outside any autocast context,
-  so the stages compute in fp32 whatever ``--precision`` says; activations are counted in fp32.
+* **Autocast inside each stage** (``_Stage.forward``) under bf16, over fp32 weights: the layers save what
+  they save under dp's autocast (planner's 'autocast' mode), the residual stream between stages stays fp32,
+  and the last stage's logits are bf16 (2·b·s·V) until the loss upcasts them. Each forward also leaves
+  a 16-bit copy of the stage's matmul weights for its backward: one per micro-batch in flight, where dp
+  holds one. fp32 runs are all fp32.
 * **Activations of the micro-batches in flight.** The schedule's per-GPU action order (the one
   ``shardlab pipeline simulate`` checks against torch: pipesim.device_orders) is walked: a forward adds
   that stage's saved tensors for one micro-batch, a backward releases them. GPipe holds all M on every
@@ -16,12 +19,12 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
 * **torch.distributed.pipelining's buffers** (torch/distributed/pipelining/stage.py, PipelineStage):
   every non-first stage pre-allocates M receive buffers for its input and every non-last stage M
   receive buffers for its output gradient (each b·s·h fp32, kept for the whole run); the stage output
-  is kept in ``fwd_cache`` until its backward, the last stage's logits (4·b·s·V) too. On a torch whose
+  is kept in ``fwd_cache`` until its backward, the last stage's logits (p·b·s·V) too. On a torch whose
   ``schedule.step`` takes ``return_outputs`` (checked at run time; 2.13's does) shardlab passes False and that is all; on older ones
   the last stage also keeps every micro-batch's logits in ``output_chunks`` until the next step and
-  concatenates them at the end of the step (another M·4·b·s·V).
-* **The loss** on the last stage as in planner.py: the log-softmax output (4·b·s·V) is saved per
-  micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
+  concatenates them at the end of the step (another M·p·b·s·V, p the logits' bytes).
+* **The loss** (transformers' ForCausalLMLoss) on the last stage: the fp32 log-softmax output (4·b·s·V) is
+  saved per micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
   one layer's temporaries (planner.layer_backward_bytes) and, with checkpointing, one recomputed layer.
 * The peak of a GPU is the largest of: every forward's end, every backward's start (grads live after
   the first backward of the step), the merge of the logits at the end of the step, and the optimizer
@@ -95,9 +98,10 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     schedule = cfg.strategy_options.pp_schedule
     bounds = pipeline_split(arch, cfg.seq_len, n_stages)
     b, s, h, vocab = micro, cfg.seq_len, arch.hidden, arch.vocab
-    mode = "fp32"  # no autocast around schedule.step (module docstring)
+    mode = "fp32" if precision == "fp32" else "autocast"  # _Stage.forward's autocast (fp16 is refused by the strategy)
     act = activation_bytes(arch, micro, s, mode, device, checkpointing)
-    r = 4  # fp32 residual stream: stage inputs, outputs and their gradients
+    r = 4  # fp32 residual stream: stage inputs, outputs and their gradients (fp32 under autocast too)
+    pl = 4 if mode == "fp32" else 2  # the last stage's output: the logits, in the compute dtype
     sbh, bsv = float(s * b * h), float(b * s * vocab)
     last = n_stages - 1
 
@@ -109,7 +113,10 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         x = (hi - lo) * act.per_layer
         x += _embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
         # last: log-softmax out, and (when not kept in output_chunks) the logits in fwd_cache; else: the output in fwd_cache
-        x += (_final_bytes(arch, mode, device) * sbh + (4 if keeps else 8) * bsv) if k == last else r * sbh
+        x += (_final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else r * sbh
+        if mode == "autocast":  # each forward casts the stage's matmul weights anew (the cache ends with the autocast
+            # region) and autograd keeps those 16-bit copies until that micro-batch's backward; embeddings are not cast
+            x += 2.0 * (sum(parts["blocks"][lo:hi]) + (parts["head"] if k == last else 0))
         saved.append(x)
         # backward: the loss' gradients at the head first, then each layer's (recomputed, with checkpointing) temporaries
         layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh
@@ -141,7 +148,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
             g = grads if grads_live else 0.0
             if a.kind == "F":
                 held += saved[a.stage]
-                retained += 4 * bsv if (a.stage == last and keeps) else 0.0
+                retained += pl * bsv if (a.stage == last and keeps) else 0.0
                 in_flight += 1
                 peak_in_flight = max(peak_in_flight, in_flight)
                 moments.append((held, retained, g, 0.0, f"end of forward {a.microbatch} (stage {a.stage})"))
@@ -167,7 +174,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
             "peak_in_flight": peak_in_flight, "peak": static + acts + logits + g + tmp, "moment": moment,
             "activations": acts, "logits": logits, "gradients_live": g, "step_buffers": tmp,
             "receive_buffers": sum(buffers[k] for k in mine), "activations_per_microbatch": [saved[k] for k in mine],
-            "logits_kept": 4 * bsv * M if (last in mine and keeps) else 0.0,
+            "logits_kept": pl * bsv * M if (last in mine and keeps) else 0.0,
         })
     worst = max(per_device, key=lambda e: e["peak"])
     n_w = worst["params"]
@@ -188,11 +195,11 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         f"worst GPU {worst['gpu']} (stages {worst['stages']}): peak at {worst['moment']}",
     ]
     if precision != "fp32":
-        notes.append(f"--precision {precision} is not applied by the pipeline schedule (no autocast around schedule.step): "
-                     "activations counted in fp32")
+        notes.append(f"--precision {precision}: each stage computes under autocast over fp32 weights; the activations "
+                     "passed between stages stay fp32")
     if keeps:
         kept = per_device[last % P]["logits_kept"]
-        notes.append(f"the last stage (GPU {last % P}) keeps {M} x 4·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
+        notes.append(f"the last stage (GPU {last % P}) keeps {M} x {pl}·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
                      "return value (this torch's schedule.step has no return_outputs to decline it), plus their "
                      "concatenation at the end of the step")
     cpu_detail = {

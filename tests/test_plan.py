@@ -314,3 +314,36 @@ def test_zero3_keeps_gathered_params_for_reuse_in_backward(fields, strategy, mea
     short = plan(cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"stage3_max_reuse_distance": 0})}),
                  gpu_memory_gb=139, strategies=(strategy,)).strategies[strategy]
     assert short.gpu["temporary"] < n and short.gpu_peak / GiB < measured * 0.96  # the reuse distance is what closes the gap
+
+
+def test_cpu_adamw_step_temporaries_are_per_tensor():
+    """On the CPU torch's AdamW takes the single-tensor path: its step holds two temporaries of the tensor it is
+    updating, so the plan counts twice the largest tensor (not a model-sized foreach buffer). Checked against the
+    allocations torch.profiler records during a real step of tiny-gpt2 (its largest tensor, the tied embedding,
+    is 95% of the model, so the old 4 bytes x all parameters was half the truth)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardlab.models import build_model
+    from shardlab.optim import adamw
+    from shardlab.planner import predict_cpu_run
+
+    cfg = RunConfig(model="tiny-gpt2", device="cpu", seq_len=64, micro_batch=2, weight_decay=0.1)
+    sp, _ = predict_cpu_run(cfg, 1)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = adamw(model, cfg, "cpu")
+    ids = torch.randint(0, 1000, (2, 64))
+    for _ in range(2):  # the first step allocates the moments
+        model(input_ids=ids, labels=ids).loss.backward()
+        if opt.state:
+            break
+        opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    running = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    largest = max(p.numel() for p in model.parameters()) * 4
+    assert peak == pytest.approx(2 * largest, rel=0.02)
+    assert sp.gpu["step buffers"] == pytest.approx(peak, rel=0.02)

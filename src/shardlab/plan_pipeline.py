@@ -78,6 +78,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
     from .pipesim.schedules import device_orders
     from .planner import (
+        CPU_ADAMW_TEMP_TENSORS,
         CUDA_CONTEXT_BYTES,
         PROCESS_RSS_BYTES,
         GiB,
@@ -161,11 +162,12 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                 grads_live = True
         if last in mine and keeps:
             moments.append((0.0, 2 * retained, grads, 0.0, f"end of step: the {M} micro-batches' logits concatenated (return_outputs)"))
-        step_tmp = 4.0 * (parts["vocab_x_hidden"] if (0 in mine or last in mine) else parts["largest_block_param"])  # grad.float().pow(2), clipping norm
+        largest = parts["vocab_x_hidden"] if (0 in mine or last in mine) else parts["largest_block_param"]
+        step_tmp = 4.0 * largest  # grad.float().pow(2), clipping norm
         if replicas > 1:
             step_tmp += 4.0 * n_d  # _average_over_replicas flattens all gradients into one buffer
         if device == "cpu":
-            step_tmp += 4.0 * n_d  # foreach AdamW temporary
+            step_tmp = max(step_tmp, CPU_ADAMW_TEMP_TENSORS * 4.0 * largest)  # single-tensor AdamW, after the norm
         moments.append((0.0, retained, grads, step_tmp, "optimizer step"))
         acts, logits, g, tmp, moment = max(moments, key=lambda m: m[0] + m[1] + m[2] + m[3])
         static = (BYTES_PER_PARAM["parameters"] + BYTES_PER_PARAM["optimizer"]) * n_d + sum(buffers[k] for k in mine)

@@ -55,6 +55,10 @@ from .config import STRATEGIES, RunConfig
 from .errors import UserError
 from .loss import resolve_loss_kernel
 
+# torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
+# a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
+CPU_ADAMW_TEMP_TENSORS = 2
+
 # Every strategy; `pipeline` is modelled per stage in plan_pipeline.py.
 PLANNED_STRATEGIES = STRATEGIES
 
@@ -509,7 +513,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                    gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]],
                    device: str = "cuda") -> StrategyPlan:
     """One strategy's prediction. ``device='cpu'`` predicts a CPU run's allocations instead (CPU activation
-    layout, torch's foreach AdamW temporaries), which ``shardlab train --device cpu`` records and
+    layout, torch's AdamW temporaries), which ``shardlab train --device cpu`` records and
     ``--micro-batch auto`` caps by a host-RAM budget."""
     if strategy == "pipeline":
         from .plan_pipeline import pipeline_strategy_plan
@@ -534,9 +538,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     notes: list[str] = []
     stage = STAGE.get(strategy)
     if device == "cpu" and (strategy == "dp" or strategy.startswith("fsdp")):
-        # optim.adamw: fused on CUDA (no temporaries); torch's foreach path on the CPU keeps one
-        # parameter-sized temporary (sqrt of the second moment) during the step
-        temp_step["foreach AdamW temporary (CPU)"] = float(4 * n / (d if strategy.startswith("fsdp") else 1))
+        # optim.adamw: fused on CUDA (no temporaries). On the CPU torch takes the single-tensor path (foreach
+        # kernels are for accelerators): each parameter's sqrt(v) and its quotient, freed before the next one.
+        temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
+            d if strategy.startswith("fsdp") else 1)
     if strategy == "dp":
         if mixed:
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n

@@ -75,7 +75,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def adamw(model: nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
-    # fused AdamW is the fastest torch kernel on CUDA; on CPU the default foreach path is right.
+    # fused AdamW is the fastest torch kernel on CUDA; on CPU torch picks its single-tensor path (foreach is for accelerators).
     fused = device_type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),

@@ -83,6 +83,13 @@ class _Status:
     code: int = 0
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: print() writes the text and its newline separately, so the lines of
+    ranks sharing one stderr could run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def report_errors():
     """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
@@ -94,18 +101,18 @@ def report_errors():
         yield status
     except Preempted as err:  # not a failure: the run checkpointed and wants to be requeued
         if os.environ.get("RANK") in (None, "0"):
-            print(f"[shardlab] {err}", file=sys.stderr, flush=True)
+            say(f"[shardlab] {err}")
         status.code = err.exit_code
     except UserError as err:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        say(f"{prefix}error: {err}")
         status.code = err.exit_code
     except WorkerFailed as err:
-        print(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}", file=sys.stderr, flush=True)
+        say(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}")
         status.code = err.exitcode
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        say("interrupted")
         status.code = 130
 
 

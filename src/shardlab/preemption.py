@@ -67,7 +67,8 @@ class StopSignals:
         if self.stop_signal is None:
             self.stop_signal = signum
             rank = os.environ.get("RANK", "0")
-            print(f"[shardlab] rank {rank} got {signal.Signals(signum).name}: finishing the current step, then checkpointing", file=sys.stderr, flush=True)
+            sys.stderr.write(f"[shardlab] rank {rank} got {signal.Signals(signum).name}: finishing the current step, then checkpointing\n")  # one write: ranks share stderr
+            sys.stderr.flush()
 
     def take_save_request(self) -> bool:
         requested, self.save_requested = self.save_requested, False

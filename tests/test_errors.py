@@ -225,3 +225,23 @@ def test_nvme_path_not_writable_in_a_read_only_dir(tmp_path):
             check_nvme_path(str(ro / "swap"), 1000)
     finally:
         ro.chmod(0o755)
+
+
+def test_error_lines_are_written_in_one_piece(monkeypatch):
+    """Ranks share one stderr: a line and its newline in one write, or under PYTHONUNBUFFERED two ranks' lines can merge."""
+    from shardlab.cli import report_errors
+
+    writes: list[str] = []
+
+    class Stderr:
+        def write(self, text: str) -> None:
+            writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setenv("RANK", "1")
+    with report_errors() as status:
+        raise UserError("rank 0 could not build the training data", "see rank 0's error")
+    assert writes == ["[rank 1] error: rank 0 could not build the training data (fix: see rank 0's error)\n"] and status.code == 2

@@ -59,8 +59,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Without weight decay the split changes nothing, so every parameter goes into one group: fused
     AdamW (and DeepSpeed's flat buffers) then run once per step instead of once per group, as in a
-    bare `AdamW(model.parameters())` loop. The group count is part of a checkpoint's layout
-    (reshard.layout), so a resume cannot switch between the two silently.
+    bare `AdamW(model.parameters())` loop. A checkpoint's layout records the weight decay
+    (reshard.layout), so a resume cannot switch between one group and two silently.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if weight_decay == 0:

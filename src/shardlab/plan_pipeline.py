@@ -116,8 +116,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         # last: log-softmax out, and (when not kept in output_chunks) the logits in fwd_cache; else: the output in fwd_cache
         x += (_final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else r * sbh
         if mode == "autocast":  # each forward casts the stage's matmul weights anew (the cache ends with the autocast
-            # region) and autograd keeps those 16-bit copies until that micro-batch's backward; embeddings are not cast
-            x += 2.0 * (sum(parts["blocks"][lo:hi]) + (parts["head"] if k == last else 0))
+            # region) and autograd keeps those 16-bit copies until that micro-batch's backward; embeddings are not cast,
+            # and checkpointed blocks keep only their input (the copies are made again in the recompute)
+            x += 2.0 * ((0 if checkpointing else sum(parts["blocks"][lo:hi])) + (parts["head"] if k == last else 0))
         saved.append(x)
         # backward: the loss' gradients at the head first, then each layer's (recomputed, with checkpointing) temporaries
         layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh

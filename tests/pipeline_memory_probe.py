@@ -16,6 +16,7 @@ import json
 import sys
 
 import torch
+from allocations import peak_allocated
 from torch.profiler import ProfilerActivity, profile
 
 from shardlab.config import load_config
@@ -80,11 +81,7 @@ def measure(cfg, env) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         strategy.train_step(it, accum)
         strategy.optimizer_step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
+    peak = peak_allocated(prof)
     env.barrier()
     return {"rank": env.rank, "held_before": before, "peak_delta": peak, "peak": before + peak, "bounds": [list(b) for b in strategy.bounds]}
 

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from .config import STRATEGIES
-from .errors import UserError
+from .errors import UserError, say
 
 # (flag, config key, type, help). type "bool" gives --flag / --no-flag.
 FLAGS: list[tuple[str, str, Any, str]] = [
@@ -81,13 +81,6 @@ FLAGS: list[tuple[str, str, Any, str]] = [
 @dataclass
 class _Status:
     code: int = 0
-
-
-def say(line: str) -> None:
-    """One line on stderr in one write: print() writes the text and its newline separately, so the lines of
-    ranks sharing one stderr could run together."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 @contextlib.contextmanager

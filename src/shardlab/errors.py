@@ -7,6 +7,15 @@ Anything else that escapes is a bug in shardlab and keeps its traceback.
 
 from __future__ import annotations
 
+import sys
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: print() writes the text and its newline separately, so the lines of
+    ranks sharing one stderr could run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
 
 class UserError(Exception):
     """A mistake in the user's input or environment, with the fix."""

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
-from .errors import UserError
+from .errors import UserError, say
 
 # EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
 REQUEUE_EXIT = 75
@@ -67,8 +66,7 @@ class StopSignals:
         if self.stop_signal is None:
             self.stop_signal = signum
             rank = os.environ.get("RANK", "0")
-            sys.stderr.write(f"[shardlab] rank {rank} got {signal.Signals(signum).name}: finishing the current step, then checkpointing\n")  # one write: ranks share stderr
-            sys.stderr.flush()
+            say(f"[shardlab] rank {rank} got {signal.Signals(signum).name}: finishing the current step, then checkpointing")
 
     def take_save_request(self) -> bool:
         requested, self.save_requested = self.save_requested, False

@@ -139,7 +139,7 @@ def load(strategy, directory: Path, layout: dict[str, Any] | None = None) -> dic
     state = read_state(directory)
     saved = state.get("layout")
     if layout is not None and saved is not None:
-        reshard.check_batch(saved, layout)
+        reshard.check_kept_settings(saved, layout)
     if layout is None or saved is None or reshard.loads_natively(saved, layout):
         strategy.load_checkpoint(directory)
     else:

@@ -50,7 +50,7 @@ def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_ba
             "weight_decay": cfg.weight_decay}  # fmt: skip
 
 
-def check_batch(saved: dict[str, Any], now: dict[str, Any]) -> None:
+def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """What a resume must keep: the global batch (the data position) and the weight decay."""
     if saved["global_batch"] != now["global_batch"]:
         raise UserError(
@@ -83,7 +83,7 @@ def supported(src: str, dst: str) -> bool:
 
 
 def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
-    check_batch(saved, now)
+    check_kept_settings(saved, now)
     src, dst = saved["strategy"], now["strategy"]
     if not loads_natively(saved, now) and not supported(src, dst):
         raise UserError(

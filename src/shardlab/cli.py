@@ -192,10 +192,14 @@ def _dry_run(cfg) -> None:
     import json
 
     from .config import dump_config
-    from .launch import preflight
+    from .distributed import pick_device_type
+    from .launch import preflight, processes_per_node
     from .optim import resolve_precision
     from .strategies import uses_deepspeed
 
+    cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
+    if note:
+        print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
     world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
@@ -204,7 +208,9 @@ def _dry_run(cfg) -> None:
         start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
         cfg = with_micro_batch(cfg, start)
-    micro, accum, glob = cfg.resolve_batch(world)
+    from .strategies import strategy_class
+
+    micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if uses_deepspeed(cfg.strategy):
         from .strategies.deepspeed_zero import resolved_ds_config

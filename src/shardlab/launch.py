@@ -31,11 +31,9 @@ def processes_per_node(cfg: RunConfig, device_type: str) -> int:
             return visible
         if cfg.gpus > visible:
             raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
-        if cfg.gpus == 0:
-            raise UserError("--gpus 0 with a CUDA device selected", "use --device cpu to train on the CPU")
         return cfg.gpus
-    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs.
-    return max(1, cfg.gpus or 1)
+    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs (RunConfig refuses 0).
+    return cfg.gpus or 1
 
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
@@ -92,7 +90,10 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
     virtual = stages * (opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1)
     if layers and virtual > layers:
         raise UserError(f"{virtual} pipeline stages but {cfg.model} has only {layers} layers", f"use at most {layers} stages (x chunks)")
-    accum = cfg.grad_accum
+    accum = cfg.resolve_batch(world // stages)[1] if cfg.micro_batch != "auto" else cfg.grad_accum
+    if opts.pp_schedule == "1f1b" and accum is not None and accum < stages:  # torch's Schedule1F1B refuses it on every rank
+        raise UserError(f"1f1b needs at least one micro-batch per stage: {accum} micro-batch(es) for {stages} stages",
+                        f"use --microbatches {2 * stages} (or at least {stages}), or --schedule gpipe")
     if opts.pp_schedule == "interleaved-1f1b" and accum is not None and accum % stages:
         raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
@@ -103,6 +104,7 @@ def train(cfg: RunConfig):
     from .nodes import resolve_nodes
 
     cfg = resolve_nodes(cfg)
+    cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
     auto = None
@@ -111,7 +113,7 @@ def train(cfg: RunConfig):
 
         cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
     plan = None
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:  # the rank that writes summary.json
+    if _rank_zero():  # the rank that writes summary.json
         from .run_plan import plan_for_run
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
@@ -129,6 +131,22 @@ def train(cfg: RunConfig):
     if result is not None and watched.result:
         result.summary.update(watched.result)
     return result
+
+
+def _rank_zero() -> bool:
+    """This process is rank 0 of a launched job (torchrun, srun), or the launching process."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
+def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
+    """RunConfig.with_pipeline_microbatches for this machine's world size, said once (rank 0 / the launching process)."""
+    if cfg.strategy != "pipeline" or cfg.grad_accum is not None:
+        return cfg
+    world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
+    cfg, note = cfg.with_pipeline_microbatches(world)
+    if note and _rank_zero():
+        print(f"[shardlab] {note}", flush=True)
+    return cfg
 
 
 def quiet_engines(device_type: str) -> None:

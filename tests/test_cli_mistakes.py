@@ -1,0 +1,134 @@
+"""A newcomer's mistakes (issue 12, section 3): one line naming the problem and the fix, a non-zero exit, and
+nothing written; or the right behaviour, said in the log.
+
+The error paths are checked in-process through `shardlab.cli.main` (they fire before any worker exists), in a
+fresh working directory each, so "nothing written" means the directory is still empty.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardlab.cli import main
+
+
+def run_cli(argv: list[str], cwd: Path, capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()  # drop what earlier steps printed
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error_line(err: str, *words: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "(fix: " in lines[0], err
+    for word in words:
+        assert word.lower() in lines[0].lower(), f"{word!r} missing from: {lines[0]}"
+    return lines[0]
+
+
+def assert_error(argv: list[str], tmp_path: Path, capsys, monkeypatch, *words: str) -> str:
+    """`shardlab ARGV` in an empty directory: exit 2, one error line with `words`, the directory still empty."""
+    work = tmp_path / "cwd"
+    work.mkdir(exist_ok=True)
+    before = sorted(os.listdir(work))
+    code, _, err = run_cli(argv, work, capsys, monkeypatch)
+    assert code == 2, err
+    line = one_error_line(err, *words)
+    assert sorted(os.listdir(work)) == before, f"{argv} wrote {sorted(os.listdir(work))}"
+    return line
+
+
+# ---- 7. plan: the model first ---------------------------------------------------------------------------
+
+
+def test_plan_unknown_model_is_reported_before_a_missing_gpu(tmp_path, capsys, monkeypatch):
+    # No --gpu-memory-gb and (here) no GPU: the model is still the first problem named.
+    assert_error(["plan", "--model", "no-such-model"], tmp_path, capsys, monkeypatch, "no-such-model", "not available offline")
+    assert_error(["plan", "--model", "gpt2-mediun"], tmp_path, capsys, monkeypatch, "did you mean", "gpt2-medium")
+
+
+# ---- 8. YAML: tabs, and every unknown key -------------------------------------------------------------
+
+
+def test_tab_indented_yaml_names_the_tab_and_where(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: tiny-gpt2\ndataset:\n\tsource: offline\n")
+    line = assert_error(["train", "--config", str(cfg)], tmp_path, capsys, monkeypatch, "tab", "line 3:1", "spaces")
+    assert "run.yaml" in line
+
+
+def test_every_unknown_config_key_is_reported_at_once(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: tiny-gpt2\nmicro_batchsize: 2\nlearning_rate: 1.0e-4\ndataset:\n  sorce: offline\n")
+    line = assert_error(["train", "--config", str(cfg)], tmp_path, capsys, monkeypatch,
+                        "3 unknown config keys", "'micro_batchsize'", "'learning_rate'", "'dataset.sorce'")
+    assert "did you mean 'micro_batch'?" in line and "did you mean 'dataset.source'?" in line
+    # one unknown key keeps the short form
+    assert_error(["train", "--set", "strategy_options.pin_mem=false"], tmp_path, capsys, monkeypatch,
+                 "unknown config key 'strategy_options.pin_mem'", "did you mean 'strategy_options.pin_memory'?")
+
+
+# ---- 9. --gpus 0: one rule for every command ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--gpus", "0", "--max-steps", "1"],
+    ["train", "--gpus", "0", "--device", "cpu", "--dry-run"],
+    ["plan", "--gpus", "0", "--gpu-memory-gb", "80"],
+    ["slurm", "--gpus", "0", "--nodes", "2"],
+    ["bench", "--gpus", "0,1", "--dry-run"],
+])  # fmt: skip
+def test_gpus_zero_is_refused_by_every_command(argv, tmp_path, capsys, monkeypatch):
+    assert_error(argv, tmp_path, capsys, monkeypatch, "gpus 0", "at least 1", "--device cpu")
+
+
+# ---- 1. pipeline without --microbatches ---------------------------------------------------------------
+
+
+def test_pipeline_without_microbatches_defaults_to_two_per_stage(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    code, out, err = run_cli(["train", "--strategy", "pipeline", "--stages", "2", "--gpus", "2", "--device", "cpu", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "# pipeline: --microbatches not given: 4 micro-batches per step (2 per stage for 2 stages" in out
+    resolved = yaml.safe_load(out.split("# DeepSpeed config")[0])  # the note is a comment: the output stays YAML
+    assert (resolved["micro_batch"], resolved["grad_accum"], resolved["global_batch"]) == (8, 4, 32)
+    # a global batch per pipeline that 2S does not divide takes S micro-batches
+    code, out, err = run_cli(["train", "--strategy", "pipeline", "--gpus", "2", "--global-batch", "6", "--device", "cpu", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    resolved = yaml.safe_load(out)
+    assert (resolved["micro_batch"], resolved["grad_accum"], resolved["global_batch"]) == (3, 2, 6)
+
+
+def test_pipeline_microbatch_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
+    base = ["train", "--strategy", "pipeline", "--stages", "2", "--gpus", "2", "--device", "cpu", "--max-steps", "1"]
+    assert_error(base + ["--microbatches", "1"], tmp_path, capsys, monkeypatch, "1f1b needs at least one micro-batch per stage",
+                 "--microbatches 4", "--schedule gpipe")
+    # the batch triple derives M = 1 (global 2 = micro 2 x M x 1 pipeline)
+    assert_error(base + ["--micro-batch", "2", "--global-batch", "2"], tmp_path, capsys, monkeypatch, "1f1b", "1 micro-batch(es) for 2 stages")
+    assert_error(base + ["--global-batch", "5"], tmp_path, capsys, monkeypatch, "global_batch 5", "2 stages", "multiple of 2")
+
+
+def test_plan_pipeline_row_uses_the_default_microbatches():
+    from shardlab.config import RunConfig
+    from shardlab.planner import plan
+
+    for strategy in ("dp", "pipeline"):  # the pipeline row of any plan is planned as `train --strategy pipeline` runs
+        result = plan(RunConfig(model="tiny-gpt2", strategy=strategy, gpus=2, seq_len=64, micro_batch=2), gpu_memory_gb=16,
+                      strategies=("pipeline",), max_search=4)
+        assert "1f1b, 2 GPU(s) per pipeline x 1 replica(s), 4 micro-batches" in result.strategies["pipeline"].notes[0]
+
+
+@pytest.mark.slow
+def test_pipeline_without_microbatches_trains(tmp_path, train_cli):
+    run = train_cli(["--strategy", "pipeline", "--stages", "2", "--gpus", "2", "--micro-batch", "1", "--max-steps", "2",
+                     "--seq-len", "16", "--no-export"], tmp_path / "run").check()
+    assert "--microbatches not given: 4 micro-batches per step" in run.stdout
+    assert run.config["grad_accum"] == 4 and len(run.losses) >= 1

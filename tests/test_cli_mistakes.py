@@ -132,3 +132,20 @@ def test_pipeline_without_microbatches_trains(tmp_path, train_cli):
                      "--seq-len", "16", "--no-export"], tmp_path / "run").check()
     assert "--microbatches not given: 4 micro-batches per step" in run.stdout
     assert run.config["grad_accum"] == 4 and len(run.losses) >= 1
+
+
+# ---- 11. pipeline simulate --schedule pipedream -------------------------------------------------------
+
+
+def test_pipedream_simulates_several_steps_by_default(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["pipeline", "simulate", "--schedule", "pipedream"], tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "pipedream: 4 stages x 8 micro-batches, 3 step(s)" in out and "one step alone looks like 1f1b" in out
+    assert "F8 " in out  # the second step's micro-batches appear, inside the first one's drain (no flush)
+    code, one_step, err = run_cli(["pipeline", "simulate", "--schedule", "pipedream", "--steps", "1"], tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    _, f1b1, _ = run_cli(["pipeline", "simulate", "--schedule", "1f1b"], tmp_path, capsys, monkeypatch)
+    timeline = lambda text: [line for line in text.splitlines() if line.startswith("dev")]  # noqa: E731
+    assert timeline(one_step) == timeline(f1b1)  # what the note explains
+    assert "its timeline equals 1f1b's" in one_step and "use --steps 3" in one_step
+    assert "note:" not in f1b1

@@ -149,3 +149,48 @@ def test_pipedream_simulates_several_steps_by_default(tmp_path, capsys, monkeypa
     assert timeline(one_step) == timeline(f1b1)  # what the note explains
     assert "its timeline equals 1f1b's" in one_step and "use --steps 3" in one_step
     assert "note:" not in f1b1
+
+
+# ---- 2, 3. QA data: answer-only loss, misplaced SQuAD answers ------------------------------------------
+
+
+def squad_file(path: Path, n: int, misplaced: set[int]) -> Path:
+    """SQuAD v1.1's JSON layout; the questions in `misplaced` get an answer_start past the end of the context."""
+    import json
+
+    context = "The items are " + ", ".join(f"thing{i}" for i in range(n)) + ", in that order."
+    qas = [{"id": str(i), "question": f"Which is item {i}?",
+            "answers": [{"text": f"thing{i}", "answer_start": len(context) + 5 if i in misplaced else context.index(f"thing{i}")}]}
+           for i in range(n)]  # fmt: skip
+    path.write_text(json.dumps({"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": context, "qas": qas}]}]}))
+    return path
+
+
+def shardlab_subprocess(argv: list[str], cwd: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "shardlab", *argv], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_squad_with_no_answer_at_answer_start_is_one_line(tmp_path):
+    data = squad_file(tmp_path / "train-v1.1.json", 3, misplaced={0, 1, 2})
+    proc = shardlab_subprocess(["train", "--dataset", str(data), "--format", "qa", "--max-steps", "1", "--seq-len", "32",
+                                "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    one_error_line(proc.stderr, "no usable training examples", "3 QA example(s) have no answer at their answer_start", "fix answer_start")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_answer_only_loss_on_and_off_train_differently(tmp_path, train_cli):
+    data = squad_file(tmp_path / "train-v1.1.json", 24, misplaced={5, 9})
+    base = ["--dataset", str(data), "--format", "qa", "--packing", "pad", "--eval-split", "0", "--seq-len", "128",
+            "--micro-batch", "4", "--max-steps", "3", "--lr", "1e-3", "--no-export", "--log-every", "1"]
+    on = train_cli(base + ["--answer-only-loss"], tmp_path / "on").check()
+    off = train_cli(base + ["--no-answer-only-loss"], tmp_path / "off").check()
+    for run in (on, off):  # the two misplaced answers are skipped and said so, in one line
+        assert run.stdout.count("skipped 2 QA example(s) whose answer is not at its answer_start") == 1, run.stdout
+    # the same examples, the same first batch: the losses differ only because the labels do
+    assert on.losses[0] != pytest.approx(off.losses[0], rel=1e-3)

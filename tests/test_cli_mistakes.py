@@ -194,3 +194,28 @@ def test_answer_only_loss_on_and_off_train_differently(tmp_path, train_cli):
         assert run.stdout.count("skipped 2 QA example(s) whose answer is not at its answer_start") == 1, run.stdout
     # the same examples, the same first batch: the losses differ only because the labels do
     assert on.losses[0] != pytest.approx(off.losses[0], rel=1e-3)
+
+
+# ---- 10. shardlab slurm: CPUs per task and shared paths ------------------------------------------------
+
+
+def test_slurm_sets_cpus_per_task_from_the_workers_and_names_shared_paths(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "corpus.txt"
+    data.write_text("some text\n")
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(["slurm", "--gpus", "4", "--nodes", "2", "--dataset", str(data), "--output-dir", str(out)],
+                                tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "--cpus-per-task not given: 4 (one CPU core per worker" in stdout
+    script = next(out.glob("slurm/*/job.sbatch")).read_text()
+    assert "#SBATCH --cpus-per-task=4" in script
+    shared = [line for line in script.splitlines() if line.startswith("#   ")]
+    assert any(str(out) in line and "checkpoints" in line for line in shared)
+    assert any(str(data) in line and "dataset" in line for line in shared)
+    assert any("SHARDLAB_CACHE" in line for line in shared) and any("HF_HOME" in line for line in shared)
+    assert "every node needs on a shared filesystem" in stdout
+    # given: used as it is, nothing said
+    code, stdout, err = run_cli(["slurm", "--gpus", "2", "--cpus-per-task", "16", "--output-dir", str(tmp_path / "run2")],
+                                tmp_path, capsys, monkeypatch)
+    assert code == 0 and "--cpus-per-task not given" not in stdout
+    assert "#SBATCH --cpus-per-task=16" in next((tmp_path / "run2").glob("slurm/*/job.sbatch")).read_text()

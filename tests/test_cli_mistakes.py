@@ -219,3 +219,65 @@ def test_slurm_sets_cpus_per_task_from_the_workers_and_names_shared_paths(tmp_pa
                                 tmp_path, capsys, monkeypatch)
     assert code == 0 and "--cpus-per-task not given" not in stdout
     assert "#SBATCH --cpus-per-task=16" in next((tmp_path / "run2").glob("slurm/*/job.sbatch")).read_text()
+
+
+# ---- 4, 5. --deepspeed-config: checked before the spawn; peers' files train unchanged ---------------------
+
+PEER_JSONS = Path(__file__).parent / "data"
+ACCELERATE_JSON = PEER_JSONS / "accelerate_zero_stage3_offload_config.json"
+AXOLOTL_JSON = PEER_JSONS / "axolotl_zero3_bf16_cpuoffload_all.json"
+
+
+def test_deepspeed_json_mistakes_are_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    import json
+
+    bad_batch = tmp_path / "ds_batch.json"
+    bad_batch.write_text(json.dumps({"train_batch_size": 7, "zero_optimization": {"stage": 2}}))
+    run = ["train", "--max-steps", "1", "--device", "cpu", "--output-dir", "run"]
+    assert_error(run + ["--strategy", "zero2", "--deepspeed-config", str(bad_batch)], tmp_path, capsys, monkeypatch,
+                 "train_batch_size=7", "resolves it to 8", '"auto"')
+    # two ranks: still one line from the launching process, before any worker exists
+    assert_error(run + ["--gpus", "2", "--deepspeed-config", str(bad_batch)], tmp_path, capsys, monkeypatch,
+                 "train_batch_size=7", "resolves it to 16")
+    # the JSON's ZeRO stage and offload against --strategy: name the strategy that matches
+    assert_error(run + ["--strategy", "zero2", "--deepspeed-config", str(ACCELERATE_JSON)], tmp_path, capsys, monkeypatch,
+                 "stage 3, offload to cpu", "strategy zero3_offload", "--strategy is zero2", "--strategy zero3_offload")
+    assert_error(run + ["--strategy", "zero3", "--deepspeed-config", str(AXOLOTL_JSON)], tmp_path, capsys, monkeypatch,
+                 "--strategy zero3_offload")
+    nvme_stage2 = tmp_path / "ds_nvme.json"
+    nvme_stage2.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}))
+    assert_error(run + ["--deepspeed-config", str(nvme_stage2)], tmp_path, capsys, monkeypatch, "stage 2, offload to nvme",
+                 "no shardlab strategy")
+
+
+def test_peer_json_fills_every_auto_and_decides_what_the_run_left_open(tmp_path, capsys, monkeypatch):
+    import json
+
+    code, out, err = run_cli(["train", "--deepspeed-config", str(ACCELERATE_JSON), "--device", "cpu", "--lr", "3e-4", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "# strategy zero3_offload, from accelerate_zero_stage3_offload_config.json (zero_optimization.stage 3, offload to cpu)" in out
+    assert "enables fp16, which CPU training does not support: precision fp32" in out
+    assert "warmup_num_steps 'auto' with no warm-up: 1" in out
+    ds = json.loads(out.split("# DeepSpeed config\n")[1])
+    assert "auto" not in json.dumps(ds)
+    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 1,
+                                         "total_num_steps": "<the run's optimizer steps>"}  # filled when the data is built
+    assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["fp16"]["enabled"] is False
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 8, 1)
+    code, out, err = run_cli(["train", "--deepspeed-config", str(AXOLOTL_JSON), "--device", "cpu", "--warmup-steps", "3", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "# precision bf16, from axolotl_zero3_bf16_cpuoffload_all.json" in out and "warmup_num_steps" not in out.split("model:")[0]
+    ds = json.loads(out.split("# DeepSpeed config\n")[1])
+    assert ds["bf16"]["enabled"] is True and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer_json", [ACCELERATE_JSON, AXOLOTL_JSON], ids=["accelerate", "axolotl"])
+def test_peer_deepspeed_json_trains_unchanged(peer_json, tmp_path, train_cli):
+    run = train_cli(["--deepspeed-config", str(peer_json), "--max-steps", "10", "--seq-len", "32", "--micro-batch", "2",
+                     "--lr", "2e-3", "--log-every", "1", "--no-export"], tmp_path / "run").check()
+    assert run.config["strategy"] == "zero3_offload" and f"strategy zero3_offload, from {peer_json.name}" in run.stdout
+    losses = run.losses
+    assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses

@@ -193,10 +193,11 @@ def _dry_run(cfg) -> None:
 
     from .config import dump_config
     from .distributed import pick_device_type
-    from .launch import preflight, processes_per_node
+    from .launch import preflight, processes_per_node, with_user_deepspeed_json
     from .optim import resolve_precision
     from .strategies import uses_deepspeed
 
+    cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
     cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config

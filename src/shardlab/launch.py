@@ -59,6 +59,11 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
+    if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
+        from .strategies.deepspeed_zero import resolved_ds_config
+
+        micro, accum, _ = cfg.resolve_batch(dp_world)
+        resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
     if cfg.nan_policy == "skip" and cfg.strategy == "zero0":
         raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
     if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
@@ -104,6 +109,7 @@ def train(cfg: RunConfig):
     from .nodes import resolve_nodes
 
     cfg = resolve_nodes(cfg)
+    cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     quiet_engines(device_type)
@@ -136,6 +142,16 @@ def train(cfg: RunConfig):
 def _rank_zero() -> bool:
     """This process is rank 0 of a launched job (torchrun, srun), or the launching process."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
+def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
+    """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
+    from .strategies.deepspeed_zero import adopt_user_json
+
+    cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
+    for note in notes if _rank_zero() else ():
+        (say or (lambda m: print(f"[shardlab] {m}", flush=True)))(note)
+    return cfg
 
 
 def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:

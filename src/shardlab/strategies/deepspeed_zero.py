@@ -204,16 +204,13 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
         notes.append(f"strategy {strategy}, from {name} ({where})")
     if cfg.precision == "auto":
         enabled = [sec for sec in ("bf16", "fp16") if (user.get(sec) or {}).get("enabled") is True]
-        if enabled:
-            try:
-                resolve_precision(enabled[0], device_type)
-            except UserError:
-                chosen = resolve_precision("auto", device_type).name
-                notes.append(f"{name} enables {enabled[0]}, which {device_type.upper()} training does not support: precision {chosen}, "
-                             f"its {enabled[0]} section is turned off")
-            else:
-                cfg = cfg.model_copy(update={"precision": enabled[0]})
-                notes.append(f"precision {enabled[0]}, from {name}")
+        if enabled and _runs_on(enabled[0], device_type):
+            cfg = cfg.model_copy(update={"precision": enabled[0]})
+            notes.append(f"precision {enabled[0]}, from {name}")
+        elif enabled:
+            chosen = resolve_precision("auto", device_type).name
+            notes.append(f"{name} enables {enabled[0]}, which {device_type.upper()} training does not support: precision {chosen}, "
+                         f"its {enabled[0]} section is turned off")
     scheduler = (user.get("scheduler") or {}).get("params") or {}
     if scheduler.get("warmup_num_steps") == "auto" and cfg.warmup_steps == 0:
         notes.append(f"{name}'s scheduler warmup_num_steps 'auto' with no warm-up: 1 (DeepSpeed's WarmupLR refuses 0; "
@@ -221,7 +218,18 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
     return cfg, notes
 
 
-def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig, total_steps: int | None = None) -> dict[str, Any]:
+def _runs_on(precision: str, device_type: str) -> bool:
+    from ..optim import resolve_precision
+
+    try:
+        resolve_precision(precision, device_type)
+    except UserError:
+        return False
+    return True
+
+
+def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig, total_steps: int | None = None,
+                      device_type: str | None = None) -> dict[str, Any]:
     """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
     user = _fill_auto(read_user_json(path), _auto_values(base, cfg, total_steps))
     stage = user.get("zero_optimization", {}).get("stage")
@@ -231,8 +239,9 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunC
             f"pass --strategy zero{stage} (or its _offload variant), or remove the stage from the JSON",
         )
     for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
-        if section in user and (user[section].get("enabled") is None or cfg.precision == "auto"):
-            user[section]["enabled"] = wanted  # "auto", or a precision the device cannot run (adopt_user_json said so)
+        if section in user and (user[section].get("enabled") is None or (
+                cfg.precision == "auto" and device_type is not None and not _runs_on(section, device_type))):
+            user[section]["enabled"] = wanted  # "auto", or a precision this device cannot run (adopt_user_json said so)
         elif section in user and bool(user[section].get("enabled")) != wanted:
             raise UserError(
                 f"DeepSpeed config enables {section} = {user[section].get('enabled')} but the run's precision is {precision}",
@@ -253,7 +262,7 @@ def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, w
     scheduler's total_num_steps "auto" (known once the data is built)."""
     ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
     if cfg.deepspeed_config:
-        ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg, total_steps)
+        ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg, total_steps, device_type)
     return ds
 
 

@@ -281,3 +281,68 @@ def test_peer_deepspeed_json_trains_unchanged(peer_json, tmp_path, train_cli):
     assert run.config["strategy"] == "zero3_offload" and f"strategy zero3_offload, from {peer_json.name}" in run.stdout
     losses = run.losses
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+
+
+# ---- 6. an output dir that holds another run ---------------------------------------------------------
+
+
+def finished_run(out: Path, with_checkpoint: bool = False) -> list[str]:
+    """The files a finished run leaves (their contents do not matter to the check); returns their names."""
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("{}")
+    for name in ("summary.json", "metrics.jsonl", "config.yaml", "env.json", "cpu_memory.csv"):
+        (out / name).write_text("{}\n")
+    if with_checkpoint:
+        from shardlab.checkpoint import TRAINER_STATE
+
+        (out / "checkpoints" / "step-0000002").mkdir(parents=True)
+        (out / "checkpoints" / "step-0000002" / TRAINER_STATE).write_text("{}")
+    return sorted(p.name for p in out.rglob("*"))
+
+
+def test_reusing_a_finished_runs_dir_is_refused(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cwd" / "run"
+    before = finished_run(out)
+    run = ["train", "--max-steps", "1", "--seq-len", "16", "--output-dir", str(out)]
+    for extra in ([], ["--no-export"], ["--resume", "auto"], ["--dry-run"]):
+        line = assert_error(run + extra, tmp_path, capsys, monkeypatch, "already holds a finished run", "--overwrite", "--resume auto")
+        assert ("no checkpoint to resume from" in line) == (extra == ["--resume", "auto"])
+        assert sorted(p.name for p in out.rglob("*")) == before  # nothing deleted, nothing added
+    # a crashed run's leftovers (no summary) are another run too
+    (out / "summary.json").unlink()
+    assert_error(run, tmp_path, capsys, monkeypatch, "another run's files", "config.yaml")
+
+
+def test_stale_run_files_decides_what_a_new_run_may_delete(tmp_path, monkeypatch):
+    from shardlab.config import RunConfig
+    from shardlab.launch import stale_run_files
+
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "run"
+    (out / "slurm" / "20260101-000000").mkdir(parents=True)  # `shardlab slurm`'s snapshot: not a run
+    assert stale_run_files(RunConfig(output_dir=str(out), resume="auto")) == []
+    finished_run(out, with_checkpoint=True)
+    assert stale_run_files(RunConfig(output_dir=str(out), resume="auto")) == []  # a resume that resumes
+    names = lambda paths: sorted(p.name for p in paths)  # noqa: E731
+    everything = ["checkpoints", "config.yaml", "cpu_memory.csv", "env.json", "metrics.jsonl", "model", "summary.json"]
+    assert names(stale_run_files(RunConfig(output_dir=str(out), overwrite=True))) == everything  # slurm/ stays
+    # a requeued job whose first attempt died before any checkpoint: its leftovers go, it starts fresh
+    for name in ("checkpoints", "model"):
+        import shutil
+
+        shutil.rmtree(out / name)
+    (out / "summary.json").unlink()
+    assert names(stale_run_files(RunConfig(output_dir=str(out), resume="auto"))) == ["config.yaml", "cpu_memory.csv", "env.json", "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_overwrite_replaces_the_old_run_and_leaves_none_of_its_files(tmp_path, train_cli):
+    out = tmp_path / "run"
+    base = ["--max-steps", "2", "--seq-len", "16", "--micro-batch", "2"]
+    train_cli(base, out).check()
+    assert (out / "model").is_dir()
+    refused = train_cli(base + ["--no-export"], out)
+    assert refused.returncode == 2 and "already holds a finished run" in refused.stderr
+    run = train_cli(base + ["--no-export", "--overwrite", "--seed", "7"], out).check()
+    assert "--overwrite: deleting the earlier run's files" in run.stdout
+    assert not (out / "model").exists() and run.config["seed"] == 7 and len(run.rows) == len(run.losses) >= 1

@@ -65,6 +65,7 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--seed", "seed", int, "random seed"),
     ("--output-dir", "output_dir", str, "run directory"),
     ("--resume", "resume", str, "'auto' or a checkpoint directory"),
+    ("--overwrite", "overwrite", "bool", "the output dir holds another run: delete its files first (else refused)"),
     ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
     ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
     ("--save-every", "save_every", int, "optimizer steps between checkpoints"),

@@ -143,6 +143,7 @@ class RunConfig(_Strict):
     # outputs
     output_dir: str = "runs/latest"
     resume: str | None = Field(None, description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    overwrite: bool = Field(False, description="output_dir holds another run: delete its files first (else the run is refused)")
     log_every: int = Field(10, gt=0)
     eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")

@@ -57,6 +57,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     from .reshard import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
+    stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
@@ -112,6 +113,7 @@ def train(cfg: RunConfig):
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
+    clear_stale_run_files(cfg)
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
@@ -137,6 +139,46 @@ def train(cfg: RunConfig):
     if result is not None and watched.result:
         result.summary.update(watched.result)
     return result
+
+
+# Not a run's output: `shardlab slurm` snapshots the job's code and config here before the job's first run.
+KEEP_IN_OUTPUT_DIR = ("slurm",)
+
+
+def stale_run_files(cfg: RunConfig) -> list[Path]:
+    """Files of an earlier run in output_dir that this run would mix with its own: [] when there are none or this run
+    resumes from a checkpoint there; with --overwrite, or --resume auto over an attempt that left no checkpoint and no
+    summary (a requeued job that died early), the files to delete. Otherwise refused, in one line."""
+    out = Path(cfg.output_dir)
+    if not _rank_zero() or cfg.node_rank != 0 or not out.is_dir():
+        return []  # one process decides: node 0's launcher (or rank 0 of a launched job)
+    old = sorted(p for p in out.iterdir() if p.name not in KEEP_IN_OUTPUT_DIR)
+    if not old:
+        return []
+    if cfg.resume:
+        from .checkpoint import find_resume_dir
+
+        found = find_resume_dir(cfg.resume, out)
+        if found is not None and found.resolve().is_relative_to(out.resolve()):
+            return []  # the same run, continued from its own checkpoint
+    finished = (out / "summary.json").is_file()
+    if cfg.overwrite or (cfg.resume == "auto" and not finished):
+        return old
+    what = "a finished run (summary.json)" if finished else f"another run's files ({', '.join(p.name for p in old[:4])}{', ...' if len(old) > 4 else ''})"
+    why = " and no checkpoint to resume from" if cfg.resume == "auto" else ""
+    raise UserError(f"output dir {str(out)!r} already holds {what}{why}; a new run would overwrite or mix with it",
+                    "pass --overwrite to delete it first, --resume auto to continue it from its checkpoint, or another --output-dir")
+
+
+def clear_stale_run_files(cfg: RunConfig) -> None:
+    import shutil
+
+    old = stale_run_files(cfg)
+    if old:
+        why = "--overwrite" if cfg.overwrite else "--resume auto found no checkpoint of the earlier attempt"
+        print(f"[shardlab] {why}: deleting the earlier run's files in {cfg.output_dir} ({', '.join(p.name for p in old)})", flush=True)
+    for path in old:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def _rank_zero() -> bool:

@@ -304,10 +304,12 @@ def test_reusing_a_finished_runs_dir_is_refused(tmp_path, capsys, monkeypatch):
     out = tmp_path / "cwd" / "run"
     before = finished_run(out)
     run = ["train", "--max-steps", "1", "--seq-len", "16", "--output-dir", str(out)]
-    for extra in ([], ["--no-export"], ["--resume", "auto"], ["--dry-run"]):
+    for extra in ([], ["--no-export"], ["--resume", "auto"]):
         line = assert_error(run + extra, tmp_path, capsys, monkeypatch, "already holds a finished run", "--overwrite", "--resume auto")
         assert ("no checkpoint to resume from" in line) == (extra == ["--resume", "auto"])
         assert sorted(p.name for p in out.rglob("*")) == before  # nothing deleted, nothing added
+    code, stdout, err = run_cli(run + ["--dry-run"], tmp_path, capsys, monkeypatch)  # writes nothing, so only says it
+    assert code == 0 and "# note: `train` would refuse this: output dir" in stdout, err
     # a crashed run's leftovers (no summary) are another run too
     (out / "summary.json").unlink()
     assert_error(run, tmp_path, capsys, monkeypatch, "another run's files", "config.yaml")

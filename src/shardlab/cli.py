@@ -194,7 +194,7 @@ def _dry_run(cfg) -> None:
 
     from .config import dump_config
     from .distributed import pick_device_type
-    from .launch import preflight, processes_per_node, with_user_deepspeed_json
+    from .launch import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
     from .optim import resolve_precision
     from .strategies import uses_deepspeed
 
@@ -203,6 +203,10 @@ def _dry_run(cfg) -> None:
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
+    try:
+        stale_run_files(cfg)
+    except UserError as err:  # a dry run writes nothing: say what `train` would refuse
+        print(f"# note: `train` would refuse this: {err}")
     world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
         from .autobatch import cpu_budget_bytes, plan_start, with_micro_batch

@@ -57,7 +57,6 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     from .reshard import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
-    stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
@@ -113,7 +112,7 @@ def train(cfg: RunConfig):
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
-    clear_stale_run_files(cfg)
+    clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts

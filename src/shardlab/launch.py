@@ -113,6 +113,7 @@ def train(cfg: RunConfig):
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
+    cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts

@@ -80,7 +80,7 @@ $(STAMP): pyproject.toml
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 demo: $(STAMP)
-	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/quick-test.yaml --output-dir runs/demo
+	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/quick-test.yaml --output-dir runs/demo --overwrite
 	@echo "demo: run directory runs/demo (summary.json, metrics.jsonl, config.yaml, env.json, model/)"
 
 test: $(STAMP)

@@ -51,7 +51,7 @@ def run_cell(label: str, args: argparse.Namespace) -> dict:
         "--precision", "bf16", "--strategy", strategy, "--micro-batch", str(micro), "--grad-accum", "1",
         "--max-steps", str(args.steps), "--dataset", "synthetic", "--set", f"dataset.synthetic_tokens={tokens}",
         "--eval-split", "0.02", "--set", "max_grad_norm=null", "--no-export", "--log-every", "10",
-        "--output-dir", str(run_dir), *extra,
+        "--output-dir", str(run_dir), "--overwrite", *extra,
     ]
     t0 = time.time()
     proc = subprocess.run(cmd, text=True, capture_output=True, timeout=args.timeout)

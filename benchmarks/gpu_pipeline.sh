@@ -19,7 +19,7 @@ run() {  # run LABEL GPUS-VISIBLE NGPUS ARGS...
   local label=$1 visible=$2 n=$3; shift 3
   echo "=== $label (GPUs $visible)"
   CUDA_VISIBLE_DEVICES=$visible timeout 200 python3 -m shardlab train "${COMMON[@]}" --gpus "$n" "$@" \
-    --output-dir "$RUNS/$label" > "$RUNS/$label.log" 2>&1
+    --output-dir "$RUNS/$label" --overwrite > "$RUNS/$label.log" 2>&1
   echo "=== $label rc=$? $(grep -E 'tokens_per_s |gpu_mem_peak_gib|pipeline (step|bubble)|^error' "$RUNS/$label.log" | tr -s ' │' ' ' | tr '\n' ';')"
 }
 mkdir -p $RUNS

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 RUN=/tmp/shardlab-prof
 python3 -m shardlab train --model gpt2-medium --seq-len 1024 --precision bf16 --strategy dp --micro-batch 8 \
   --grad-accum 1 --max-steps 30 --dataset synthetic --set dataset.synthetic_tokens=300000 --eval-split 0.02 \
-  --set max_grad_norm=null --no-export --log-every 10 --profile --output-dir $RUN
+  --set max_grad_norm=null --no-export --log-every 10 --profile --output-dir $RUN --overwrite
 python3 - <<'PY'
 import json; s = json.load(open("/tmp/shardlab-prof/summary.json"))
 print("shardlab dp:", round(s["tokens_per_s"]), "tok/s, median step", round(s["step_time_median_s"] * 1e3, 2), "ms, min", round(s["step_time_min_s"] * 1e3, 2), "ms")

@@ -55,7 +55,7 @@ def cell_args(model: str, strategy: str, seq: int, micro: str, steps: int, devic
         "--model", model, "--strategy", strategy, "--seq-len", str(seq), "--micro-batch", str(micro), "--max-steps", str(steps),
         "--dataset", "synthetic", "--set", f"dataset.synthetic_tokens={tokens}", "--eval-split", "0.02",
         "--set", "dataset.eval_samples=1", "--no-export", "--log-every", str(steps), "--device", device,
-        "--output-dir", str(run_dir),
+        "--output-dir", str(run_dir), "--overwrite",
     ]  # fmt: skip
     if device == "cuda":
         args += ["--precision", "bf16"]

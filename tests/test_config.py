@@ -302,7 +302,8 @@ def test_user_deepspeed_json_hjson_and_explicit_matching_values(tmp_path):
     ],
 )
 def test_user_deepspeed_json_conflicts(tmp_path, data, precision, words):
-    cfg = RunConfig(strategy="zero3", deepspeed_config=user_json(tmp_path, data))
+    # an explicit --precision: with 'auto' the JSON's own precision is used where the device runs it (adopt_user_json)
+    cfg = RunConfig(strategy="zero3", precision=precision, deepspeed_config=user_json(tmp_path, data))
     with pytest.raises(UserError) as err:
         resolved_ds_config(cfg, precision, micro=2, accum=4, world=2, device_type="cuda")
     for word in words:

@@ -155,12 +155,15 @@ def test_directory_of_txt_uses_valid_file_for_eval(tokenizer, cache_dir, tmp_pat
     assert "directory" in out.stats["source"]
 
 
-def squad_json(path: Path, n: int = 4) -> Path:
+def squad_json(path: Path, n: int = 4, misplaced: dict[int, int] | None = None) -> Path:
+    """SQuAD v1.1's layout; `misplaced` maps a question to a wrong answer_start."""
+    context = "Items are " + ", ".join(f"thing{i}" for i in range(n)) + "."
     qas = [
-        {"id": str(i), "question": f"What is item {i}?", "answers": [{"text": f"thing{i}", "answer_start": 0}]}
+        {"id": str(i), "question": f"What is item {i}?",
+         "answers": [{"text": f"thing{i}", "answer_start": (misplaced or {}).get(i, context.index(f"thing{i}"))}]}
         for i in range(n)
-    ]
-    doc = {"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": "Items are things.", "qas": qas}]}]}
+    ]  # fmt: skip
+    doc = {"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": context, "qas": qas}]}]}
     path.write_text(json.dumps(doc))
     return path
 
@@ -171,7 +174,29 @@ def test_squad_json_layout_is_flattened(tokenizer, cache_dir, tmp_path):
     assert out.stats["train_examples"] == 4
     first = out.train[0]
     text = tokenizer.decode(first["input_ids"][first["attention_mask"].bool()])
-    assert text == "Question: What is item 0?\nContext: Items are things.\nAnswer: thing0<|endoftext|>"
+    assert text == "Question: What is item 0?\nContext: Items are thing0, thing1, thing2, thing3.\nAnswer: thing0<|endoftext|>"
+    assert out.stats["misplaced_answers"] == 0
+
+
+def test_squad_answers_not_at_answer_start_are_counted_and_skipped(tokenizer, cache_dir, tmp_path):
+    # 1: past the end of the context; 2: inside it, but the text there is another answer's; 3: negative
+    path = squad_json(tmp_path / "train-v1.1.json", n=5, misplaced={1: 500, 2: 10, 3: -1})
+    out = build(tokenizer, cache_dir, seq_len=64, source=str(path), format="qa", packing="pad", eval_split=0.0)
+    assert out.stats["train_examples"] == 2 and out.stats["misplaced_answers"] == 3 and out.stats["skipped_rows"] == 3
+    kept = [tokenizer.decode(out.train[i]["input_ids"][out.train[i]["attention_mask"].bool()]) for i in range(2)]
+    assert [t.split("Answer: ")[1] for t in kept] == ["thing0<|endoftext|>", "thing4<|endoftext|>"]
+    # the hub's layout ({"text": [...], "answer_start": [...]}): a later answer that is in place is used
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "Who?", "context": "Ada wrote it.", "answers": {"text": ["Bob", "Ada"], "answer_start": [0, 0]}}) + "\n")
+    out = build(tokenizer, cache_dir, seq_len=32, source=str(rows), format="qa", packing="pad", answer_only_loss=True)
+    labels = out.train[0]["labels"]
+    assert tokenizer.decode(labels[labels != IGNORE]) == " Ada<|endoftext|>" and out.stats["misplaced_answers"] == 0
+
+
+def test_squad_with_no_answer_in_place_is_an_error(tokenizer, cache_dir, tmp_path):
+    path = squad_json(tmp_path / "train-v1.1.json", n=2, misplaced={0: 99, 1: 0})
+    with pytest.raises(UserError, match=r"no usable training examples .*2 QA example\(s\) have no answer at their answer_start"):
+        build(tokenizer, cache_dir, seq_len=64, source=str(path), format="qa")
 
 
 # ---- qa answer-only loss -------------------------------------------------------------------------
@@ -182,6 +207,19 @@ def qa_rows(n: int) -> list[dict]:
         {"question": f"Who wrote book {i}?", "context": f"Book {i} was written by Author{i} in {1900 + i}.", "answer": f"Author{i}"}
         for i in range(n)
     ]
+
+
+@pytest.mark.parametrize("packing", ["pad", "pack"])
+def test_qa_loss_covers_the_prompt_unless_answer_only(tokenizer, cache_dir, tmp_path, packing):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(6)))
+    kw = dict(seq_len=40, source=str(path), format="qa", packing=packing, eval_split=0.0)
+    whole, answer = (all_items(build(tokenizer, cache_dir, answer_only_loss=only, **kw).train) for only in (False, True))
+    assert torch.equal(whole["input_ids"], answer["input_ids"])  # the same tokens, only the labels differ
+    real = whole["attention_mask"].bool()
+    assert torch.equal(whole["labels"][real], whole["input_ids"][real])  # every real token carries loss
+    n_whole, n_answer = int((whole["labels"] != IGNORE).sum()), int((answer["labels"] != IGNORE).sum())
+    assert 0 < n_answer < n_whole / 3  # answers and eos only: a few tokens of each ~25-token example
 
 
 def test_answer_only_loss_pad_mode(tokenizer, cache_dir, tmp_path):

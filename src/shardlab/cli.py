@@ -65,6 +65,7 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--seed", "seed", int, "random seed"),
     ("--output-dir", "output_dir", str, "run directory"),
     ("--resume", "resume", str, "'auto' or a checkpoint directory"),
+    ("--overwrite", "overwrite", "bool", "the output dir holds another run: delete its files first (else refused)"),
     ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
     ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
     ("--save-every", "save_every", int, "optimizer steps between checkpoints"),
@@ -192,11 +193,20 @@ def _dry_run(cfg) -> None:
     import json
 
     from .config import dump_config
-    from .launch import preflight
+    from .distributed import pick_device_type
+    from .launch import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
     from .optim import resolve_precision
     from .strategies import uses_deepspeed
 
+    cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
+    cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
+    if note:
+        print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
+    try:
+        stale_run_files(cfg)
+    except UserError as err:  # a dry run writes nothing: say what `train` would refuse
+        print(f"# note: `train` would refuse this: {err}")
     world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
         from .autobatch import cpu_budget_bytes, plan_start, with_micro_batch
@@ -204,7 +214,9 @@ def _dry_run(cfg) -> None:
         start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
         cfg = with_micro_batch(cfg, start)
-    micro, accum, glob = cfg.resolve_batch(world)
+    from .strategies import strategy_class
+
+    micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if uses_deepspeed(cfg.strategy):
         from .strategies.deepspeed_zero import resolved_ds_config

@@ -28,7 +28,7 @@ def add_cluster_parsers(sub, add_run_flags) -> None:
 def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
     import sys
 
-    from .slurm import SlurmOptions, prepare, submit
+    from .slurm import SlurmOptions, cpus_per_task, job_config, prepare, shared_paths, submit
 
     cfg = config_from_args(args)
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, mem=args.mem, cpus_per_task=args.cpus_per_task,
@@ -36,6 +36,10 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
                         sbatch_args=args.sbatch_arg)  # fmt: skip
     job = prepare(cfg, opts)
     print(f"[shardlab] code and config snapshotted in {job.snapshot}")
+    _, cpus_note = cpus_per_task(cfg, opts)
+    if cpus_note:
+        print(f"[shardlab] {cpus_note}")
+    print(f"[shardlab] every node needs on a shared filesystem: {'; '.join(shared_paths(job_config(cfg), job.snapshot))}")
     if args.submit:
         submit(job)
         print(f"[shardlab] submitted job {job.job_id}; log: {job.snapshot}/slurm-{job.job_id}.out")

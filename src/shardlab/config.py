@@ -132,7 +132,7 @@ class RunConfig(_Strict):
     deepspeed_config: str | None = Field(None, description="user DeepSpeed JSON; 'auto' values are filled from this config")
     # where it runs
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    gpus: int | None = Field(None, ge=0, description="processes (GPUs) per node; default: all visible, 1 on CPU")
+    gpus: int | None = Field(None, description="processes (GPUs) per node, at least 1; default: all visible, 1 on CPU")
     nodes: int = Field(1, gt=0)
     node_rank: int = Field(0, ge=0)
     master_addr: str = "127.0.0.1"
@@ -143,6 +143,7 @@ class RunConfig(_Strict):
     # outputs
     output_dir: str = "runs/latest"
     resume: str | None = Field(None, description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    overwrite: bool = Field(False, description="output_dir holds another run: delete its files first (else the run is refused)")
     log_every: int = Field(10, gt=0)
     eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
@@ -163,6 +164,15 @@ class RunConfig(_Strict):
         if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             return value
         raise ValueError(f"'micro_batch' must be a positive integer or 'auto', got {value!r}")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_at_least_one(cls, value: int | None) -> int | None:
+        # One rule for train, plan, bench and slurm: 0 is no "CPU mode" (that is --device cpu, where --gpus N is N workers).
+        if value is not None and value < 1:
+            raise ValueError(f"gpus {value}: --gpus is processes per node and must be at least 1 (on CPU, --device cpu --gpus N "
+                             "runs N worker processes)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -225,6 +235,36 @@ class RunConfig(_Strict):
         accum = accum or 1
         return micro, accum, micro * accum * dp_world
 
+    def with_pipeline_microbatches(self, world: int) -> tuple["RunConfig", str | None]:
+        """``strategy: pipeline`` without ``grad_accum`` (``--microbatches``): a default of two micro-batches per stage.
+
+        A step of a pipeline is its micro-batches; with the batch triple's default of 1, 1F1B cannot even start
+        (torch demands one per stage) and GPipe would idle all but one stage. Two per stage keep the bubble at
+        (S-1)/(3S-1) of the step. A given global batch takes the largest of 2S and S that divides it per pipeline.
+        Returns the config to run and the line to log (None when nothing was chosen)."""
+        if self.strategy != "pipeline" or self.grad_accum is not None or world < 1:
+            return self, None
+        stages = self.strategy_options.pp_stages or world
+        if world % stages or (isinstance(self.micro_batch, int) and self.global_batch is not None):
+            return self, None  # the layout check reports the first; the triple derives M in the second
+        options = (2 * stages, stages)
+        m = options[0]
+        if self.global_batch is not None:
+            dp = world // stages
+            if self.global_batch % dp:
+                return self, None  # resolve_batch reports it
+            per_pipeline = self.global_batch // dp
+            m = next((o for o in options if per_pipeline % o == 0), 0)
+            if not m:
+                raise UserError(
+                    f"pipeline: global_batch {self.global_batch} gives {per_pipeline} sequences per pipeline, which {stages} "
+                    f"stages cannot split into micro-batches evenly (a step needs at least one micro-batch per stage)",
+                    f"use a global batch that is a multiple of {stages * dp}, or set --microbatches",
+                )
+        note = (f"pipeline: --microbatches not given: {m} micro-batches per step ({m // stages} per stage for {stages} stages; "
+                f"1f1b needs at least one per stage)")
+        return self.model_copy(update={"grad_accum": m}), note
+
     def stages(self) -> list[CurriculumStage]:
         """The training stages: the curriculum, or one stage from the top-level dataset/epochs."""
         if self.curriculum:
@@ -264,12 +304,18 @@ def _key_fix(loc: tuple) -> str:
 
 def _format_validation_error(err: ValidationError) -> UserError:
     errors = err.errors()
-    # a misspelt key is also a missing one: name the misspelling, the root cause
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    # a misspelt key is also a missing one: name the misspellings, the root cause; all of them, so one edit fixes the file
+    unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        names = [".".join(str(p) for p in loc) for loc in unknown]
+        fixes = [_key_fix(loc) for loc in unknown]
+        if len(unknown) == 1:
+            return UserError(f"unknown config key {names[0]!r}", fixes[0])
+        return UserError(f"{len(unknown)} unknown config keys: {', '.join(map(repr, names))}",
+                         "; ".join(f"{name}: {fix}" for name, fix in zip(names, fixes)))
+    first = errors[0]
     where = ".".join(str(p) for p in first["loc"]) or "config"
     kind = first["type"]
-    if kind == "extra_forbidden":
-        return UserError(f"unknown config key {where!r}", _key_fix(first["loc"]))
     if kind == "missing":
         return UserError(f"missing config key {where!r}", "add it to your YAML")
     if kind == "value_error":
@@ -314,7 +360,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
+        if mark is not None and "\\t" in str(getattr(exc, "problem", "")):  # YAML forbids tabs in indentation: name the cause
+            raise UserError(f"config file {str(path)!r} has a tab character at line {mark.line + 1}:{mark.column + 1}; "
+                            "YAML indents with spaces only", "replace the tab with spaces") from None
+        where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""
         raise UserError(f"config file {str(path)!r} is not valid YAML{where}", "fix the YAML syntax") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {str(path)!r} must hold a mapping of keys", "write `key: value` lines")

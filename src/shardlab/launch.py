@@ -31,11 +31,9 @@ def processes_per_node(cfg: RunConfig, device_type: str) -> int:
             return visible
         if cfg.gpus > visible:
             raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
-        if cfg.gpus == 0:
-            raise UserError("--gpus 0 with a CUDA device selected", "use --device cpu to train on the CPU")
         return cfg.gpus
-    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs.
-    return max(1, cfg.gpus or 1)
+    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs (RunConfig refuses 0).
+    return cfg.gpus or 1
 
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
@@ -61,6 +59,11 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
+    if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
+        from .strategies.deepspeed_zero import resolved_ds_config
+
+        micro, accum, _ = cfg.resolve_batch(dp_world)
+        resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
     if cfg.nan_policy == "skip" and cfg.strategy == "zero0":
         raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
     if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
@@ -92,7 +95,10 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
     virtual = stages * (opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1)
     if layers and virtual > layers:
         raise UserError(f"{virtual} pipeline stages but {cfg.model} has only {layers} layers", f"use at most {layers} stages (x chunks)")
-    accum = cfg.grad_accum
+    accum = cfg.resolve_batch(world // stages)[1] if cfg.micro_batch != "auto" else cfg.grad_accum
+    if opts.pp_schedule == "1f1b" and accum is not None and accum < stages:  # torch's Schedule1F1B refuses it on every rank
+        raise UserError(f"1f1b needs at least one micro-batch per stage: {accum} micro-batch(es) for {stages} stages",
+                        f"use --microbatches {2 * stages} (or at least {stages}), or --schedule gpipe")
     if opts.pp_schedule == "interleaved-1f1b" and accum is not None and accum % stages:
         raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
@@ -103,7 +109,11 @@ def train(cfg: RunConfig):
     from .nodes import resolve_nodes
 
     cfg = resolve_nodes(cfg)
+    cfg = with_user_deepspeed_json(cfg)
+    cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
+    clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
+    cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
@@ -111,7 +121,7 @@ def train(cfg: RunConfig):
 
         cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
     plan = None
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:  # the rank that writes summary.json
+    if _rank_zero():  # the rank that writes summary.json
         from .run_plan import plan_for_run
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
@@ -129,6 +139,72 @@ def train(cfg: RunConfig):
     if result is not None and watched.result:
         result.summary.update(watched.result)
     return result
+
+
+# Not a run's output: `shardlab slurm` snapshots the job's code and config here before the job's first run.
+KEEP_IN_OUTPUT_DIR = ("slurm",)
+
+
+def stale_run_files(cfg: RunConfig) -> list[Path]:
+    """Files of an earlier run in output_dir that this run would mix with its own: [] when there are none or this run
+    resumes from a checkpoint there; with --overwrite, or --resume auto over an attempt that left no checkpoint and no
+    summary (a requeued job that died early), the files to delete. Otherwise refused, in one line."""
+    out = Path(cfg.output_dir)
+    if not _rank_zero() or cfg.node_rank != 0 or not out.is_dir():
+        return []  # one process decides: node 0's launcher (or rank 0 of a launched job)
+    old = sorted(p for p in out.iterdir() if p.name not in KEEP_IN_OUTPUT_DIR)
+    if not old:
+        return []
+    if cfg.resume:
+        from .checkpoint import find_resume_dir
+
+        found = find_resume_dir(cfg.resume, out)
+        if found is not None and found.resolve().is_relative_to(out.resolve()):
+            return []  # the same run, continued from its own checkpoint
+    finished = (out / "summary.json").is_file()
+    if cfg.overwrite or (cfg.resume == "auto" and not finished):
+        return old
+    what = "a finished run (summary.json)" if finished else f"another run's files ({', '.join(p.name for p in old[:4])}{', ...' if len(old) > 4 else ''})"
+    why = " and no checkpoint to resume from" if cfg.resume == "auto" else ""
+    raise UserError(f"output dir {str(out)!r} already holds {what}{why}; a new run would overwrite or mix with it",
+                    "pass --overwrite to delete it first, --resume auto to continue it from its checkpoint, or another --output-dir")
+
+
+def clear_stale_run_files(cfg: RunConfig) -> None:
+    import shutil
+
+    old = stale_run_files(cfg)
+    if old:
+        why = "--overwrite" if cfg.overwrite else "--resume auto found no checkpoint of the earlier attempt"
+        print(f"[shardlab] {why}: deleting the earlier run's files in {cfg.output_dir} ({', '.join(p.name for p in old)})", flush=True)
+    for path in old:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _rank_zero() -> bool:
+    """This process is rank 0 of a launched job (torchrun, srun), or the launching process."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
+def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
+    """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
+    from .strategies.deepspeed_zero import adopt_user_json
+
+    cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
+    for note in notes if _rank_zero() else ():
+        (say or (lambda m: print(f"[shardlab] {m}", flush=True)))(note)
+    return cfg
+
+
+def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
+    """RunConfig.with_pipeline_microbatches for this machine's world size, said once (rank 0 / the launching process)."""
+    if cfg.strategy != "pipeline" or cfg.grad_accum is not None:
+        return cfg
+    world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
+    cfg, note = cfg.with_pipeline_microbatches(world)
+    if note and _rank_zero():
+        print(f"[shardlab] {note}", flush=True)
+    return cfg
 
 
 def quiet_engines(device_type: str) -> None:

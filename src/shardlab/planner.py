@@ -753,8 +753,6 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     for name, value in (("--gpu-memory-gb", gpu_memory_gb), ("--host-ram-gb", host_ram_gb), ("--nvme-free-gb", nvme_free_gb)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UserError(f"{name} must be a positive number of GB, got {value}", f"pass e.g. {name} 80")
-    if cfg.gpus == 0:
-        raise UserError("cannot plan for 0 GPUs", "pass --gpus 1 or more (GPUs per node)")
     for s in strategies or ():
         if s not in STRATEGIES:
             raise UserError(f"unknown strategy {s!r}", f"choose from {', '.join(STRATEGIES)}")
@@ -762,6 +760,7 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         notes_ds = "a user DeepSpeed JSON is not read by plan: buckets are shardlab's strategy_options"
     else:
         notes_ds = ""
+    arch = _arch(cfg)  # an unknown model is the first problem to report, before a missing GPU
     if gpu_memory_gb is not None:
         gpu_memory, source = gpu_memory_gb * GiB, "given"
     else:
@@ -772,7 +771,6 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     gpus_per_node = _gpus_per_node(cfg)
     d = gpus_per_node * cfg.nodes
     precision = cfg.precision if cfg.precision != "auto" else "bf16"  # plan is for GPUs: auto = bf16 (A100/H100)
-    arch = _arch(cfg)
     plan_notes: list[str] = []
     if cfg.micro_batch == "auto":
         from .autobatch import check_auto_batch
@@ -800,7 +798,10 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     names = strategies or PLANNED_STRATEGIES
     out: dict[str, StrategyPlan] = {}
     for s in names:
-        s_micro, s_accum, _ = (micro, accum, None) if s != "pipeline" else cfg.resolve_batch(_dp_size(s, cfg, d))
+        if s == "pipeline":  # as `train --strategy pipeline` runs it: without --microbatches, its default
+            s_micro, s_accum, _ = cfg.model_copy(update={"strategy": s}).with_pipeline_microbatches(d)[0].resolve_batch(_dp_size(s, cfg, d))
+        else:
+            s_micro, s_accum = micro, accum
         try:
             sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
         except UserError as err:

@@ -72,6 +72,30 @@ def _check(cfg: RunConfig, opts: SlurmOptions) -> None:
     build_hf_config(cfg)  # an unknown model fails now too
 
 
+def cpus_per_task(cfg: RunConfig, opts: SlurmOptions) -> tuple[int, str | None]:
+    """--cpus-per-task, and the line saying how it was chosen when it was not given. One task per node runs all of
+    the node's workers, and SLURM's default (often 1 CPU per task) would make them share one core: at least one each."""
+    if opts.cpus_per_task is not None:
+        return opts.cpus_per_task, None
+    workers = cfg.gpus or 1
+    return workers, (f"--cpus-per-task not given: {workers} (one CPU core per worker, the least that does not make the node's "
+                     f"{workers} worker(s) share SLURM's default of one); data loading and CPU offload want more: pass --cpus-per-task")
+
+
+def shared_paths(cfg: RunConfig, snapshot: Path) -> list[str]:
+    """What every node of the job reads or writes, so must be on a filesystem all nodes share."""
+    paths = [f"{snapshot} (code and config)", f"{cfg.output_dir} (checkpoints, metrics)"]
+    for what, value in (("dataset", cfg.dataset.source), ("model", cfg.model), ("tokenizer", cfg.tokenizer),
+                        ("DeepSpeed JSON", cfg.deepspeed_config)):
+        if value and Path(value).expanduser().exists():
+            paths.append(f"{Path(value).expanduser().resolve()} ({what})")
+    paths.append(f"{os.environ.get('HF_HOME', '~/.cache/huggingface')} (HF_HOME: hub models and datasets, unless local)")
+    from .data.cache import default_cache_dir  # here: it imports torch, which writing a script does not need
+
+    paths.append(f"{default_cache_dir()} (SHARDLAB_CACHE: tokenized data; rank 0 builds it, the other ranks read it)")
+    return paths
+
+
 def job_config(cfg: RunConfig) -> RunConfig:
     """The config the job runs: absolute output dir (the job's cwd may differ) and resume on requeue."""
     return cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir).resolve()), "resume": "auto"})
@@ -84,7 +108,8 @@ def render(cfg: RunConfig, opts: SlurmOptions, snapshot: Path) -> str:
     directives = [f"--job-name={name}", f"--nodes={cfg.nodes}", "--ntasks-per-node=1"]
     if cfg.device != "cpu":
         directives.append(f"--gpus-per-node={cfg.gpus}")
-    for flag, value in (("cpus-per-task", opts.cpus_per_task), ("mem", opts.mem), ("time", opts.time), ("partition", opts.partition), ("account", opts.account)):
+    cpus, _ = cpus_per_task(cfg, opts)
+    for flag, value in (("cpus-per-task", cpus), ("mem", opts.mem), ("time", opts.time), ("partition", opts.partition), ("account", opts.account)):
         if value is not None:
             directives.append(f"--{flag}={value}")
     directives += [f"--output={snapshot}/slurm-%j.out", "--open-mode=append", "--requeue"]
@@ -95,6 +120,9 @@ def render(cfg: RunConfig, opts: SlurmOptions, snapshot: Path) -> str:
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
              f"# Written by `shardlab slurm` on {_dt.datetime.now().isoformat(timespec='seconds')}. It runs the shardlab code and the",
              "# config copied next to it, not what is on disk when the job starts.",
+             "# Every node needs these on a shared filesystem:",
+             *(f"#   {path}" for path in shared_paths(cfg, snapshot)),
+             *([f"# NVMe swap ({cfg.strategy_options.nvme_path}) is per node: local disk is right"] if cfg.strategy == "infinity" else []),
              "set -u", *opts.setup, "",
              f"export PYTHONPATH={q(str(snapshot / 'code'))}${{PYTHONPATH:+:$PYTHONPATH}}",
              f"export {NODE_AGENT_ENV}=slurm  # each srun task launches its node's workers (see shardlab/nodes.py)",

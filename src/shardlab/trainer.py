@@ -287,6 +287,9 @@ class Trainer:
         for st, sp, n in zip(stages, stage_data, stage_steps):
             log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
                       f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
+            if sp.stats.get("misplaced_answers"):
+                log0(env, f"stage {st.name or 'train'}: skipped {sp.stats['misplaced_answers']} QA example(s) whose answer is not at its "
+                          "answer_start in the context (outside it, or other text there)")
 
         seed_everything(cfg.seed)  # identical initial weights whatever the data pipeline consumed
         model = build_model(cfg)

@@ -156,6 +156,7 @@ def resolved_batch(config: dict[str, Any]) -> tuple[int, int, int]:
     cfg = config_from_dict(config)
     world = (cfg.gpus or 1) * cfg.nodes
     if cfg.strategy == "pipeline":
+        cfg = cfg.with_pipeline_microbatches(world)[0]  # what the run will use without --microbatches
         world = max(1, world // (cfg.strategy_options.pp_stages or world))
     return cfg.resolve_batch(world)
 

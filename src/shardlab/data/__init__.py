@@ -110,15 +110,23 @@ def _build_from_rows(
     # num_samples / eval_samples count usable examples, after blank rows are skipped
     train_text = render(train_rows, ds, raw.description).head(ds.num_samples)
     eval_text = render(eval_rows, ds, raw.description).head(ds.eval_samples) if eval_rows is not None else None
+    misplaced = train_text.misplaced + (eval_text.misplaced if eval_text else 0)
     if not train_text.texts:
+        if train_text.misplaced:
+            raise UserError(
+                f"no usable training examples in {raw.description}: {misplaced} QA example(s) have no answer at "
+                "their answer_start in the context (outside it, or other text there)",
+                "fix answer_start (a character offset into the context) or the answer text, or drop answer_start",
+            )
         raise UserError(
             f"no usable training examples in {raw.description}",
             "check that the data holds non-empty text (or question/context/answer rows for --format qa)",
         )
     make = pack if ds.packing == "pack" else pad
     pad_id = _pad_id(tokenizer)
-    train = make(tokenize(train_text, tokenizer), seq_len, pad_id)
-    evals = make(tokenize(eval_text, tokenizer), seq_len, pad_id) if eval_text is not None and eval_text.texts else None
+    only = ds.answer_only_loss
+    train = make(tokenize(train_text, tokenizer, answer_only=only), seq_len, pad_id)
+    evals = make(tokenize(eval_text, tokenizer, answer_only=only), seq_len, pad_id) if eval_text is not None and eval_text.texts else None
     if len(train) == 0:
         raise UserError(
             f"no training block has a token to learn from in {raw.description}",
@@ -126,6 +134,7 @@ def _build_from_rows(
         )
     stats = _stats(raw.description, ds, seq_len, train, evals, len(train_text.texts), len(eval_text.texts) if eval_text else 0)
     stats["skipped_rows"] = train_text.skipped + (eval_text.skipped if eval_text else 0)
+    stats["misplaced_answers"] = misplaced  # among skipped_rows
     return train, evals if evals is not None and len(evals) else None, stats
 
 

@@ -24,7 +24,7 @@ from .blocks import Blocks
 log = logging.getLogger(__name__)
 
 # Bump when the way blocks are built changes, so stale caches are not reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: qa without answer_only_loss has loss on every token (1 masked the prompt regardless); misplaced answers skipped
 _PROBE_TEXT = "Hello world\nQuestion: Why?\nAnswer: 42"
 
 

@@ -27,7 +27,8 @@ class Rendered:
     # qa only: char offset where the answer starts, and the context's char span (trimmable)
     answer_chars: list[int] | None = None
     context_spans: list[tuple[int, int]] | None = None
-    skipped: int = 0  # rows without usable text / answer
+    skipped: int = 0  # rows without usable text / answer (misplaced ones included)
+    misplaced: int = 0  # qa: rows skipped because no answer is where its answer_start says, in the context
 
     def head(self, n: int | None) -> "Rendered":
         if n is None or n >= len(self.texts):
@@ -37,6 +38,7 @@ class Rendered:
             self.answer_chars[:n] if self.answer_chars is not None else None,
             self.context_spans[:n] if self.context_spans is not None else None,
             self.skipped,
+            self.misplaced,
         )
 
 
@@ -69,21 +71,36 @@ def render_lm(rows: Any, text_field: str, where: str) -> Rendered:
     return Rendered(texts, skipped=len(values) - len(texts))
 
 
-def _answer_text(value: Any) -> str | None:
-    """A plain string, SQuAD's {"text": [...]} / [{"text": ...}], or a list of strings -> first answer."""
+def _answer_candidates(value: Any) -> list[tuple[str, Any]]:
+    """(text, answer_start or None) of every non-empty answer in a plain string, a list of strings, SQuAD's
+    ``{"text": [...], "answer_start": [...]}`` (the hub's layout) or ``[{"text": ..., "answer_start": ...}]`` (its JSON)."""
     if value is None:
-        return None
+        return []
     if isinstance(value, str):
-        return value if value.strip() else None
+        return [(value, None)] if value.strip() else []
     if isinstance(value, dict):
-        return _answer_text(value.get("text"))
+        texts, starts = value.get("text"), value.get("answer_start")
+        if isinstance(texts, (list, tuple)):
+            starts = list(starts) if isinstance(starts, (list, tuple)) else []
+            return [(t, starts[i] if i < len(starts) else None) for i, t in enumerate(texts) if isinstance(t, str) and t.strip()]
+        return [(t, starts) for t, _ in _answer_candidates(texts)]
     if isinstance(value, (list, tuple)):
-        for item in value:
-            text = _answer_text(item)
-            if text:
-                return text
-        return None
-    return str(value)
+        return [c for item in value for c in _answer_candidates(item)]
+    return [(str(value), None)]
+
+
+def _answer_in_context(value: Any, context: str) -> tuple[str | None, bool]:
+    """The first answer that is where its answer_start says (or has none), and whether some answer was misplaced:
+    an answer_start outside the context, or one where the context holds other text (an edited context, an offset
+    counted in bytes or off by one)."""
+    misplaced = False
+    for text, start in _answer_candidates(value):
+        if start is None:
+            return text, False
+        if isinstance(start, int) and not isinstance(start, bool) and 0 <= start and context[start : start + len(text)] == text:
+            return text, False
+        misplaced = True
+    return None, misplaced
 
 
 def render_qa(rows: Any, where: str) -> Rendered:
@@ -99,17 +116,19 @@ def render_qa(rows: Any, where: str) -> Rendered:
     questions, contexts = rows_column(rows, "question"), rows_column(rows, "context")
     answers = rows_column(rows, answer_col)
     texts, answer_chars, spans = [], [], []
+    misplaced = 0
     for q, c, a in zip(questions, contexts, answers):
-        answer = _answer_text(a)
+        c = c if isinstance(c, str) else ""
+        answer, wrong_place = _answer_in_context(a, c)
+        misplaced += wrong_place
         if not answer or not isinstance(q, str) or not q.strip():
             continue  # e.g. SQuAD v2's unanswerable questions: nothing to learn from
-        c = c if isinstance(c, str) else ""
         head = f"Question: {q}\nContext: "
         prompt = f"{head}{c}\nAnswer: "
         texts.append(prompt + answer)
         answer_chars.append(len(prompt))
         spans.append((len(head), len(head) + len(c)))
-    return Rendered(texts, answer_chars, spans, skipped=len(questions) - len(texts))
+    return Rendered(texts, answer_chars, spans, skipped=len(questions) - len(texts), misplaced=misplaced)
 
 
 # ---- tokenization --------------------------------------------------------------------------------
@@ -131,8 +150,18 @@ def _appends_eos(tokenizer: Any, eos: int) -> bool:
     return bool(probe) and probe[-1] == eos
 
 
-def tokenize(rendered: Rendered, tokenizer: Any) -> TokenizedExamples:
-    """Batch-tokenize the texts (no truncation: packing needs whole documents) and append eos."""
+def tokenize(rendered: Rendered, tokenizer: Any, *, answer_only: bool) -> TokenizedExamples:
+    """Batch-tokenize the texts (no truncation: packing needs whole documents) and append eos.
+
+    QA with ``answer_only``: loss from each answer's first token on; without it, loss on every token (question and
+    context too). Either way the context span is kept, so that padding truncates the context, not the answer."""
+    tok = _tokenize(rendered, tokenizer)
+    if not answer_only:
+        tok.loss_start = None
+    return tok
+
+
+def _tokenize(rendered: Rendered, tokenizer: Any) -> TokenizedExamples:
     eos = eos_id(tokenizer)
     add_eos = not _appends_eos(tokenizer, eos)
     qa = rendered.answer_chars is not None

@@ -292,13 +292,14 @@ def _flatten_squad(doc: dict) -> list[dict]:
     for article in doc["data"]:
         for para in article.get("paragraphs", []):
             for qa in para.get("qas", []):
-                answers = [a.get("text", "") for a in qa.get("answers", []) if isinstance(a, dict)]
+                answers = [a for a in qa.get("answers", []) if isinstance(a, dict)]
                 rows.append(
                     {
                         "title": article.get("title", ""),
                         "question": qa.get("question", ""),
                         "context": para.get("context", ""),
-                        "answers": {"text": answers},
+                        # the hub's squad layout; answer_start is kept so that misplaced answers can be found
+                        "answers": {"text": [a.get("text", "") for a in answers], "answer_start": [a.get("answer_start") for a in answers]},
                     }
                 )
     return rows

@@ -21,7 +21,8 @@ def add_pipeline_parser(sub, parser_class) -> None:
     sim.add_argument("--fwd", default="1", help="forward time of one micro-batch per stage: a number or a list, e.g. 1,1,2,1 (default 1)")
     sim.add_argument("--bwd", default="2", help="backward time per stage: a number or a list (default 2)")
     sim.add_argument("--comm", type=float, default=0.0, help="delay to send activations/gradients between devices (default 0)")
-    sim.add_argument("--steps", type=int, default=1, help="optimizer steps to simulate (default 1)")
+    sim.add_argument("--steps", type=int, default=None, help=f"optimizer steps to simulate (default {DEFAULT_STEPS_ASYNC} for "
+                     f"{' and '.join(ASYNC_SCHEDULES)}, whose steps overlap; else 1)")
     sim.add_argument("--layers", type=int, default=None, help="model layers: checks that every stage gets one")
     sim.add_argument("--out", default=None, help="directory for timeline.png/.svg, timeline.json and the tutorial diagrams")
     sim.add_argument("--no-tutorial", action="store_true", help="with --out: skip the five tutorial diagrams")
@@ -31,8 +32,11 @@ def add_pipeline_parser(sub, parser_class) -> None:
 def cmd_pipeline(args: argparse.Namespace) -> None:
     from . import render_timeline, simulate, tutorial_diagrams
 
-    tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=args.steps, layers=args.layers)
+    steps = args.steps if args.steps is not None else (DEFAULT_STEPS_ASYNC if args.schedule in ASYNC_SCHEDULES else 1)
+    tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=steps, layers=args.layers)
     print(report(tl))
+    if args.schedule in ASYNC_SCHEDULES:
+        print(_async_note(args.schedule, steps, args.steps is None))
     if not args.no_ascii:
         print()
         print(tl.ascii())
@@ -47,6 +51,22 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
         print()
         for f in files:
             print(f"wrote {f}")
+
+
+# PipeDream's schedules differ from 1F1B only between steps (no flush: the next step's forwards fill the drain) and
+# in the weights a micro-batch uses (stashed versions): one step alone draws the same timeline as 1F1B.
+ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
+DEFAULT_STEPS_ASYNC = 3
+
+
+def _async_note(schedule: str, steps: int, defaulted: bool) -> str:
+    if steps == 1:
+        return (f"note: one step of {schedule} runs micro-batches in 1F1B's order, so its timeline equals 1f1b's; what differs is "
+                "the weights (the versions and staleness columns) and, from the second step on, no flush between steps: "
+                f"use --steps {DEFAULT_STEPS_ASYNC}")
+    why = f"{steps} steps (the default for {schedule}: one step alone looks like 1f1b)" if defaulted else f"{steps} steps"
+    return (f"note: {why}: no flush between steps, the next step's forwards fill the previous one's drain; each forward "
+            "stashes the weights its backward reuses (the versions and staleness columns)")
 
 
 def report(tl) -> str:

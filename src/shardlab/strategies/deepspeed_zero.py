@@ -103,7 +103,11 @@ def use_deepspeed_optimizer(cfg: RunConfig, device_type: str) -> bool:
 # ---- user JSON with "auto" values -------------------------------------------------------------------
 
 
-def _auto_values(base: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+# What `total_num_steps: "auto"` shows before the run knows its length (dry run, pre-spawn check).
+TOTAL_STEPS_LATER = "<the run's optimizer steps>"
+
+
+def _auto_values(base: dict[str, Any], cfg: RunConfig, total_steps: int | None = None) -> dict[str, Any]:
     """What HF-style "auto" means, taken from the run config (not from the generated optimizer
     section, which is absent when shardlab passes torch's AdamW)."""
     zero = base["zero_optimization"]
@@ -116,11 +120,15 @@ def _auto_values(base: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
         "betas": [cfg.adam_beta1, cfg.adam_beta2],
         "eps": cfg.adam_eps,
         "weight_decay": cfg.weight_decay,
-        "warmup_num_steps": cfg.warmup_steps,
+        # DeepSpeed's WarmupLR refuses 0 (and warms up over max(2, n) steps, the first at warmup_min_lr): no warm-up is 1
+        "warmup_num_steps": max(1, cfg.warmup_steps),
         "warmup_max_lr": cfg.lr,
+        "warmup_min_lr": cfg.lr * cfg.min_lr_ratio,  # where shardlab's own schedule ends, as WarmupDecayLR's does
+        "total_num_steps": total_steps if total_steps is not None else TOTAL_STEPS_LATER,
         "reduce_bucket_size": zero["reduce_bucket_size"],
         "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
         "stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
+        "stage3_gather_16bit_weights_on_model_save": False,  # export gathers the weights itself (full_state_dict)
     }
 
 
@@ -143,19 +151,87 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig) -> dict[str, Any]:
-    """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
+def read_user_json(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"DeepSpeed config {path!r} not found", "check the path given to --deepspeed-config")
     try:
         import hjson  # DeepSpeed accepts hjson (comments, trailing commas); so do we
 
-        user = hjson.loads(p.read_text())
-        user = json.loads(json.dumps(user))
+        user = json.loads(json.dumps(hjson.loads(p.read_text())))
     except Exception:
         raise UserError(f"DeepSpeed config {path!r} is not valid JSON", "fix its syntax") from None
-    user = _fill_auto(user, _auto_values(base, cfg))
+    if not isinstance(user, dict):
+        raise UserError(f"DeepSpeed config {path!r} is not a JSON object", "write a {...} DeepSpeed config")
+    return user
+
+
+def json_strategy(user: dict[str, Any]) -> tuple[str | None, str]:
+    """The shardlab strategy a DeepSpeed JSON's zero_optimization describes (None: it sets no stage), and why."""
+    zero = user.get("zero_optimization") or {}
+    stage = zero.get("stage")
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        return None, "no zero_optimization.stage"
+    devices = {(zero.get(k) or {}).get("device") for k in ("offload_optimizer", "offload_param")} - {None, "none"}
+    where = f"zero_optimization.stage {stage}" + (f", offload to {' and '.join(sorted(devices))}" if devices else "")
+    if "nvme" in devices:
+        return ("infinity" if stage == 3 else None), where
+    if "cpu" in devices:
+        return (f"zero{stage}_offload" if stage else None), where
+    return f"zero{stage}", where
+
+
+def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[str]]:
+    """A user's DeepSpeed JSON decides what the run left open: the strategy from its zero_optimization (a given
+    --strategy must match it), the precision from its bf16/fp16 section where this device can run it.
+    Returns the config to run and the lines to log."""
+    if not cfg.deepspeed_config:
+        return cfg, []
+    from ..optim import resolve_precision
+
+    user = read_user_json(cfg.deepspeed_config)
+    notes: list[str] = []
+    name = Path(cfg.deepspeed_config).name
+    strategy, where = json_strategy(user)
+    if strategy is None and where != "no zero_optimization.stage":
+        raise UserError(f"DeepSpeed config {name} has {where}, which no shardlab strategy runs",
+                        "offload needs stage 1-3 (cpu) or 3 (nvme, strategy infinity)")
+    if strategy is not None and strategy != cfg.strategy:
+        if "strategy" in cfg.model_fields_set:
+            raise UserError(f"DeepSpeed config {name} has {where}, which is strategy {strategy}, but --strategy is {cfg.strategy}",
+                            f"pass --strategy {strategy}, or drop --strategy and shardlab takes it from the JSON")
+        cfg = cfg.model_copy(update={"strategy": strategy})
+        notes.append(f"strategy {strategy}, from {name} ({where})")
+    if cfg.precision == "auto":
+        enabled = [sec for sec in ("bf16", "fp16") if (user.get(sec) or {}).get("enabled") is True]
+        if enabled and _runs_on(enabled[0], device_type):
+            cfg = cfg.model_copy(update={"precision": enabled[0]})
+            notes.append(f"precision {enabled[0]}, from {name}")
+        elif enabled:
+            chosen = resolve_precision("auto", device_type).name
+            notes.append(f"{name} enables {enabled[0]}, which {device_type.upper()} training does not support: precision {chosen}, "
+                         f"its {enabled[0]} section is turned off")
+    scheduler = (user.get("scheduler") or {}).get("params") or {}
+    if scheduler.get("warmup_num_steps") == "auto" and cfg.warmup_steps == 0:
+        notes.append(f"{name}'s scheduler warmup_num_steps 'auto' with no warm-up: 1 (DeepSpeed's WarmupLR refuses 0; "
+                     "its first step runs at warmup_min_lr)")
+    return cfg, notes
+
+
+def _runs_on(precision: str, device_type: str) -> bool:
+    from ..optim import resolve_precision
+
+    try:
+        resolve_precision(precision, device_type)
+    except UserError:
+        return False
+    return True
+
+
+def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig, total_steps: int | None = None,
+                      device_type: str | None = None) -> dict[str, Any]:
+    """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
+    user = _fill_auto(read_user_json(path), _auto_values(base, cfg, total_steps))
     stage = user.get("zero_optimization", {}).get("stage")
     if stage is not None and stage != base["zero_optimization"]["stage"]:
         raise UserError(
@@ -163,8 +239,9 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunC
             f"pass --strategy zero{stage} (or its _offload variant), or remove the stage from the JSON",
         )
     for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
-        if section in user and user[section].get("enabled") is None:
-            user[section]["enabled"] = wanted
+        if section in user and (user[section].get("enabled") is None or (
+                cfg.precision == "auto" and device_type is not None and not _runs_on(section, device_type))):
+            user[section]["enabled"] = wanted  # "auto", or a precision this device cannot run (adopt_user_json said so)
         elif section in user and bool(user[section].get("enabled")) != wanted:
             raise UserError(
                 f"DeepSpeed config enables {section} = {user[section].get('enabled')} but the run's precision is {precision}",
@@ -179,11 +256,13 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunC
     return _deep_merge(base, user)
 
 
-def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str) -> dict[str, Any]:
-    """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top."""
+def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
+                       total_steps: int | None = None) -> dict[str, Any]:
+    """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top. `total_steps` fills a
+    scheduler's total_num_steps "auto" (known once the data is built)."""
     ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
     if cfg.deepspeed_config:
-        ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg)
+        ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg, total_steps, device_type)
     return ds
 
 
@@ -233,6 +312,18 @@ def sanitize_cuda_arch_list(log=print) -> None:
 # ---- the strategy -------------------------------------------------------------------------------------
 
 
+def _one_name_per_zero_key(ds: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed accepts `max_live_parameters` or its alias `stage3_max_live_parameters`, not both. shardlab's own
+    section uses the aliases, so a name beside its alias came from the user's JSON (Axolotl's use them): it wins."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deepspeed is imported by the caller anyway
+
+    zero = dict(ds.get("zero_optimization") or {})
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        if field.alias and field.alias != name and name in zero:
+            zero.pop(field.alias, None)
+    return {**ds, "zero_optimization": zero}
+
+
 class DeepSpeedStrategy(Strategy):
     supports_compile = False  # DeepSpeed's engine.compile exists but is not measured here yet
     uses_autocast = False  # the engine casts the module to bf16/fp16 itself
@@ -241,16 +332,16 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
 
-    def ds_config(self) -> dict[str, Any]:
+    def ds_config(self, total_steps: int | None = None) -> dict[str, Any]:
         return resolved_ds_config(
-            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type
+            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type, total_steps
         )
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         sanitize_cuda_arch_list()
         import deepspeed
 
-        ds = self.ds_config()  # (the NVMe path was checked in launch.preflight, before any process started)
+        ds = _one_name_per_zero_key(self.ds_config(total_steps))  # (the NVMe path was checked in launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:

@@ -79,6 +79,8 @@ def note_for_kill(output_dir: str | Path, plan: dict[str, Any] | None, oom_kills
     """What is known about a SIGKILL, and the fix: did the OOM killer act, the peak host memory seen, the plan's prediction."""
     import psutil
 
+    from .monitor import CPU_CSV
+
     parts = []
     after = oom_kills()
     memory_fix = fix_for_kill(strategy)
@@ -93,8 +95,10 @@ def note_for_kill(output_dir: str | Path, plan: dict[str, Any] | None, oom_kills
         parts.append("if nobody killed it: the kernel's out-of-memory killer or the job's memory limit (check `dmesg` or `sacct`)")
     peak = peak_host_gib(output_dir)
     ram = psutil.virtual_memory().total / GiB
-    seen = f"{peak:.1f} GiB" if peak is not None else "not recorded (the run died before its run directory existed)"
-    parts.append(f"host memory (process-tree RSS, {Path(output_dir) / 'cpu_memory.csv'}) peaked at {seen} of {ram:.1f} GiB RAM")
+    if peak is not None:
+        parts.append(f"host memory (process-tree RSS, {Path(output_dir) / CPU_CSV}) peaked at {peak:.1f} GiB of {ram:.1f} GiB RAM")
+    else:
+        parts.append(f"host memory of the run was not recorded (it died before its run directory existed); this host has {ram:.1f} GiB RAM")
     predicted = (plan or {}).get("cpu_gib")
     if predicted is not None:
         parts.append(f"the plan predicted {predicted:.1f} GiB of host memory")

@@ -116,3 +116,39 @@ def test_a_sigkilled_single_process_run_is_reported_by_its_supervisor(tmp_path):
         peak_gib = max(float(r["Real (MB)"]) for r in csv.DictReader(f)) * 1e6 / 2**30
     assert "was killed by SIGKILL" in line and f"host memory (process-tree RSS, {out / CPU_CSV}) peaked at {peak_gib:.1f} GiB" in line
     assert re.search(r"the plan predicted [\d.]+ GiB of host memory", line) and "(fix: " in line
+
+
+def _ds_json(strategy: str, device_type: str, tmp_path: Path) -> dict:
+    from shardlab.config import RunConfig
+    from shardlab.strategies.deepspeed_zero import resolved_ds_config
+
+    cfg = RunConfig(strategy=strategy, strategy_options={"nvme_path": str(tmp_path)})
+    return resolved_ds_config(cfg, "bf16" if device_type == "cuda" else "fp32", 2, 1, 2, device_type)
+
+
+@pytest.mark.parametrize(("strategy", "device_type", "optimizer_ops"), [
+    ("zero2", "cuda", ["FusedAdamBuilder"]),
+    ("zero2_offload", "cuda", ["CPUAdamBuilder"]),
+    ("infinity", "cuda", ["CPUAdamBuilder", "AsyncIOBuilder"]),
+    ("zero2", "cpu", []),  # torch's AdamW on a CPU without offload: no DeepSpeed optimizer kernel
+    ("zero3_offload", "cpu", ["CPUAdamBuilder"]),
+])
+def test_op_builders_are_the_ones_deepspeed_loads(strategy, device_type, optimizer_ops, tmp_path):
+    from shardlab.strategies.deepspeed_zero import op_builders
+
+    assert op_builders(_ds_json(strategy, device_type, tmp_path)) == [*optimizer_ops, "ShareMemCommBuilder"]
+
+
+def test_an_op_build_is_announced_unless_torch_cached_it(tmp_path, monkeypatch):
+    from shardlab.strategies.deepspeed_zero import announce_op_builds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # an empty cache: nothing built yet
+    ds = _ds_json("infinity", "cpu", tmp_path)
+    lines: list[str] = []
+    announce_op_builds(ds, lines.append)
+    assert [line.split()[3] for line in lines] == ["cpu_adam", "async_io", "deepspeed_shm_comm"], lines
+    assert all("the first build on this machine takes minutes" in line and str(tmp_path / "ext") in line for line in lines)
+    (tmp_path / "ext" / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # what torch's `load` leaves after a build
+    lines.clear()
+    announce_op_builds(ds, lines.append)
+    assert [line.split()[3] for line in lines] == ["async_io", "deepspeed_shm_comm"], lines

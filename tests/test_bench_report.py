@@ -268,8 +268,7 @@ def test_weak_and_strong_scaling_tables(bench):
 
 
 def test_memory_tables(bench):
-    (gpu,) = bench.tables("gpu-memory")
-    assert gpu["rows"] == [] and any("No run has GPU samples" in n for n in gpu["notes"])
+    assert bench.tables("gpu-memory") == []  # no GPU samples on a CPU: left out; test_every_seed_table_is_produced finds the note
     (cpu,) = bench.tables("cpu-memory")
     row = next(r for r in cpu["rows"] if r["label"] == "dp-g2")
     stats = cpu_csv_stats(bench.run("dp-g2"))

@@ -54,7 +54,7 @@ def test_supervisor_reports_a_sigkill_in_one_line_with_host_memory_plan_and_fix(
     run_dir = tmp_path / "run"
     _write_cpu_csv(run_dir, [1000.0, 3221.2, 2000.0])  # peak 3221.2 MB = 3.0 GiB
     code = supervise(str(run_dir), "zero2_offload", [sys.executable, "-c", KILLED_CHILD])
-    assert code == 128 + signal.SIGKILL
+    assert code == -signal.SIGKILL  # as Popen reports it; `shardlab train` then ends by the same signal (exit_as)
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert out == "" and len(lines) == 1, err
@@ -68,6 +68,13 @@ def test_supervisor_reports_a_sigkill_in_one_line_with_host_memory_plan_and_fix(
 def test_supervisor_passes_the_childs_exit_status_through_silently(tmp_path, capfd):
     assert supervise(str(tmp_path), "dp", [sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGABRT, 3])
+def test_the_supervisor_ends_as_its_child_ended(code):
+    proc = subprocess.run([sys.executable, "-c", f"import sys; from shardlab.supervise import exit_as; sys.exit(exit_as({code}))"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
 
 
 def test_kill_note_without_a_run_directory_or_plan(tmp_path):
@@ -108,7 +115,7 @@ def test_a_log_file_gets_one_plain_line_per_log_every_steps(tmp_path):
 def test_a_sigkilled_single_process_run_is_reported_by_its_supervisor(tmp_path):
     # kill_in_save: the training process SIGKILLs itself while writing the checkpoint of step 2, as the OOM killer would.
     code, stdout, stderr, out = _train_to_files(tmp_path, ["--max-steps", "3", "--save-every", "2"], {"SHARDLAB_FAULTS": "kill_in_save@2"})
-    assert code == 128 + signal.SIGKILL, stderr[-3000:]
+    assert code == -signal.SIGKILL, stderr[-3000:]  # the supervisor ends as its child did
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     line = errors[0]

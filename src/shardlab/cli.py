@@ -317,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
         if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
-            from .supervise import supervise, wanted
+            from .supervise import exit_as, supervise, wanted
 
             if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)
                 cfg = config_from_args(args)  # a bad flag or config: one line here, before any child
-                return supervise(cfg.output_dir, cfg.strategy)
+                return exit_as(supervise(cfg.output_dir, cfg.strategy))
         from .bench.cli import cmd_bench, cmd_report
         from .cluster_cli import cmd_export, cmd_slurm
 

@@ -118,22 +118,39 @@ def fix_for_kill(strategy: str | None) -> str:
     return ", ".join(fixes[:-1]) + " or " + fixes[-1]
 
 
+# Sent to this process alone (`kill -HUP PID`, a test's SIGABRT): passed on, so that they reach the training as before.
+FORWARDED = (signal.SIGHUP, signal.SIGQUIT, signal.SIGABRT)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (kill -9 of the PID a user started), so that the
+    training stops as a SIGTERM stops it (checkpoint, exit) instead of running on unwatched."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def supervise(output_dir: str, strategy: str | None, command: list[str] | None = None) -> int:
-    """Run ``command`` (default: this process's own command line again) as a child, wait for it and return its
-    exit status; report a death by signal in one line."""
+    """Run ``command`` (default: this process's own command line again) as a child and wait for it. Returns its
+    status as Popen does (negative: killed by that signal), after one line on stderr when a signal killed it."""
     from .preemption import ForwardToWorkers
 
     with tempfile.TemporaryDirectory(prefix="shardlab-watch-") as tmp:
         plan_file = Path(tmp) / "plan.json"
         before = oom_kills()
-        child = subprocess.Popen(command or [sys.executable, *sys.orig_argv[1:]], env=dict(os.environ, **{SUPERVISED_ENV: str(plan_file)}))
+        child = subprocess.Popen(command or [sys.executable, *sys.orig_argv[1:]], env=dict(os.environ, **{SUPERVISED_ENV: str(plan_file)}),
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         # Ctrl-C reaches the child from the terminal itself; the child stops cleanly and we report its status.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        for sig in FORWARDED:
+            previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
         try:
             with ForwardToWorkers():  # SIGTERM / SIGUSR1 / SIGUSR2 sent to this process only (kill PID, SLURM's batch shell)
                 code = child.wait()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if code >= 0:
             return code
         sig = signal.Signals(-code)
@@ -144,7 +161,23 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
             say(f"error: {what}; {note} (fix: {fix})")
         else:
             say(f"error: {what}")
-        return 128 + sig.value
+        return code
+
+
+def exit_as(code: int) -> int:
+    """End this process as the child ended: by the same signal (so that the shell, a bench or a test sees what they
+    would have seen without the supervisor), else return the exit status."""
+    if code >= 0:
+        return code
+    import resource
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the child left its core (if any); a second one of this parent helps nobody
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    return 128 - code  # a signal whose default is not to terminate (none kills a child that way)
 
 
 def record_plan(plan: dict[str, Any]) -> None:

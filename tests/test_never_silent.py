@@ -88,7 +88,8 @@ def test_kill_fix_names_what_lowers_host_memory_per_strategy():
     assert "--no-pin-memory" in fix_for_kill("infinity") and "--strategy infinity" not in fix_for_kill("infinity")
 
 
-RUN = ["--model", "tiny-gpt2", "--device", "cpu", "--dataset", "synthetic", "--seq-len", "32", "--micro-batch", "2", "--no-export"]
+RUN = ["--model", "tiny-gpt2", "--device", "cpu", "--dataset", "synthetic", "--seq-len", "32", "--micro-batch", "2", "--no-export",
+       "--set", "dataset.eval_samples=2"]  # the epoch-end eval of 312 blocks would take longer than the training
 
 
 def _train_to_files(tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str, Path]:

@@ -97,7 +97,7 @@ def _train_to_files(tmp_path: Path, args: list[str], env: dict[str, str] | None 
     out = tmp_path / "run"
     with open(tmp_path / "stdout.log", "w") as fo, open(tmp_path / "stderr.log", "w") as fe:
         proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *RUN, *args, "--output-dir", str(out)], stdout=fo, stderr=fe,
-                              stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})), timeout=420)
+                              stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})), timeout=900)  # a guard only
     return proc.returncode, (tmp_path / "stdout.log").read_text(), (tmp_path / "stderr.log").read_text(), out
 
 

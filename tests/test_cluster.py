@@ -73,8 +73,8 @@ class Run:
         raise TimeoutError(f"step {step} not reached")
 
     def worker(self, rank: int) -> psutil.Process:
-        """The worker process of global `rank` among this launcher's children (they carry RANK)."""
-        for child in psutil.Process(self.proc.pid).children():
+        """The worker process of global `rank` below this `shardlab train` (its supervisor, the launcher; workers carry RANK)."""
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
             if child.environ().get("RANK") == str(rank):
                 return child
         raise LookupError(f"no worker with RANK={rank}")

@@ -24,17 +24,17 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--tokenizer", "tokenizer", str, "tokenizer hub id or directory (default: the model's own / offline GPT-2 BPE)"),
     ("--dataset", "dataset.source", str, "'offline', 'synthetic', wikitext-2-raw-v1, squad, a hub id or a local file/dir"),
     ("--format", "dataset.format", str, "lm (plain text) or qa (Question/Context/Answer)"),
-    ("--num-samples", "dataset.num_samples", int, "use only the first N training examples"),
+    ("--num-samples", "dataset.num_samples", int, "use only the first N training examples (default: all)"),
     ("--eval-split", "dataset.eval_split", float, "fraction held out for eval when the source has no eval split"),
     ("--packing", "dataset.packing", str, "pack (full blocks, default) or pad (per example, as the tutorials do)"),
     ("--answer-only-loss", "dataset.answer_only_loss", "bool", "qa: loss on answer tokens only"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),
-    ("--micro-batch", "micro_batch", "int|auto", "sequences per GPU per forward pass, or 'auto' (largest that runs: plan + short trials)"),
-    ("--grad-accum", "grad_accum", int, "micro-batches accumulated per optimizer step"),
-    ("--global-batch", "global_batch", int, "sequences per optimizer step over all GPUs (= micro x accum x world)"),
+    ("--micro-batch", "micro_batch", "int|auto", "sequences per GPU per forward pass, or 'auto' (largest that runs: plan + short trials) (default: 8, or from --global-batch)"),
+    ("--grad-accum", "grad_accum", int, "micro-batches accumulated per optimizer step (default: 1, or from --global-batch)"),
+    ("--global-batch", "global_batch", int, "sequences per optimizer step over all GPUs (default: micro x accum x world)"),
     ("--cpu-memory-budget-gb", "cpu_memory_budget_gb", float, "--micro-batch auto on CPU: host RAM the run may use (default: half the available)"),
-    ("--epochs", "epochs", float, "epochs to train (fractions allowed)"),
-    ("--max-steps", "max_steps", int, "stop after this many optimizer steps"),
+    ("--epochs", "epochs", float, "epochs to train, fractions allowed (default: 1, unless --max-steps is given)"),
+    ("--max-steps", "max_steps", int, "stop after this many optimizer steps (default: no limit, the epochs decide)"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--warmup-steps", "warmup_steps", int, "linear warm-up steps"),
     ("--lr-schedule", "lr_schedule", str, "cosine, linear or constant after warm-up"),
@@ -42,33 +42,33 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-grad-norm", "max_grad_norm", float, "gradient clipping norm"),
     ("--precision", "precision", str, "auto, bf16, fp16 or fp32"),
     ("--strategy", "strategy", str, ", ".join(STRATEGIES)),
-    ("--deepspeed-config", "deepspeed_config", str, "your own DeepSpeed JSON ('auto' values are filled in)"),
+    ("--deepspeed-config", "deepspeed_config", str, "your own DeepSpeed JSON, 'auto' values filled in (default: none, shardlab writes the whole JSON)"),
     ("--pin-memory", "strategy_options.pin_memory", "bool", "page-locked CPU buffers for offload"),
-    ("--nvme-path", "strategy_options.nvme_path", str, "infinity: swap directory on local NVMe"),
+    ("--nvme-path", "strategy_options.nvme_path", str, "infinity: swap directory on local NVMe (no default: infinity needs it)"),
     ("--stages", "strategy_options.pp_stages", int, "pipeline: ranks the layers are split over (default: all)"),
-    ("--microbatches", "grad_accum", int, "pipeline: micro-batches per step (= --grad-accum)"),
+    ("--microbatches", "grad_accum", int, "pipeline: micro-batches per step (the same setting as --grad-accum, and the same default)"),
     ("--schedule", "strategy_options.pp_schedule", str, "pipeline: gpipe, 1f1b or interleaved-1f1b"),
     ("--chunks", "strategy_options.pp_chunks", int, "pipeline, interleaved-1f1b: model chunks per rank"),
     ("--gradient-checkpointing", "gradient_checkpointing", "bool", "recompute activations in backward"),
     ("--attn-implementation", "attn_implementation", str, "auto, sdpa, eager or flash_attention_2"),
-    ("--dropout", "dropout", float, "override the model's dropout probabilities"),
+    ("--dropout", "dropout", float, "override the model's dropout probabilities (default: the model's own)"),
     ("--trust-remote-code", "trust_remote_code", "bool", "allow model code from the hub (off by default)"),
     ("--compile", "compile", "bool", "torch.compile the model"),
     ("--device", "device", str, "auto, cuda or cpu"),
-    ("--gpus", "gpus", int, "processes (GPUs) per node; on CPU the number of worker processes"),
+    ("--gpus", "gpus", int, "processes (GPUs) per node; on CPU the number of worker processes (default: every visible GPU; 1 on CPU)"),
     ("--nodes", "nodes", int, "number of nodes"),
     ("--node-rank", "node_rank", int, "this node's index"),
     ("--master-addr", "master_addr", str, "address of node 0"),
     ("--master-port", "master_port", int, "port on node 0"),
-    ("--hostfile", "hostfile", str, "DeepSpeed-style hostfile ('host slots=N'): nodes, GPUs per node, master, node rank"),
+    ("--hostfile", "hostfile", str, "DeepSpeed-style hostfile ('host slots=N'): nodes, GPUs per node, master, node rank (default: none, the flags decide)"),
     ("--dist-timeout", "dist_timeout_s", int, "seconds a collective waits for a silent rank before failing"),
     ("--seed", "seed", int, "random seed"),
     ("--output-dir", "output_dir", str, "run directory"),
-    ("--resume", "resume", str, "'auto' or a checkpoint directory"),
+    ("--resume", "resume", str, "'auto' or a checkpoint directory (default: start fresh)"),
     ("--overwrite", "overwrite", "bool", "the output dir holds another run: delete its files first (else refused)"),
     ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
     ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
-    ("--save-every", "save_every", int, "optimizer steps between checkpoints"),
+    ("--save-every", "save_every", int, "optimizer steps between checkpoints (default: no periodic checkpoints)"),
     ("--save-each-epoch", "save_each_epoch", "bool", "also checkpoint at the end of every epoch"),
     ("--keep-checkpoints", "keep_checkpoints", int, "how many recent checkpoints to keep"),
     ("--nan-policy", "nan_policy", str, "non-finite loss/gradients: stop (naming the step) or skip the step"),
@@ -134,16 +134,64 @@ def _int_or_auto(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", help="YAML run configuration (flags override it)")
+def _field(key: str):
+    """The pydantic field behind a dotted config key (``dataset.source`` -> DatasetConfig.source)."""
+    from .config import RunConfig
+
+    model, *parents = RunConfig, *key.split(".")[:-1]
+    for part in parents:
+        field = model.model_fields[part]
+        model = field.default_factory if field.default_factory is not None else field.annotation
+    return model.model_fields[key.split(".")[-1]]
+
+
+def _metavar(flag: str, key: str, typ: Any) -> str | None:
+    """What a flag's value is, in the user's words: the choices of a Literal, else the key's own name
+    (``--dataset SOURCE``, not argparse's ``DATASET__SOURCE``); the flag's name where two flags share a key."""
+    import typing
+
+    if typ == "bool":
+        return None
+    choices = [a for t in (_field(key).annotation, *typing.get_args(_field(key).annotation)) for a in typing.get_args(t)
+               if typing.get_origin(t) is typing.Literal]
+    if choices and typ == "int|auto":
+        return "N|" + "|".join(map(str, choices))
+    if choices:
+        return "{" + ",".join(map(str, choices)) + "}"
+    if sum(k == key for _, k, _, _ in FLAGS) > 1:
+        return flag.lstrip("-").replace("-", "_").upper()
+    return key.split(".")[-1].removeprefix("pp_").upper()
+
+
+def _with_default(key: str, help_text: str) -> str:
+    """The help text with the config default appended, unless the text already explains it."""
+    import enum
+
+    if "default" in help_text:
+        return help_text
+    field = _field(key)
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if value is None:
+        shown = "not set"
+    elif isinstance(value, bool):
+        shown = "on" if value else "off"
+    else:
+        shown = value.value if isinstance(value, enum.Enum) else value
+    return f"{help_text} (default: {shown})"
+
+
+def add_run_flags(parser) -> None:
+    """Every FLAGS entry on ``parser`` (a parser or an argument group), with its metavar and config default."""
+    parser.add_argument("--config", "-c", metavar="YAML", help="YAML run configuration (flags override it)")
     for flag, key, typ, help_text in FLAGS:
         dest = key.replace(".", "__")
+        text, metavar = _with_default(key, help_text), _metavar(flag, key, typ)
         if typ == "bool":
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif typ == "int|auto":
-            parser.add_argument(flag, dest=dest, type=_int_or_auto, default=None, help=help_text)
+            parser.add_argument(flag, dest=dest, type=_int_or_auto, default=None, metavar=metavar, help=text)
         else:
-            parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+            parser.add_argument(flag, dest=dest, type=typ, default=None, metavar=metavar, help=text)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config key, dotted (YAML value)")
 
 
@@ -154,7 +202,23 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, overrides, _parse_set(args.set))
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every real default shown; a None default means "not given" (the config decides,
+    and add_run_flags states the config's default), a store_true flag is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or action.default == [] or "default" in text
+                or not action.option_strings or action.help == argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # argparse's usage wall -> our one line
         raise UserError(message, f"see `{self.prog} --help`")
 
@@ -234,12 +298,18 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
 
 
 def _add_plan_parser(sub) -> None:
-    pl = sub.add_parser("plan", help="predict per-GPU/CPU/NVMe memory of every strategy and recommend one (no GPU needed)")
-    add_run_flags(pl)
-    pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GiB, e.g. 80 for an H100 80GB (default: detected; required without a GPU)")
-    pl.add_argument("--host-ram-gb", type=float, default=None, help="CPU RAM per node in GiB (checked for offload)")
-    pl.add_argument("--nvme-free-gb", type=float, default=None, help="free NVMe space per node in GiB (checked for infinity)")
+    pl = sub.add_parser(
+        "plan", help="predict per-GPU/CPU/NVMe memory of every strategy and recommend one (no GPU needed)",
+        usage="shardlab plan [--gpu-memory-gb GIB] [--host-ram-gb GIB] [--nvme-free-gb GIB] [--json] [run flags as for `shardlab train`]",
+        description="Predict, for the run described by the flags (or --config), the peak memory per GPU of every strategy, "
+                    "the host memory per node and the NVMe space it needs, and recommend the fastest strategy that fits. "
+                    "Needs no GPU: without one, say how much memory a GPU has with --gpu-memory-gb.")
+    pl.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
+                    help="memory per GPU in GiB, e.g. 80 for an H100 80GB (default: detected; required without a GPU)")
+    pl.add_argument("--host-ram-gb", type=float, default=None, metavar="GIB", help="CPU RAM per node in GiB, checked for offload (default: not checked)")
+    pl.add_argument("--nvme-free-gb", type=float, default=None, metavar="GIB", help="free NVMe space per node in GiB, checked for infinity (default: not checked)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_run_flags(pl.add_argument_group("run configuration (the flags of `shardlab train`)"))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -258,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = build_parser().parse_known_args(argv)
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
+        if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
+            from .supervise import exit_as, supervise, wanted
+
+            if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)
+                cfg = config_from_args(args)  # a bad flag or config: one line here, before any child
+                return exit_as(supervise(cfg.output_dir, cfg.strategy))
         from .bench.cli import cmd_bench, cmd_report
         from .cluster_cli import cmd_export, cmd_slurm
 

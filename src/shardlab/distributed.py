@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UserError
+from .supervise import NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free supervise.py, used here and by others
 
 
 @dataclass
@@ -42,19 +43,6 @@ class DistEnv:
                 dist.barrier(device_ids=[self.device.index or 0])
             else:
                 dist.barrier()
-
-
-# Set by the script `shardlab slurm` writes: this srun task is one node's launcher, not a rank.
-NODE_AGENT_ENV = "SHARDLAB_NODE_AGENT"
-
-
-def in_launched_job() -> bool:
-    """True when some launcher (ours, torchrun, deepspeed, srun with >1 task) already made us a rank."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
-    if os.environ.get(NODE_AGENT_ENV):
-        return False
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
 def launched_world_size() -> int | None:

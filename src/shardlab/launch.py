@@ -126,16 +126,29 @@ def train(cfg: RunConfig):
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
+        from .supervise import record_plan
+
+        record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed
     from .monitor import watch
+    from .supervise import oom_kills
 
     result = None
-    with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
-        if in_launched_job() or nproc * cfg.nodes == 1:
-            from .trainer import run_worker
+    kills_before = oom_kills()
+    try:
+        with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
+            if in_launched_job() or nproc * cfg.nodes == 1:
+                from .trainer import run_worker
 
-            result = run_worker(cfg, plan=plan)
-        else:
-            spawn(cfg, nproc, plan)
+                result = run_worker(cfg, plan=plan)
+            else:
+                spawn(cfg, nproc, plan)
+    except WorkerFailed as err:
+        if err.exitcode != 128 + signal.SIGKILL:
+            raise
+        from .supervise import note_for_kill
+
+        note, _ = note_for_kill(cfg.output_dir, plan, kills_before, cfg.strategy)  # the monitor has closed its CSV
+        raise WorkerFailed(err.exitcode, f"{err}; {note}") from None
     if result is not None and watched.result:
         result.summary.update(watched.result)
     return result

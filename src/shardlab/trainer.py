@@ -381,6 +381,9 @@ class Trainer:
         global_step = state["global_step"]
         t_start = time.perf_counter()
         progress = _progress(env, total_steps, global_step)
+        # A log file (SLURM, nohup, `> log`) gets no progress bar: one plain line per metrics row instead.
+        plain_lines = env.is_main and not sys.stdout.isatty()
+        first_step = global_step
         strategy.train()
         window_losses: list[float] = []  # step losses since the last metrics row
         for si in range(state["stage"], len(stages)):
@@ -424,6 +427,10 @@ class Trainer:
                             row["skipped_steps"] = strategy.skipped_steps  # so far: non-finite or fp16-overflow steps
                         row.update(metrics.memory_snapshot(env.device))
                         writer.log(row)
+                        if plain_lines:
+                            elapsed = time.perf_counter() - t_start  # this process's steps only (a resumed run restarts the clock)
+                            eta = elapsed / (global_step - first_step) * (total_steps - global_step)
+                            print(progress_line(row, total_steps, eta), flush=True)
                         window_losses.clear()
                     self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)  # after the row: it shows the step
                     if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
@@ -496,11 +503,21 @@ def _peak(env: DistEnv) -> dict[str, float]:
     return out
 
 
+def progress_line(row: dict[str, Any], total_steps: int, eta_s: float) -> str:
+    """One metrics row as a plain log line: what the progress bar shows on a terminal, for a log file."""
+    memory = (f"GPU mem {row['gpu_mem_alloc_gib']:.2f} GiB (peak {row['gpu_mem_peak_gib']:.2f})" if "gpu_mem_alloc_gib" in row
+              else f"host RSS {row['cpu_rss_gib']:.2f} GiB (rank 0)")
+    eta = time.strftime("%H:%M:%S", time.gmtime(eta_s)) if eta_s < 86400 else f"{eta_s / 86400:.1f} days"
+    return (f"[shardlab] step {row['step']}/{total_steps} | epoch {row['epoch']:.3f} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"{row['tokens_per_s']:,.0f} tokens/s | step {row['step_time_s']:.3f} s | {memory} | ETA {eta}")
+
+
 def _progress(env: DistEnv, total: int, done: int):
     if not env.is_main:
         return None
     from tqdm.auto import tqdm
 
+    # disable=None: tqdm draws only when its stream (stderr) is a terminal
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
 
 
@@ -530,6 +547,12 @@ def print_summary(summary: dict[str, Any]) -> None:
                 "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))
+    if summary.get("mfu") is not None:
+        table.add_row("MFU (useful tokens)", f"{summary['mfu']:.1%} of {summary['peak_tflops_per_device']:,.0f} TFLOP/s ({summary['peak_math_mode']})")
+    elif summary.get("mfu_note"):
+        table.add_row("MFU", summary["mfu_note"].removeprefix("MFU not reported: "))
+    if summary.get("model_tflops_per_s") is not None:
+        table.add_row("model TFLOP/s (useful tokens, all devices)", fmt(summary["model_tflops_per_s"]))
     pp = summary.get("pipeline")
     if pp:
         table.add_row("pipeline step ms: measured / simulated", f"{pp['measured_step_ms']:.4g} / {pp['simulated_step_ms']:.4g}")

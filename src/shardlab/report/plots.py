@@ -28,6 +28,15 @@ def _figure(width: float = 8.0, height: float = 4.2):
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
+def _run_ticks(ax, labels: list[str]) -> None:
+    """One tick per run, its label wrapped at hyphens: a bench's labels (40+ characters) rotated in one line run
+    past the figure's left edge, more than constrained layout can make room for."""
+    import textwrap
+
+    wrapped = [textwrap.fill(label, 22, break_on_hyphens=True) for label in labels]
+    ax.set_xticks(range(len(labels)), wrapped, rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
+
+
 def _png(fig) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -68,7 +77,7 @@ def memory_plot(cells: list[Cell]) -> Plot | None:
         ax.set_ylabel("GB")
         title = "Peak CPU memory per run (no GPU was used)"
         caption = "CPU runs have no GPU memory; the process tree's peak RSS (psutil) and the largest rank's RSS are shown."
-    ax.set_xticks(list(x), labels, rotation=30, ha="right")
+    _run_ticks(ax, labels)
     ax.legend(fontsize=8)
     ax.set_title(title)
     return Plot("memory", title, _png(fig), caption)
@@ -86,14 +95,15 @@ def throughput_plot(cells: list[Cell]) -> Plot | None:
         s = tokens(c)
         ax.bar(i, s.median, color=color[str(c.footing()["precision"])],
                yerr=[[s.median - s.low], [s.high - s.median]] if s.n > 1 else None, capsize=3)
-    ax.set_xticks(range(len(ok)), [c.label for c in ok], rotation=30, ha="right")
+    _run_ticks(ax, [c.label for c in ok])
     for p in precisions:
         ax.bar([0], [0], color=color[p], label=p)
     ax.legend(title="precision", fontsize=8)
-    ax.set_ylabel("useful tokens/s (median; bars: min-max over repeats)")
+    ax.set_ylabel("useful tokens/s (median)")  # longer, it ran off a figure whose axes the tick labels shrink
     ax.set_title("Throughput per run")
     return Plot("throughput", "Throughput per run", _png(fig),
-                "Bars are coloured by precision: runs of different colours are not on equal footing.")
+                "Median useful tokens/s; error bars: min-max over repeats. Bars are coloured by precision: runs of different "
+                "colours are not on equal footing.")
 
 
 def loss_plot(cells: list[Cell]) -> Plot | None:
@@ -199,7 +209,9 @@ def scaling_plot(tables: list[Table]) -> Plot | None:
         ax.set_ylabel("samples/s")
         ax.set_xticks(gpus)
         ax.set_title(t.title.split(":")[0], fontsize=10)
-        ax.legend(fontsize=7, loc="upper left")
+        lines, labels = ax.get_legend_handles_labels()
+        twin_lines, twin_labels = ax2.get_legend_handles_labels()  # the efficiency line lives on the twin axis
+        ax.legend(lines + twin_lines, labels + twin_labels, fontsize=7, loc="upper left")
     return Plot("scaling", "Scaling", _png(fig), "Samples/s against the GPU count, the linear ideal and the efficiency.")
 
 

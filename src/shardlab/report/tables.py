@@ -34,6 +34,7 @@ class Table:
     columns: list[Column]
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    empty_why: str = "no run has data for it"  # said in the report when the table has no rows and is left out
 
     @property
     def flagged(self) -> list[dict[str, Any]]:
@@ -437,9 +438,8 @@ def memory_tables(cells: list[Cell]) -> list[Table]:
     tables = []
     gpu_notes = ["From each run's gpu_memory.csv (NVML, nvidia-smi's columns): memory.used over the whole run, start-up included; "
                  "peak = the busiest GPU, mean = mean over GPUs, min = the lowest sample."]
-    if not gpu_rows:
-        gpu_notes.append("No run has GPU samples (CPU runs, or NVML unavailable): nothing to show.")
-    tables.append(Table("gpu-memory", "GPU memory over the run (nvidia-smi CSV)", GPU_MEM_COLUMNS, gpu_rows, gpu_notes))
+    tables.append(Table("gpu-memory", "GPU memory over the run (nvidia-smi CSV)", GPU_MEM_COLUMNS, gpu_rows, gpu_notes,
+                        empty_why="no run has GPU samples: CPU runs, or NVML unavailable"))
     tables.append(Table("cpu-memory", "CPU memory over the run (psrecord-style CSV)", CPU_MEM_COLUMNS, cpu_rows, [
         "From each run's cpu_memory.csv (psutil): RSS and CPU % summed over the launcher, every rank and their children; "
         "shared pages are counted once per process, as psrecord does.",
@@ -452,29 +452,47 @@ def memory_tables(cells: list[Cell]) -> list[Table]:
 
 
 PLAN_COLUMNS = [
-    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("predicted_gib", "Predicted GPU peak (GiB)", "gib"),
-    Column("gpu_peak_gib", "Measured GPU peak (GiB)", "gib"), Column("error_pct", "Error %", "pct"),
-    Column("predicted_cpu_gib", "Predicted CPU (GiB)", "gib"), Column("cpu_rss_peak_gb", "Measured CPU RSS peak (GB)", "gb"),
-    Column("fits", "Predicted to fit", "text"),
+    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("memory", "Memory compared", "text"),
+    Column("predicted_gib", "Predicted peak (GiB)", "gib"), Column("measured_gib", "Measured peak (GiB)", "gib"),
+    Column("error_pct", "Error %", "pct"), Column("predicted_host_gib", "GPU runs: predicted host (GiB)", "gib"),
+    Column("measured_host_gib", "GPU runs: measured host RSS peak (GiB)", "gib"), Column("fits", "Predicted to fit", "text"),
 ]
+GPU_COMPARED = "GPU: torch peak allocated per GPU"
+HOST_COMPARED = "host: process-tree RSS, all ranks"
+
+
+def gib_from_gb(s: Spread | None) -> Spread | None:
+    """A Spread of GB (10^9 bytes: psrecord's and cpu_memory.csv's unit) in GiB (2^30 bytes: the planner's)."""
+    k = 1e9 / 2**30
+    return None if s is None else Spread(s.median * k, s.low * k, s.high * k, s.n)
 
 
 def plan_tables(cells: list[Cell]) -> list[Table]:
+    """The plan's prediction against the run's measurement, of the memory the plan predicts for that device:
+    GPU memory per GPU on a GPU run, host memory of the whole run on a CPU run (run_plan.py); all in GiB."""
     rows = []
     for c in cells:
         plans = [r.summary.get("plan") for r in c.runs if isinstance(r.summary.get("plan"), dict)]
         if not plans:
             continue
         p = plans[0]
-        predicted, measured = p.get("gpu_peak_gib"), med(torch_peak(c))
-        rows.append({"label": c.label, "strategy": c.strategy, "predicted_gib": predicted, "gpu_peak_gib": torch_peak(c),
-                     "error_pct": (predicted - measured) / measured * 100.0 if predicted is not None and measured else None,
-                     "predicted_cpu_gib": p.get("cpu_gib"), "cpu_rss_peak_gb": cpu(c, "real_peak"),
-                     "fits": {True: "yes", False: "no"}.get(p.get("fits"), "?")})
+        host = gib_from_gb(cpu(c, "real_peak"))
+        if p.get("gpu_peak_gib") is not None:
+            compared, predicted, measured = GPU_COMPARED, p["gpu_peak_gib"], torch_peak(c)
+            extra = {"predicted_host_gib": p.get("cpu_gib"), "measured_host_gib": host}
+        else:
+            compared, predicted, measured, extra = HOST_COMPARED, p.get("cpu_gib"), host, {}
+        m = med(measured)
+        rows.append({"label": c.label, "strategy": c.strategy, "memory": compared, "predicted_gib": predicted, "measured_gib": measured,
+                     "error_pct": (predicted - m) / m * 100.0 if predicted is not None and m else None, **extra,
+                     "fits": {True: "yes", False: "no"}.get(p.get("fits"), "-" if compared == HOST_COMPARED else "?")})
     if not rows:
         return []
-    return [Table("plan", "Memory planner: predicted vs measured peak GPU memory", PLAN_COLUMNS, rows, [
-        "Predicted = `shardlab plan`'s peak of torch.cuda.max_memory_allocated per GPU; error % = (predicted - measured) / measured.",
+    return [Table("plan", "Memory planner: predicted vs measured peak memory", PLAN_COLUMNS, rows, [
+        f"Memory compared: on a GPU run ({GPU_COMPARED!r}) the plan's peak of torch.cuda.max_memory_allocated per GPU against "
+        f"the busiest rank's; on a CPU run ({HOST_COMPARED!r}) the plan's host memory of the whole run against the process "
+        "tree's peak RSS in cpu_memory.csv (shared pages counted once per process). All figures in GiB (2^30 bytes); "
+        "error % = (predicted - measured) / measured. 'Predicted to fit' is a GPU verdict (none on a CPU).",
     ])]
 
 
@@ -507,9 +525,15 @@ def runs_table(cells: list[Cell]) -> Table:
 
 
 def build_tables(cells: list[Cell]) -> list[Table]:
-    """Every table the runs support, in the order of the seed tutorials."""
-    return [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *scaling_tables(cells),
-            *memory_tables(cells), *plan_tables(cells), runs_table(cells)]
+    """Every table the runs support, in the order of the seed tutorials. A table without rows is left out;
+    the last table (all runs) says which were left out and why."""
+    tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *scaling_tables(cells),
+              *memory_tables(cells), *plan_tables(cells), runs_table(cells)]
+    kept = [t for t in tables if t.rows]
+    for t in tables:
+        if not t.rows and kept:
+            kept[-1].notes.append(f"Not shown: {t.title} ({t.empty_why}).")
+    return kept
 
 
 __all__ = ["Table", "Column", "build_tables", "FOOTING", "WEAK_FOOTING", "differences", "gpu_csv_stats", "cpu_csv_stats",

@@ -309,6 +309,53 @@ def sanitize_cuda_arch_list(log=print) -> None:
         log(f"TORCH_CUDA_ARCH_LIST={raw!r} cannot be parsed by DeepSpeed's op builder; using {fixed!r}")
 
 
+def op_builders(ds: dict[str, Any]) -> list[str]:
+    """The DeepSpeed op builders `deepspeed.initialize` loads for this JSON (each JIT-compiled unless prebuilt).
+
+    As DeepSpeed's engine chooses: Adam/AdamW runs as CPU-Adam when ZeRO offloads the optimizer, else as
+    FusedAdam (unless ``torch_adam``); NVMe offload swaps through async_io; the CPU accelerator's
+    collectives use its shared-memory op (other accelerators have no such builder)."""
+    zero = ds.get("zero_optimization", {})
+    offloads = [zero.get(k, {}).get("device") for k in ("offload_optimizer", "offload_param")]
+    out = []
+    opt = ds.get("optimizer") or {}
+    if str(opt.get("type", "")).lower() in ("adam", "adamw") and not (opt.get("params") or {}).get("torch_adam"):
+        out.append("CPUAdamBuilder" if offloads[0] in ("cpu", "nvme") else "FusedAdamBuilder")
+    if "nvme" in offloads:
+        out.append("AsyncIOBuilder")
+    out.append("ShareMemCommBuilder")
+    return out
+
+
+def unbuilt_ops(builder_names: list[str]) -> list[tuple[str, str]]:
+    """(op name, build directory) of the ops DeepSpeed will compile now: neither prebuilt at install time
+    (DS_BUILD_*) nor in torch's extension cache (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions) yet."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory  # where torch's `load` (DeepSpeed's jit_load) builds
+
+    out = []
+    for name in builder_names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or installed_ops.get(builder.name) or not builder.is_compatible(verbose=False):
+            continue
+        build_dir = _get_build_directory(builder.name, False)
+        if not (Path(build_dir) / f"{builder.name}.so").is_file():
+            out.append((builder.name, build_dir))
+    return out
+
+
+def announce_op_builds(ds: dict[str, Any], log) -> None:
+    """Say so before DeepSpeed compiles an op: the first build is minutes of silence otherwise."""
+    try:
+        todo = unbuilt_ops(op_builders(ds))
+    except Exception as err:  # noqa: BLE001 - a DeepSpeed or torch internal moved: the notice is not worth a failed run
+        log(f"(could not tell whether DeepSpeed must compile ops first: {type(err).__name__}: {err})")
+        return
+    for name, build_dir in todo:
+        log(f"DeepSpeed compiles its {name} op now: the first build on this machine takes minutes (cached in {build_dir} afterwards)")
+
+
 # ---- the strategy -------------------------------------------------------------------------------------
 
 
@@ -352,6 +399,8 @@ class DeepSpeedStrategy(Strategy):
             lr_fn = optim.lr_lambda(self.cfg, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn)
         self.ds_json = ds
+        if self.env.is_main:
+            announce_op_builds(ds, lambda m: print(f"[shardlab] {m}", flush=True))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
 

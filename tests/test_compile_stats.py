@@ -54,7 +54,7 @@ def test_compiled_run_reports_compile_apart_and_second_run_hits_the_cache(train_
     sits in the steps that compiled and outside the steady-state figures and the epoch time; the second loads."""
     args = ["--model", "tiny-gpt2", "--strategy", "dp", "--compile", "--max-steps", "5", "--seq-len", "32", "--micro-batch", "2",
             "--log-every", "1", "--precision", "fp32", "--set", "dataset.eval_split=0", "--set", "export=false"]
-    first = train_cli(args, tmp_path / "first").check()
+    first = train_cli(args, tmp_path / "first", timeout=1200).check()  # inductor C++ compiles: minutes on a busy 2-core CPU
     s, rows = first.summary, _rows(first.out)
     assert s["compile_time_s"] > 0 and s["compile_cache"]["fx_graph_miss"] > 0 and s["compile_cache"]["hit"] is False
     assert Path(s["compile_cache"]["dir"]).is_dir()
@@ -72,6 +72,6 @@ def test_compiled_run_reports_compile_apart_and_second_run_hits_the_cache(train_
     assert epoch["epoch_time_s"] == pytest.approx(epoch["epoch_wall_time_s"] - epoch["compile_time_s"])
     assert s["time_to_first_step_s"] >= rows[0]["step_time_s"]  # start-up plus the first step
 
-    second = train_cli(args, tmp_path / "second").check()
+    second = train_cli(args, tmp_path / "second", timeout=1200).check()
     cache = second.summary["compile_cache"]
     assert cache["fx_graph_hit"] > 0 and cache["fx_graph_miss"] == 0 and cache["hit"] is True, cache

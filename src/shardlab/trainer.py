@@ -12,6 +12,7 @@ Strategy verbs (strategies/base.py).
 from __future__ import annotations
 
 import faulthandler
+import importlib.metadata
 import json
 import math
 import platform
@@ -77,9 +78,11 @@ def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
         "argv": sys.argv,
     }
     for pkg in ("deepspeed", "datasets"):
+        # The installed version from the package metadata, not `import pkg`: importing datasets (pandas, pyarrow)
+        # and deepspeed (its op builders) cost a dp run on local data seconds before its first step.
         try:
-            info[pkg] = __import__(pkg).__version__
-        except Exception:  # noqa: BLE001 - absent or broken optional engine: just not recorded
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:  # absent optional engine: just not recorded
             info[pkg] = None
     if env.device.type == "cuda":
         info["gpus"] = [

@@ -126,3 +126,15 @@ def test_planned_attention_for_bloom_is_sdpa():
 
     cfg = RunConfig(model="bloom-560m")
     assert _planned_attn(cfg, build_hf_config(cfg)) == "sdpa"
+
+
+@pytest.mark.slow
+def test_compiles_as_one_graph():
+    """Under torch.compile the bias is built in each layer (no memo on a tensor attribute): no graph break,
+    forward and backward through AOTAutograd (backend aot_eager: inductor's C++ compile is minutes on a busy CPU)."""
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = _bloom("sdpa")
+    want = model(input_ids=ids, labels=ids, use_cache=False).loss
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids, use_cache=False).loss
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)

@@ -98,7 +98,8 @@ def test_dtype_and_attention_for_presets():
     assert models.model_summary(gpt2)["dtype"] == "bf16"
     assert gpt2.config._attn_implementation == "sdpa"
     bloom = models.build_model(RunConfig(model="tiny-bloom", device="cpu"))
-    assert bloom.config._attn_implementation == "eager"  # BLOOM has no SDPA path in transformers
+    # transformers builds BLOOM eager (it has no SDPA path); shardlab.bloom_sdpa then routes its attention through SDPA
+    assert bloom.config._attn_implementation == "eager" and "forward" in vars(bloom.transformer.h[0].self_attention)
     eager = models.build_model(RunConfig(model="tiny-gpt2", device="cpu", attn_implementation="eager"))
     assert eager.config._attn_implementation == "eager"
 
@@ -117,17 +118,19 @@ def test_resolve_attn_implementation(monkeypatch):
     monkeypatch.setattr(models, "_flash_attn_importable", lambda: False)
     assert models.resolve_attn_implementation("auto", "cpu") == "sdpa"
     assert models.resolve_attn_implementation("auto", "cuda") == "sdpa"
-    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "eager"
+    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "sdpa"  # shardlab.bloom_sdpa
     assert models.resolve_attn_implementation("eager", "cpu") == "eager"
     assert models.resolve_attn_implementation("sdpa", "cpu", GPT2LMHeadModel) == "sdpa"
     with pytest.raises(UserError, match="flash_attn"):
         models.resolve_attn_implementation("flash_attention_2", "cuda")
+    assert models.resolve_attn_implementation("sdpa", "cpu", BloomForCausalLM) == "sdpa"
+    no_sdpa = type("NoSdpaForCausalLM", (), {"_supports_sdpa": False})
     with pytest.raises(UserError, match="sdpa"):
-        models.resolve_attn_implementation("sdpa", "cpu", BloomForCausalLM)
+        models.resolve_attn_implementation("sdpa", "cpu", no_sdpa)
     monkeypatch.setattr(models, "_flash_attn_importable", lambda: True)
     assert models.resolve_attn_implementation("auto", "cuda", GPT2LMHeadModel) == "flash_attention_2"
     assert models.resolve_attn_implementation("auto", "cpu", GPT2LMHeadModel) == "sdpa"
-    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "eager"
+    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "sdpa"  # BLOOM has no flash path
     with pytest.raises(UserError, match="CUDA"):
         models.resolve_attn_implementation("flash_attention_2", "cpu")
 

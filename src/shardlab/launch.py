@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .compile_stats import mark_start, use_persistent_cache
 from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from .errors import UserError
@@ -105,6 +106,8 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
 
 def train(cfg: RunConfig):
     """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
+    mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
+    use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
     from .nodes import resolve_nodes
 

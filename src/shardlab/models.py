@@ -34,6 +34,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config
 
+from .bloom_sdpa import is_bloom, use_sdpa_attention
 from .config import RunConfig
 from .errors import UserError
 
@@ -353,8 +354,8 @@ def _causal_lm_class(hf_config: Any) -> type | None:
 def _supports(model_class: type | None, impl: str) -> bool:
     if model_class is None or impl == "eager":
         return True
-    if impl == "sdpa":
-        return bool(getattr(model_class, "_supports_sdpa", False))
+    if impl == "sdpa":  # BLOOM: through shardlab's ALiBi-bias SDPA attention (bloom_sdpa.py)
+        return bool(getattr(model_class, "_supports_sdpa", False)) or is_bloom(model_class)
     if impl == "flash_attention_2":  # transformers 5 spells it _supports_flash_attn, 4.x _supports_flash_attn_2
         return bool(getattr(model_class, "_supports_flash_attn", False) or getattr(model_class, "_supports_flash_attn_2", False))
     return False
@@ -364,7 +365,8 @@ def resolve_attn_implementation(requested: str, device_type: str, model_class: t
     """The ``attn_implementation`` to pass to transformers.
 
     'auto' -> 'flash_attention_2' when ``flash_attn`` imports, the device is CUDA and the model
-    supports it; else 'sdpa' (or 'eager' for models without SDPA support, e.g. BLOOM).
+    supports it; else 'sdpa' (or 'eager' for models without SDPA support). BLOOM's 'sdpa' is
+    shardlab's own (bloom_sdpa.py): transformers builds it eager and ``build_model`` patches it.
     An explicit choice the environment or model cannot honour is a UserError.
     """
     name = model_class.__name__ if model_class is not None else "this model"
@@ -415,6 +417,9 @@ def build_model(
     attn = resolve_attn_implementation(cfg.attn_implementation, device_type or _device_type(cfg), model_class)
     if model_class is None and cfg.attn_implementation == "auto" and attn == "sdpa":
         attn = None  # remote/unknown class: let transformers pick its best supported implementation
+    bloom_sdpa = attn == "sdpa" and is_bloom(model_class)
+    if bloom_sdpa:
+        attn = "eager"  # transformers refuses sdpa for BLOOM; its attention modules are patched below
     if kind == "preset":
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
@@ -432,6 +437,8 @@ def build_model(
                 ) from None
         else:
             model = _hub_load(AutoModelForCausalLM.from_pretrained, obj, "model", **kwargs)
+    if bloom_sdpa:
+        use_sdpa_attention(model)
     if cfg.gradient_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support gradient checkpointing", "drop --gradient-checkpointing")

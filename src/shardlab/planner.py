@@ -308,6 +308,16 @@ def layer_backward_bytes(arch: Arch, mode: str) -> float:
     return (5 if arch.family == "bloom" else 2) * f * p
 
 
+def _shared_bias_bytes(arch: Arch, mode: str) -> float:
+    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.bloom_sdpa) passes
+    SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
+    layers and saved by each layer's attention for the backward (the same storage). Kept also under
+    activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""
+    if arch.family == "bloom" and arch.attn_impl == "sdpa":
+        return 4 if mode == "fp32" else 2
+    return 0.0
+
+
 def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
     return _embed_bytes(arch, mode, device) + _final_bytes(arch, mode, device)
@@ -374,7 +384,7 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
         layers=layers,
-        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h,
+        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h + _shared_bias_bytes(arch, mode) * a * s * s * b,
         logits_saved=logits_saved,
         logits_peak=logits_peak,
         recompute=recompute,

@@ -12,6 +12,7 @@ Strategy verbs (strategies/base.py).
 from __future__ import annotations
 
 import faulthandler
+import importlib.metadata
 import json
 import math
 import platform
@@ -31,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import checkpoint, faults, guards, metrics, mfu, reshard
+from .compile_stats import CompileClock, process_start_time, use_persistent_cache
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
@@ -76,9 +78,11 @@ def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
         "argv": sys.argv,
     }
     for pkg in ("deepspeed", "datasets"):
+        # The installed version from the package metadata, not `import pkg`: importing datasets (pandas, pyarrow)
+        # and deepspeed (its op builders) cost a dp run on local data seconds before its first step.
         try:
-            info[pkg] = __import__(pkg).__version__
-        except Exception:  # noqa: BLE001 - absent or broken optional engine: just not recorded
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:  # absent optional engine: just not recorded
             info[pkg] = None
     if env.device.type == "cuda":
         info["gpus"] = [
@@ -373,6 +377,9 @@ class Trainer:
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         timer = metrics.StepTimer(env.device)
+        compile_clock = CompileClock()  # torch.compile happens lazily, inside the first steps
+        first_step_done: float | None = None
+        window_compile = 0.0
         profiler = StepProfiler(self.run_dir, env.rank, env.device, cfg.profile)
         tokens_per_step = self.global_batch * cfg.seq_len
         useful_per_step: list[float] = []
@@ -401,13 +408,17 @@ class Trainer:
                 for _ in range(skip * self.accum):  # replay the sampler to where the checkpoint stopped
                     next(batches)
                 batches = DevicePrefetcher(batches, env.device)
-                epoch_t0, epoch_losses, epoch_steps = time.perf_counter(), [], 0
+                epoch_t0, epoch_losses, epoch_steps, epoch_compile0 = time.perf_counter(), [], 0, compile_clock.seconds()
                 for step_in_epoch in range(skip, steps_per_epoch):
                     if global_step >= stage_end:
                         break
+                    compiled_before = compile_clock.seconds()
                     timer.start()
                     loss_value, useful_total, grad_norm, stop, save_now = self._train_step(strategy, batches)
                     profiler.step(timer.stop())
+                    if first_step_done is None:
+                        first_step_done = time.time()
+                    window_compile += compile_clock.seconds() - compiled_before
                     global_step += 1
                     useful_per_step.append(useful_total)
                     self.step_losses.append(loss_value)
@@ -423,6 +434,8 @@ class Trainer:
                                "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
                                "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
                                "samples_per_s": self.global_batch / timer.times[-1]}
+                        if window_compile:  # seconds of the steps since the last row spent compiling
+                            row["compile_time_s"], window_compile = window_compile, 0.0
                         if strategy.skipped_steps:
                             row["skipped_steps"] = strategy.skipped_steps  # so far: non-finite or fp16-overflow steps
                         row.update(metrics.memory_snapshot(env.device))
@@ -444,12 +457,15 @@ class Trainer:
                         if stop:
                             raise Preempted(self.signals.describe(), global_step, str(saved))
                 # epoch end
-                epoch_time = time.perf_counter() - epoch_t0
+                epoch_wall = time.perf_counter() - epoch_t0
+                epoch_compile = compile_clock.seconds() - epoch_compile0
+                epoch_time = epoch_wall - epoch_compile  # the epoch's time as a compiled run repeats it
                 ev = evaluate(strategy, eval_loader, env) if eval_loader is not None else {}
                 last_eval = ev or last_eval
                 if epoch_steps:
                     summary = {"stage": si, "epoch": epoch, "steps": epoch_steps, "train_loss": statistics.fmean(epoch_losses), **ev,
-                               "epoch_time_s": epoch_time, "samples_per_s": epoch_steps * self.global_batch / epoch_time,
+                               "epoch_time_s": epoch_time, "epoch_wall_time_s": epoch_wall, "compile_time_s": epoch_compile,
+                               "samples_per_s": epoch_steps * self.global_batch / epoch_time,
                                "steps_per_s": epoch_steps / epoch_time, **_peak(env)}
                     epochs_summary.append(summary)
                     writer.log({"step": global_step, "epoch_summary": summary})
@@ -469,6 +485,9 @@ class Trainer:
             "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
             "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
             "total_time_s": total_time, "compile": cfg.compile,
+            # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
+            "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
+            **compile_clock.summary(),
             "loss_kernel": "hf" if strategy.loss_fn is None else "compiled", "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
@@ -544,7 +563,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "final_eval_loss", "final_eval_ppl",
                 "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
-                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "total_time_s"):
+                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "time_to_first_step_s", "compile_time_s",
+                "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))
     if summary.get("mfu") is not None:
@@ -565,6 +585,7 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     # A rank killed by a native fault (SIGSEGV, SIGABRT from a C++ terminate) prints its Python stacks
     # first, so "rank 1 was killed by SIGABRT" comes with where it was.
     faulthandler.enable(all_threads=True)
+    use_persistent_cache()  # before anything compiles
     try:
         trainer = Trainer(cfg, plan)
         try:

@@ -28,9 +28,14 @@ CACHE_VERSION = 2  # 2: qa without answer_only_loss has loss on every token (1 m
 _PROBE_TEXT = "Hello world\nQuestion: Why?\nAnswer: 42"
 
 
-def default_cache_dir() -> Path:
+def cache_root() -> Path:
+    """shardlab's cache directory: $SHARDLAB_CACHE, else ~/.cache/shardlab (data, compiled graphs)."""
     root = os.environ.get("SHARDLAB_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "data"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab"
+
+
+def default_cache_dir() -> Path:
+    return cache_root() / "data"
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""torch.compile accounted for: how long compiling took, whether the graph caches were hit, where they live.
+
+Compile time is torch's own measure, not an estimate from step times: dynamo records the wall time
+of each timed compile phase in ``torch._dynamo.utils.compilation_time_metrics`` ({phase: [seconds]}).
+``_compile.compile_inner`` is one frame's whole compile (tracing, AOTAutograd, inductor's forward
+graph, in the step that first runs it); the backward graph is compiled lazily at the first backward,
+outside it, under ``...bw_compiler``. Their sum is the compile time (nested phases are not added
+again). The counters say whether inductor's FX graph cache and the AOTAutograd cache were hit.
+
+Both caches are on by default but live in ``/tmp/torchinductor_<user>``, which a fresh machine or a
+cleaned /tmp loses; ``use_persistent_cache`` points inductor at shardlab's cache directory instead
+(unless TORCHINDUCTOR_CACHE_DIR is set), so a second run of the same configuration loads its graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["use_persistent_cache", "CompileClock", "process_start_time", "mark_start", "START_ENV"]
+
+# Wall-clock time (time.time()) at which the user's command started; the launcher sets it for its workers.
+START_ENV = "SHARDLAB_START_TIME"
+
+
+def use_persistent_cache() -> Path:
+    """Inductor's cache directory: $TORCHINDUCTOR_CACHE_DIR if set, else <shardlab cache>/inductor (set here,
+    before anything compiles, so worker processes inherit it). Returns the directory in use."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from .data.cache import cache_root
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def process_start_time() -> float:
+    """When the command started (time.time() scale): the launcher's start when it spawned this worker, else
+    this process's creation time as the OS records it (so interpreter start-up and imports are included)."""
+    if os.environ.get(START_ENV):
+        return float(os.environ[START_ENV])
+    import psutil
+
+    return psutil.Process(os.getpid()).create_time()
+
+
+def mark_start() -> None:
+    """Record this process's start for the workers it spawns (no-op when a launcher above already did)."""
+    if not os.environ.get(START_ENV):
+        os.environ[START_ENV] = repr(process_start_time())
+
+
+def _compile_seconds() -> float:
+    if "torch._dynamo.utils" not in sys.modules:  # nothing compiled yet; importing dynamo would cost an eager run ~1 s
+        return 0.0
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(v) for k, v in compilation_time_metrics.items() if k == "_compile.compile_inner" or k.endswith("bw_compiler"))
+
+
+def _cache_counts() -> dict[str, int]:
+    if "torch._dynamo.utils" not in sys.modules:
+        return dict.fromkeys(("fx_graph_hit", "fx_graph_miss", "aot_autograd_hit", "aot_autograd_miss"), 0)
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fx_graph_hit": inductor["fxgraph_cache_hit"], "fx_graph_miss": inductor["fxgraph_cache_miss"],
+            "aot_autograd_hit": aot["autograd_cache_hit"], "aot_autograd_miss": aot["autograd_cache_miss"]}
+
+
+class CompileClock:
+    """Compile seconds and cache hits since it was made (a process may have compiled before, e.g. a trial run)."""
+
+    def __init__(self) -> None:
+        self._t0, self._c0 = _compile_seconds(), _cache_counts()
+
+    def seconds(self) -> float:
+        return _compile_seconds() - self._t0
+
+    def summary(self) -> dict[str, Any]:
+        counts = {k: v - self._c0[k] for k, v in _cache_counts().items()}
+        hits, misses = counts["fx_graph_hit"] + counts["aot_autograd_hit"], counts["fx_graph_miss"] + counts["aot_autograd_miss"]
+        return {
+            "compile_time_s": self.seconds(),
+            "compile_time_source": "torch._dynamo.utils.compilation_time_metrics (_compile.compile_inner + bw_compiler)",
+            "compile_cache": {**counts, "hit": hits > 0 and misses == 0 if hits + misses else None,
+                              "dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")},
+        }

@@ -97,8 +97,10 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
         raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
 
-def train(cfg: RunConfig):
-    """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
+def train(cfg: RunConfig, force: bool = False):
+    """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process.
+
+    ``force``: start even when the plan predicts more host RAM than this node has."""
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
     from .nodes import resolve_nodes
 
@@ -116,6 +118,10 @@ def train(cfg: RunConfig):
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
+        if not force:
+            from .run_plan import check_host_ram
+
+            check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
     from .monitor import watch
 
     result = None

@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model (spawns its own worker processes)")
     add_run_flags(tr)
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
+    tr.add_argument("--force", action="store_true", help="start even when the plan predicts more host RAM than this node has")
     _add_plan_parser(sub)  # `plan`: predicted memory per strategy
     from .pipesim.cli import add_pipeline_parser
 
@@ -250,7 +251,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     from .launch import train
 
-    train(cfg)
+    train(cfg, force=args.force)
 
 
 def _dry_run(cfg) -> None:
@@ -306,7 +307,7 @@ def _add_plan_parser(sub) -> None:
                     "Needs no GPU: without one, say how much memory a GPU has with --gpu-memory-gb.")
     pl.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
                     help="memory per GPU in GiB, e.g. 80 for an H100 80GB (default: detected; required without a GPU)")
-    pl.add_argument("--host-ram-gb", type=float, default=None, metavar="GIB", help="CPU RAM per node in GiB, checked for offload (default: not checked)")
+    pl.add_argument("--host-ram-gb", type=float, default=None, metavar="GIB", help="CPU RAM per node in GiB (default: this machine's)")
     pl.add_argument("--nvme-free-gb", type=float, default=None, metavar="GIB", help="free NVMe space per node in GiB, checked for infinity (default: not checked)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_run_flags(pl.add_argument_group("run configuration (the flags of `shardlab train`)"))
@@ -316,7 +317,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from .planner import plan, render
 
     cfg = config_from_args(args)
-    result = plan(cfg, gpu_memory_gb=args.gpu_memory_gb, host_ram_gb=args.host_ram_gb, nvme_free_gb=args.nvme_free_gb)
+    host = args.host_ram_gb
+    if host is None:  # this node's RAM, so the recommendation fits in host memory too
+        from .run_plan import host_ram_gib
+
+        host = host_ram_gib()
+    result = plan(cfg, gpu_memory_gb=args.gpu_memory_gb, host_ram_gb=host, nvme_free_gb=args.nvme_free_gb)
     if args.json:
         print(result.to_json())
     else:

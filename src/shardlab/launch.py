@@ -104,8 +104,10 @@ def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
         raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
 
-def train(cfg: RunConfig):
-    """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process."""
+def train(cfg: RunConfig, force: bool = False):
+    """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process.
+
+    ``force``: start even when the plan predicts more host RAM than this node has."""
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
@@ -129,6 +131,11 @@ def train(cfg: RunConfig):
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
+        if not force:
+            from .run_plan import check_host_ram
+
+            check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
+
         from .supervise import record_plan
 
         record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed

@@ -52,6 +52,9 @@ __all__ = [
     "resolve_attn_implementation",
     "check_seq_len",
     "is_checkpointing",
+    "meta_loadable",
+    "init_weights",
+    "load_local_weights",
 ]
 
 GPT2_BPE = "gpt2-bpe"
@@ -405,11 +408,15 @@ def _device_type(cfg: RunConfig) -> str:
 
 
 def build_model(
-    cfg: RunConfig, *, dtype: torch.dtype = torch.float32, device_type: str | None = None
+    cfg: RunConfig, *, dtype: torch.dtype = torch.float32, device_type: str | None = None, meta: bool = False
 ) -> transformers.PreTrainedModel:
     """The causal LM for ``cfg`` on the CPU in ``dtype`` (presets: random init seeded by ``cfg.seed``).
 
     ``device_type`` ('cuda'/'cpu') only steers the attention choice; default from ``cfg.device``.
+    ``meta``: the skeleton on the meta device, no weights (a preset or a local directory only): the caller
+    materialises what it keeps (``init_weights``) and loads a directory's files (``load_local_weights``).
+    Under a live ``transformers.integrations.HfDeepSpeedConfig`` of ZeRO-3, transformers builds and loads
+    inside ``deepspeed.zero.Init``: each parameter is partitioned as it is created.
     """
     hf_config = build_hf_config(cfg)  # validates the name, directory and seq_len first
     kind, obj = _classify(cfg.model)
@@ -420,7 +427,14 @@ def build_model(
     bloom_sdpa = attn == "sdpa" and is_bloom(model_class)
     if bloom_sdpa:
         attn = "eager"  # transformers refuses sdpa for BLOOM; its attention modules are patched below
-    if kind == "preset":
+    if meta:
+        if kind == "hub":
+            raise ValueError("meta builds are for presets and local directories (see meta_loadable)")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
+            )
+    elif kind == "preset":
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
     else:
@@ -453,6 +467,72 @@ def build_model(
         # to the causal-LM loss; name that default so the log stays clean.
         model.loss_type = "ForCausalLM"
     return model
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def meta_loadable(cfg: RunConfig) -> bool:
+    """Whether ``build_model(meta=True)`` + ``init_weights`` (+ ``load_local_weights``) can stand for the
+    ordinary build: a preset, or a local directory whose safetensors files name exactly the model's
+    parameters (older checkpoints with other key names go through transformers' own renaming instead)."""
+    kind, obj = _classify(cfg.model)
+    if kind == "preset":
+        return True
+    if kind != "dir" or not _weight_files(obj):
+        return False
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in _weight_files(obj):
+        with safe_open(str(f), framework="pt") as handle:  # reads the header only
+            keys.update(handle.keys())
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(build_hf_config(cfg), trust_remote_code=cfg.trust_remote_code)
+    wanted = set(skeleton.state_dict().keys())
+    tied = {k for k in wanted if k not in keys and _tied_away(skeleton, k)}
+    return keys <= wanted and wanted - tied <= keys
+
+
+def _tied_away(model: torch.nn.Module, key: str) -> bool:
+    """``key`` is the output embedding tied to the input one (save_pretrained writes it once)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return out is not None and inp is not None and out.weight is inp.weight and key.endswith("weight") and \
+        key.rsplit(".", 1)[0] == next((n for n, m in model.named_modules() if m is out), None)
+
+
+def init_weights(model: transformers.PreTrainedModel) -> None:
+    """transformers' own initialisation of a model materialised from the meta device (``to_empty``),
+    in place, on whatever its tensors are now (FSDP2's DTensor shards included)."""
+    for module in model.modules():  # from_config marked every module initialised while it was on meta
+        module._is_hf_initialized = False
+    # fully_shard swaps in a class of its own (FSDP<name>, defined outside transformers), which transformers
+    # takes for custom code and then skips modules without direct parameters (GPT-2's scaled c_proj init):
+    # answer as the model's own class does.
+    own = next(c for c in type(model).__mro__ if issubclass(c, transformers.PreTrainedModel) and c.__module__.startswith("transformers."))
+    model.is_custom_code = own.is_custom_code
+    try:
+        with torch.no_grad():
+            model.init_weights()
+    finally:
+        del model.is_custom_code
+
+
+def load_local_weights(model: torch.nn.Module, cfg: RunConfig, load: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Load ``cfg.model``'s safetensors files one at a time through ``load(tensors)`` (which copies them
+    into the model's own storage, e.g. its shards), so at most one file is held besides the model.
+    Nothing to load for a preset (random init)."""
+    from safetensors.torch import load_file
+
+    kind, directory = _classify(cfg.model)
+    if kind != "dir":
+        return
+    for f in _weight_files(directory):
+        tensors = load_file(str(f))
+        load(tensors)
+        del tensors
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:

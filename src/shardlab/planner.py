@@ -134,6 +134,11 @@ class Arch:
     # What strategies/pipeline.py puts on each stage (GPT-2 and BLOOM only, else None): parameter counts of
     # the embedding modules (first stage), the final norm and the LM head (last stage), each block; tied head.
     pipeline_parts: dict[str, Any] | None = None
+    # (numel, ndim) of every unique parameter: host buffers are allocated per parameter (FSDP2) or per
+    # parameter group (DeepSpeed: matrices decay, 1-D tensors do not; optim.param_groups), and pinned ones round up.
+    param_sizes: tuple[tuple[int, int], ...] = ()
+    # FSDP builds on the meta device (presets, matching local safetensors: models.meta_loadable), else in fp32.
+    meta_build: bool = True
 
 
 def _pipeline_parts(model: Any) -> dict[str, Any] | None:
@@ -175,11 +180,13 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
     seen: set[int] = set()
     n = 0
     persistent = 0
+    sizes = []
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         n += p.numel()
+        sizes.append((p.numel(), p.dim()))
         if p.numel() <= persistence_threshold:
             persistent += p.numel()
     largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
@@ -210,7 +217,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         root_params=n - in_blocks, persistent_params=persistent, hidden=hidden, layers=layers, heads=heads,
         kv_heads=kv_heads, ffn=ffn, vocab=int(c.vocab_size), attn_impl=attn_impl,
         attn_dropout=float(drops[0]), resid_dropout=float(drops[1]), embd_dropout=float(drops[2]),
-        pipeline_parts=_pipeline_parts(model),
+        pipeline_parts=_pipeline_parts(model), param_sizes=tuple(sizes),
     )
 
 
@@ -483,40 +490,119 @@ class StrategyPlan:
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
 
 
-def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, dict[str, Fraction], str]:
-    """(params, grads, optimizer) bytes per parameter on each GPU, the CPU-side bytes per parameter
-    per rank, and where the states live. ``d`` = data-parallel world size."""
+def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, str]:
+    """(params, grads, optimizer) bytes per parameter on each GPU and where the states live (what lives
+    in host memory instead: ``host_states``). ``d`` = data-parallel world size."""
     F = Fraction
     mixed = precision != "fp32"
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
     master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
     adam = F(8)
-    cpu: dict[str, Fraction] = {}
     if strategy == "dp":
-        return F(4), F(4), adam, cpu, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+        return F(4), F(4), adam, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
     if strategy.startswith("fsdp"):
         if strategy == "fsdp_offload":
-            cpu = {"fp32 params shard": F(4, d), "fp32 grads shard": F(4, d), "AdamW m, v shard": F(8, d)}
-            return F(0), F(0), F(0), cpu, "fp32 params, grads, AdamW states sharded, kept on the CPU"
-        return F(4, d), F(4, d), F(8, d), cpu, "fp32 params, grads, AdamW states sharded across GPUs"
+            return F(0), F(0), F(0), "fp32 params, grads, AdamW states sharded, kept on the CPU"
+        return F(4, d), F(4, d), F(8, d), "fp32 params, grads, AdamW states sharded across GPUs"
     stage = STAGE[strategy]
     opt = master + adam
     if strategy == "zero0":
-        return lo, lo, opt, cpu, "nothing sharded"
+        return lo, lo, opt, "nothing sharded"
     if strategy in ("zero1", "zero2", "zero3"):
         params = lo if stage < 3 else lo / d
         grads = lo if stage == 1 else lo / d
-        return params, grads, opt / d, cpu, f"ZeRO-{stage} on the GPUs"
+        return params, grads, opt / d, f"ZeRO-{stage} on the GPUs"
     if strategy in ("zero1_offload", "zero2_offload"):
-        cpu = {"fp32 master + AdamW m, v": opt / d, "fp32 gradient partition": F(4, d)}
-        return lo, F(0), F(0), cpu, "optimizer states and gradient partitions on the CPU"
+        return lo, F(0), F(0), "optimizer states and gradient partitions on the CPU"
     if strategy == "zero3_offload":
-        cpu = {"fp32 master + AdamW m, v": opt / d, "fp32 gradient partition": F(4, d), "16-bit param partition": lo / d,
-               "16-bit gradient flat buffer": lo / d}
-        return F(0), F(0), F(0), cpu, "parameters, gradients and optimizer states on the CPU"
-    # infinity: params and optimizer states on NVMe, gradient partitions on the CPU
-    cpu = {"fp32 gradient partition": F(4, d), "16-bit gradient flat buffer": lo / d}
-    return F(0), F(0), F(0), cpu, "parameters and optimizer states on NVMe"
+        return F(0), F(0), F(0), "parameters, gradients and optimizer states on the CPU"
+    return F(0), F(0), F(0), "parameters and optimizer states on NVMe"  # infinity: gradient partitions on the CPU
+
+
+# --------------------------------------------------------------------------------------------------
+# Host memory
+
+# Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
+# host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/2026-11-21-h200x4-session2/
+# pin-memory/), peak RSS minus the DeepSpeed 0.19.8 host buffers counted by host_states: 1.93 GiB pinned
+# (16.60 - 14.67), 1.94 GiB unpinned (11.79 - 9.85). PROCESS_RSS_BYTES is the same process before CUDA is used.
+GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
+# DeepSpeed's default ZeRO-3 sub_group_size (zero/config.py): the fp32 optimizer partition is cut into
+# flat groups of at most this many elements, each with its own gradient buffer.
+DS_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def pinned_bytes(nbytes: float, pinned: bool) -> float:
+    """Host bytes of one buffer: torch's pinned (page-locked) allocator (CachingHostAllocator) rounds every
+    request up to a power of two and keeps freed blocks cached, so a pinned 26 GiB buffer holds 32 GiB."""
+    if not pinned or nbytes <= 0:
+        return float(nbytes)
+    return float(2 ** math.ceil(math.log2(nbytes)))
+
+
+def _ds_groups(arch: Arch, weight_decay: float) -> list[int]:
+    """Element counts of DeepSpeed's parameter groups (optim.param_groups: matrices decay, 1-D tensors not)."""
+    if weight_decay == 0 or not arch.param_sizes:
+        return [arch.n_params]
+    decay = sum(k for k, dim in arch.param_sizes if dim >= 2)
+    return [g for g in (decay, arch.n_params - decay) if g]
+
+
+def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: int, accum: int,
+                device: str = "cuda") -> dict[str, float]:
+    """Bytes each rank keeps in host memory while it trains, buffer by buffer as the engines allocate them
+    (DeepSpeed 0.19.8 zero/stage_1_and_2.py and stage3.py, torch FSDP2 with CPUOffloadPolicy). Pinned buffers
+    (``--pin-memory``, on a GPU) are rounded as the pinned allocator rounds them (``pinned_bytes``)."""
+    n = arch.n_params
+    lo = 4 if precision == "fp32" else 2
+    pin = cfg.strategy_options.pin_memory and device == "cuda"
+    out: dict[str, float] = {}
+    if strategy in ("zero1_offload", "zero2_offload"):
+        parts = [math.ceil(g / d) for g in _ds_groups(arch, cfg.weight_decay)]
+        largest = max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params)
+        out["fp32 master partition (one flat buffer per param group)"] = sum(pinned_bytes(4 * k, pin) for k in parts)
+        out["fp32 gradient partition"] = sum(pinned_bytes(4 * k, pin) for k in parts)
+        out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
+        out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
+        out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
+        if accum > 1:  # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps
+            out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
+    elif strategy in ("zero3_offload", "infinity"):
+        part = math.ceil(n / d)
+        subs = [DS_SUB_GROUP_SIZE] * (part // DS_SUB_GROUP_SIZE) + ([part % DS_SUB_GROUP_SIZE] if part % DS_SUB_GROUP_SIZE else [])
+        out["fp32 gradient buffer per sub-group"] = sum(pinned_bytes(4 * k, pin) for k in subs)
+        out["16-bit gradient partition flat buffer"] = pinned_bytes(lo * part, pin)
+        if strategy == "zero3_offload":
+            out["fp32 master partition"] = 4.0 * part  # a clone, never pinned
+            out["AdamW m, v (CPU Adam)"] = 8.0 * part
+            # param_groups_fp16_flat_cpu_memory is pinned whatever pin_memory says (on a GPU)
+            out["16-bit param partition (flat, always pinned)"] = sum(
+                pinned_bytes(lo * math.ceil(g / d), device == "cuda") for g in _ds_groups(arch, cfg.weight_decay))
+    elif strategy == "fsdp_offload":
+        shards = [math.ceil(k / d) for k, _ in arch.param_sizes] or [math.ceil(n / d)]
+        out["fp32 param shards (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in shards)
+        # reduce-scattered gradients come to the CPU with .to('cpu', non_blocking=pin): pinned per parameter
+        out["fp32 gradient shards"] = sum(pinned_bytes(4 * k, pin) for k in shards)
+        out["AdamW m, v shards"] = 8.0 * sum(shards)
+        if device == "cuda":  # on a CPU run these are counted with the rank's allocations (gpu_peak)
+            out["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * max(shards)
+    return out
+
+
+def host_build(strategy: str, arch: Arch, precision: str, d: int) -> tuple[str, float]:
+    """What one rank holds in host memory while the model is built (Strategy.build_model), before the
+    engine moves it away: dp and pipeline build fp32; DeepSpeed stages 0-2 build in the engine's dtype;
+    ZeRO-3 builds inside zero.Init (a partition per rank); FSDP2 builds on meta (shards only), unless the
+    model is a hub id or a checkpoint whose names differ (Arch.meta_build), then in fp32."""
+    n = arch.n_params
+    lo = 4 if precision == "fp32" else 2
+    if strategy in STAGE and STAGE[strategy] < 3:
+        return f"model built in {'fp32' if lo == 4 else '16-bit'} on the CPU (load time)", float(lo * n)
+    if strategy in STAGE:
+        return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
+    if strategy.startswith("fsdp") and arch.meta_build:
+        return "model built on meta, shards materialised (load time)", 0.0
+    return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 
 
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
@@ -534,7 +620,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     opts = cfg.strategy_options
     mixed = precision != "fp32"
     lo = 2 if mixed else 4
-    P, G, O, cpu_bpp, where = _model_states(strategy, n, d, precision)
+    P, G, O, where = _model_states(strategy, n, d, precision)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
     if strategy == "dp":
         mode = "autocast" if mixed else "fp32"
@@ -628,24 +714,21 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     }
     detail = {**temp, **persistent_temp, **temp_step}
     notes += [f"{k}: {v / GiB:.2f} GiB" for k, v in detail.items() if v]
-    # CPU per node
-    cpu_detail: dict[str, float] = {}
-    for k, bpp in cpu_bpp.items():
-        cpu_detail[k] = float(bpp * n) * gpus_per_node
-    cpu_detail["model built in fp32 on the CPU by every rank (load time)"] = 4.0 * n * gpus_per_node
-    cpu_detail["process (python, torch, CUDA libs)"] = float(PROCESS_RSS_BYTES * gpus_per_node)
+    # CPU per node: the larger of the build moment and the training moment, per rank, times the ranks of a node
+    states = host_states(strategy, arch, cfg, precision, d, accum, device)
+    build_label, build = host_build(strategy, arch, precision, d)
     nvme = 0.0
     if strategy == "infinity":
         nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
-        cpu_detail["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS * gpus_per_node)
+        states["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS)
+    baseline = GPU_PROCESS_RSS_BYTES if device == "cuda" else PROCESS_RSS_BYTES
+    cpu_detail = {k: v * gpus_per_node for k, v in states.items()}
+    cpu_detail[build_label] = build * gpus_per_node
+    cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
+    cpu_total = gpus_per_node * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
     ms_bpp = float(P + G + O)
     paper = paper_bytes_per_param(strategy, d)
     est = ds_est.get(strategy) or ({} if strategy != "infinity" else ds_est.get("zero3_offload", {}))
-    # The fp32 CPU model is freed when the engine moves it to the GPU, before offloaded states are
-    # allocated: the two do not add up.
-    build = cpu_detail["model built in fp32 on the CPU by every rank (load time)"]
-    cpu_total = sum(cpu_detail.values()) - build - sum(float(b * n) * gpus_per_node for b in cpu_bpp.values()) \
-        + max(build, sum(float(b * n) * gpus_per_node for b in cpu_bpp.values()))
     return StrategyPlan(
         strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
         cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
@@ -656,7 +739,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
 
 def model_state_bytes_per_param(strategy: str, d: int, precision: str = "bf16") -> Fraction:
     """shardlab's parameters + gradients + optimizer states per GPU, bytes per parameter (exact)."""
-    P, G, O, _, _ = _model_states(strategy, 1, d, precision)
+    P, G, O, _ = _model_states(strategy, 1, d, precision)
     return P + G + O
 
 
@@ -747,8 +830,12 @@ def _arch(cfg: RunConfig) -> Arch:
     from .models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
-    return arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
+    arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
                                persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
+    from .models import meta_loadable
+
+    arch.meta_build = meta_loadable(cfg)
+    return arch
 
 
 def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
@@ -954,10 +1041,10 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
     fitting = [s for s in order if out[s].fits]
     if fitting:
         best = fitting[0]
-        faster = [s for s in order[: order.index(best)]]
+        faster = [f"{s}: {_limit(out[s])}" for s in order[: order.index(best)]]
         measured = "measured" if best in MEASURED_SPEED else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
-        reason = f"{best} is the fastest strategy that fits (speed order from benchmarks/results/h100-foundation.md, {measured}){why_not}"
+        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order from benchmarks/results/h100-foundation.md, {measured}){why_not}"
         nxt = fitting[1] if len(fitting) > 1 else None
         return best, reason, nxt
     # nothing fits: what would
@@ -970,7 +1057,17 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
     sharded = min((out[s] for s in ("zero3", "fsdp") if s in out), key=lambda sp: sp.gpu_peak, default=None)
     if sharded is not None:
         hints.append(f"more GPUs: ZeRO-3/FSDP shard the {sharded.model_state_bytes_per_param:.1f} B/param of model states")
-    return None, "no strategy fits in the GPU memory given", "; or ".join(hints) or None
+    host_bound = [s for s, sp in out.items() if _limit(sp) == "host RAM"]
+    if host_bound:
+        hints.append(f"more host RAM or --no-pin-memory for {', '.join(host_bound)}")
+    return None, "no strategy fits in the GPU and host memory given", "; or ".join(hints) or None
+
+
+def _limit(sp: StrategyPlan) -> str:
+    """Which memory a strategy that does not fit runs out of (``_fits``'s reason)."""
+    if sp.why.startswith("CPU needs"):
+        return "host RAM"
+    return "NVMe" if sp.why.startswith("NVMe") else "GPU"
 
 
 # --------------------------------------------------------------------------------------------------

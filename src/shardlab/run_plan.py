@@ -127,6 +127,71 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     return "; or ".join(out) if out else "nothing the plan knows fits: more GPUs, a shorter --seq-len, or a smaller model"
 
 
+def host_available_gib() -> float:
+    """Host RAM a run may use on this node: what the OS has available plus what this process already
+    holds (the prediction counts this process's baseline itself)."""
+    import psutil
+
+    return (psutil.virtual_memory().available + psutil.Process().memory_info().rss) / GiB
+
+
+def check_host_ram(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc: int, available_gib: float | None = None) -> None:
+    """UserError, in one line with what would fit, when the plan's host-RAM prediction (``record['cpu_gib']``,
+    per node) exceeds what this node has. Offload runs that do not fit are killed by the OOM killer minutes
+    in, with no message; this says so before anything starts (``--force`` skips it)."""
+    need = record.get("cpu_gib")
+    if need is None:
+        return
+    avail = available_gib if available_gib is not None else host_available_gib()
+    if need <= avail:
+        return
+    fixes = _host_fixes(cfg, record, device_type, nproc, avail)
+    raise UserError(
+        f"the plan predicts {cfg.strategy} needs {need:.1f} GiB of host RAM on this node but {avail:.1f} GiB are available "
+        "(a smaller micro batch does not lower it: host memory holds the model and optimizer states)",
+        "; or ".join(fixes + ["--force to start anyway"]),
+    )
+
+
+def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None) -> tuple[float, bool]:
+    """(host GiB per node, fits the GPU) of ``cfg``."""
+    if device_type == "cpu":
+        from .planner import predict_cpu_run
+
+        return predict_cpu_run(cfg, nproc)[1] / GiB, True
+    from .planner import plan
+
+    sp = plan(cfg, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy]
+    return sp.cpu_per_node / GiB, sp.fits
+
+
+def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc: int, avail: float) -> list[str]:
+    """What the plan says fits this node's host RAM instead: unpinned buffers, then the fastest other strategy."""
+    from .planner import SPEED_ORDER
+
+    run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": record.get("precision") or cfg.precision})
+    gpu_memory = record.get("gpu_memory_gib")
+    out = []
+    if cfg.strategy_options.pin_memory and device_type == "cuda":
+        unpinned = run_cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"pin_memory": False})})
+        need, _ = _host_need(unpinned, device_type, nproc, gpu_memory)
+        if need < record["cpu_gib"] and need <= avail:
+            out.append(f"--no-pin-memory ({need:.1f} GiB: the pinned allocator rounds each buffer up to a power of two)")
+    for s in SPEED_ORDER:
+        if s == cfg.strategy or (device_type == "cpu" and s == "infinity"):
+            continue
+        try:
+            need, gpu_fits = _host_need(run_cfg.model_copy(update={"strategy": s}), device_type, nproc, gpu_memory)
+        except UserError:
+            continue
+        if gpu_fits and need <= avail:
+            out.append(f"--strategy {s} ({need:.1f} GiB)")
+            break
+    if not out:
+        out.append("a smaller model, or a node with more RAM")
+    return out
+
+
 def warning_line(record: dict[str, Any]) -> str | None:
     """One line for a GPU run predicted not to fit, else None."""
     if record.get("fits") is not False:

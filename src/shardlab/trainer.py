@@ -272,7 +272,7 @@ class Trainer:
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from .models import build_model, load_tokenizer, model_summary
+        from .models import load_tokenizer, model_summary
 
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
@@ -296,12 +296,12 @@ class Trainer:
                           "answer_start in the context (outside it, or other text there)")
 
         seed_everything(cfg.seed)  # identical initial weights whatever the data pipeline consumed
-        model = build_model(cfg)
+        strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
+        model = strategy.build_model()  # only what the engine keeps: its dtype, ZeRO-3 partitions, FSDP shards
         apply_dropout(model, cfg.dropout)
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
-        strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         strategy.setup(model, total_steps)
         log0(env, strategy.memory_note())
 

@@ -45,6 +45,13 @@ class Strategy(ABC):
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
 
     # ---- building -----------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        """The model ``setup`` receives. Default: the whole model in fp32 on the CPU (what dp keeps:
+        autocast over fp32 weights); engines that keep less override it so that no fp32 copy is built."""
+        from ..models import build_model
+
+        return build_model(self.cfg)
+
     @abstractmethod
     def setup(self, model: nn.Module, total_steps: int) -> None:
         """Wrap the model, build optimizer and scheduler. Collective."""

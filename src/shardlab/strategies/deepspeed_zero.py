@@ -384,6 +384,26 @@ class DeepSpeedStrategy(Strategy):
             self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type, total_steps
         )
 
+    def build_model(self) -> nn.Module:
+        """Built in the engine's own dtype: with bf16/fp16 every stage keeps 16-bit module weights (the engine
+        casts the module with ``.bfloat16()``/``.half()``) and makes its fp32 master from them, so an fp32
+        build is only a transient twice the size. ZeRO-3 builds inside ``deepspeed.zero.Init`` (transformers
+        does so while an ``HfDeepSpeedConfig`` is alive, and loads checkpoints into the partitions), so no
+        rank ever holds the whole model; with parameter offload the partitions are created on the CPU."""
+        from ..models import build_model
+
+        dtype = self.precision.dtype
+        if STAGE[self.cfg.strategy] < 3:
+            return build_model(self.cfg, dtype=dtype)
+        sanitize_cuda_arch_list()
+        from transformers.integrations import HfDeepSpeedConfig
+
+        live = HfDeepSpeedConfig(self.ds_config())  # transformers holds a weak reference: only while `live` exists
+        try:
+            return build_model(self.cfg, dtype=dtype)
+        finally:
+            del live  # later transformers calls (export, generate) must not think ZeRO-3 is still being set up
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         sanitize_cuda_arch_list()
         import deepspeed

@@ -30,6 +30,28 @@ class FSDPStrategy(TorchOptimizerStrategy):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
 
+    def build_model(self) -> nn.Module:
+        """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
+        directories whose keys match): no rank ever holds the whole fp32 model. Else the ordinary build."""
+        from ..models import build_model, meta_loadable
+
+        if meta_loadable(self.cfg):
+            return build_model(self.cfg, meta=True)
+        return super().build_model()
+
+    def _materialise(self, model: nn.Module, device: torch.device) -> None:
+        """Meta -> this rank's shards on ``device``: transformers' initialisation applied to the local shards
+        (seeded as the ordinary build is), then a local directory's files loaded one at a time into them."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from ..models import init_weights, load_local_weights
+
+        model.to_empty(device=device)
+        torch.manual_seed(self.cfg.seed)
+        init_weights(model)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
+        opts = StateDictOptions(full_state_dict=True, strict=False)  # each file holds part of the model
+        load_local_weights(model, self.cfg, lambda part: set_model_state_dict(model, part, options=opts))
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -42,11 +64,14 @@ class FSDPStrategy(TorchOptimizerStrategy):
             # Pinning needs an accelerator; on a CPU-only run the "offload" is a no-op move anyway.
             pin = self.cfg.strategy_options.pin_memory and self.env.device.type == "cuda"
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        else:
+        on_meta = any(p.is_meta for p in model.parameters())
+        if self.cfg.strategy != "fsdp_offload" and not on_meta:
             model = model.to(self.env.device)
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
+            self._materialise(model, torch.device("cpu") if self.cfg.strategy == "fsdp_offload" else self.env.device)
         self.hf_model = model
         self.model = torch.compile(model) if self.cfg.compile else model
         self._build_optimizer(model, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type, total_steps)

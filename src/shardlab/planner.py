@@ -89,6 +89,7 @@ SPEED_ORDER = (
     "zero2",
     "fsdp",
     "zero3",
+    "ao_offload",
     "zero2_offload",
     "zero1_offload",
     "fsdp_offload",
@@ -473,22 +474,32 @@ class StrategyPlan:
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
 
 
-def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, dict[str, Fraction], str]:
+def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str = "adamw",
+                  in_backward: bool = False) -> tuple[Fraction, Fraction, Fraction, dict[str, Fraction], str]:
     """(params, grads, optimizer) bytes per parameter on each GPU, the CPU-side bytes per parameter
-    per rank, and where the states live. ``d`` = data-parallel world size."""
+    per rank, and where the states live. ``d`` = data-parallel world size. `optimizer`/`in_backward`
+    (dp, fsdp): torchao's AdamW8bit keeps 1 B per moment plus an fp32 scale per 256-element block;
+    a step in backward frees each gradient as soon as it is applied (none left for a whole model)."""
     F = Fraction
     mixed = precision != "fp32"
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
     master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
     adam = F(8)
     cpu: dict[str, Fraction] = {}
+    torch_adam = F(2) + F(2 * 4, 256) if optimizer == "adamw8bit" else adam
+    torch_grads = F(0) if in_backward else F(4)
     if strategy == "dp":
-        return F(4), F(4), adam, cpu, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+        return F(4), torch_grads, torch_adam, cpu, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+    if strategy == "ao_offload":
+        # torchao CPUOffloadOptimizer: pinned fp32 host copies of each weight and gradient beside m and v; device
+        # gradients are freed once copied (one micro-batch per step; accumulation keeps them, as dp does)
+        cpu = {"fp32 params copy (pinned)": F(4), "fp32 grads copy (pinned)": F(4), "AdamW m, v": adam}
+        return F(4), F(0), F(0), cpu, "fp32 weights on the GPU; AdamW states, step and host copies on the CPU"
     if strategy.startswith("fsdp"):
         if strategy == "fsdp_offload":
             cpu = {"fp32 params shard": F(4, d), "fp32 grads shard": F(4, d), "AdamW m, v shard": F(8, d)}
             return F(0), F(0), F(0), cpu, "fp32 params, grads, AdamW states sharded, kept on the CPU"
-        return F(4, d), F(4, d), F(8, d), cpu, "fp32 params, grads, AdamW states sharded across GPUs"
+        return F(4, d), torch_grads / d, torch_adam / d, cpu, "fp32 params, grads, AdamW states sharded across GPUs"
     stage = STAGE[strategy]
     opt = master + adam
     if strategy == "zero0":
@@ -524,7 +535,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     opts = cfg.strategy_options
     mixed = precision != "fp32"
     lo = 2 if mixed else 4
-    P, G, O, cpu_bpp, where = _model_states(strategy, n, d, precision)
+    P, G, O, cpu_bpp, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
     if strategy == "dp":
         mode = "autocast" if mixed else "fp32"
@@ -537,9 +548,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
     stage = STAGE.get(strategy)
-    if device == "cpu" and (strategy == "dp" or strategy.startswith("fsdp")):
-        # optim.adamw: fused on CUDA (no temporaries). On the CPU torch takes the single-tensor path (foreach
-        # kernels are for accelerators): each parameter's sqrt(v) and its quotient, freed before the next one.
+    if device == "cpu" and strategy in ("dp", "fsdp") and cfg.optimizer == "adamw":
+        # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
+        # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
+        # quotient, freed before the next one.
         temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
             d if strategy.startswith("fsdp") else 1)
     if strategy == "dp":
@@ -555,10 +567,13 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:
-        rb, ab = opts.reduce_bucket_size, opts.allgather_bucket_size
+        from .strategies.deepspeed_zero import offload_kind, overlap_comm, sized_buckets
+
+        buckets = sized_buckets(opts, n, arch.hidden, offload_kind(strategy))  # what the engine gets (offload: model-sized)
+        rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
         if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
             rb = min(rb, n)
-        overlap = opts.overlap_comm if opts.overlap_comm is not None else d > 1
+        overlap = overlap_comm(opts, d, offload_kind(strategy))
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
         elif stage in (1, 2):
@@ -574,7 +589,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
             if strategy == "zero3":
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
-            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
+            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":
                 gather = min(gather, n)
             label = "ZeRO-3 gathered params (largest layer + prefetch bucket)"
@@ -586,7 +601,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 # so up to that many parameters stay gathered at the start of backward. Measured: gpt2-large
                 # zero3_offload -16.4% and zero3 on 2/4 GPUs -6.6%/-7.5% with the largest-layer allowance alone,
                 # -1.0% and -0.7%/-0.6% with this (benchmarks/results/2026-11-21-h100-session3/).
-                kept = min(n, opts.stage3_max_reuse_distance + opts.stage3_prefetch_bucket_size)
+                kept = min(n, opts.stage3_max_reuse_distance + buckets["stage3_prefetch_bucket_size"])
                 if kept > gather:
                     gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
             temp[label] = float(lo * gather)
@@ -800,6 +815,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     names = strategies or PLANNED_STRATEGIES
     out: dict[str, StrategyPlan] = {}
     for s in names:
+        if s == "ao_offload" and d > 1 and not strategies:  # torchao's offload is for one process (strategies/ao_offload.py)
+            plan_notes.append("ao_offload left out: it runs on one GPU only")
+            continue
         s_micro, s_accum, _ = (micro, accum, None) if s != "pipeline" else cfg.resolve_batch(_dp_size(s, cfg, d))
         try:
             sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)

@@ -26,9 +26,14 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 class FSDPStrategy(TorchOptimizerStrategy):
     uses_autocast = False  # MixedPrecisionPolicy already computes in low precision
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
+
+    @classmethod
+    def cpu_optimizer(cls, cfg) -> bool:
+        return cfg.strategy == "fsdp_offload"
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -49,7 +54,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
         fully_shard(model, **kwargs)
         self.hf_model = model
         self.model = torch.compile(model) if self.cfg.compile else model
-        self._build_optimizer(model, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type, total_steps)
+        offload = self.cpu_optimizer(self.cfg)
+        self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 
     def accumulate(self, last_micro: bool):
         import contextlib

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, faults, guards, metrics, mfu, reshard
+from . import checkpoint, faults, guards, metrics, mfu, optim, reshard
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
@@ -296,7 +296,7 @@ class Trainer:
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         strategy.setup(model, total_steps)
-        log0(env, strategy.memory_note())
+        log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
         state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
         if cfg.resume:
@@ -349,7 +349,8 @@ class Trainer:
         """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
         stop requested on some rank, checkpoint requested on some rank)."""
         step_loss, useful = strategy.train_step(batches, self.accum)
-        grad_norm = strategy.optimizer_step()
+        with strategy.time_split.optimizer():  # offload runs: CPU optimizer time (timesplit.py); else a no-op
+            grad_norm = strategy.optimizer_step()
         stop, save = self.signals.stop_signal is not None, self.signals.take_save_request()
         loss_value, useful_total, stop, save = _reduce_step(step_loss / self.accum, useful, self.env, stop, save)
         return loss_value, useful_total, grad_norm, stop, save

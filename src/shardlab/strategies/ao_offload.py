@@ -66,6 +66,9 @@ class AOOffloadStrategy(DDPStrategy):
         self.scheduler = optim.scheduler(self.optimizer, cfg, total_steps)
         self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=False)
 
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        return 4.0, 4.0 * self.grad_accum  # fp32 gradients out after every micro-batch's backward, fp32 weights back once
+
     def _add_sq_norm(self, p: torch.Tensor) -> None:
         self._sq_norm += p.grad.detach().float().pow(2).sum()
 

@@ -54,6 +54,9 @@ class Strategy(ABC):
 
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
             self.bound_cores = bind_threads_to_rank_cores(env.local_rank, local_world)
+        from ..timesplit import StepSplit
+
+        self.time_split = StepSplit(env.device, self.cpu_optimizer(cfg))
 
     # ---- building -----------------------------------------------------------------------------
     @abstractmethod
@@ -84,6 +87,11 @@ class Strategy(ABC):
         """
         step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
         useful = 0
+        if self.time_split.enabled and not self.time_split.h2d_bytes:  # first step: the engine has placed the model
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf_model.parameters())  # (ZeRO-3: partitioned)
+            h2d, d2h = self.transfer_bytes_per_param()
+            self.time_split.h2d_bytes, self.time_split.d2h_bytes = h2d * n, d2h * n
+        self.time_split.compute_start()
         for micro in range(accum):
             batch, n_useful = next(batches)
             useful += n_useful
@@ -93,7 +101,12 @@ class Strategy(ABC):
                 self.backward(loss, last)
             batches.preload()  # the next batch's host work overlaps this step's GPU tail
             step_loss += loss.detach().float()
+        self.time_split.compute_end()
         return step_loss, useful
+
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        """(host->device, device->host) bytes per parameter in one optimizer step, for offload strategies."""
+        return 0.0, 0.0
 
     def autocast(self):
         """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
@@ -155,7 +168,14 @@ class Strategy(ABC):
 
     def summary_extras(self) -> dict[str, Any]:
         """Strategy-specific figures for summary.json, at the end of training. Collective."""
-        return {}
+        out: dict[str, Any] = {"optimizer": optim.arithmetic(self.cfg)}
+        if self.time_split.enabled:
+            out["time_split"] = self.time_split.summary()
+            if self.env.is_main and out["time_split"]:
+                print("[shardlab]", self.time_split.describe(), flush=True)
+            out["cpu_threads"] = torch.get_num_threads()
+            out["bound_cores"] = len(self.bound_cores)
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "memory": self.memory_note()}

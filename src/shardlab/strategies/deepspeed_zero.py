@@ -302,6 +302,14 @@ class DeepSpeedStrategy(Strategy):
         if opts.zenflow and device_type != "cuda":
             raise UserError("--zenflow needs a CUDA GPU (its important-column step runs there)", "drop --zenflow on CPU")
 
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        # 16-bit gradients go to the host's fp32 partition after every micro-batch; ZeRO-1/2 copy the updated
+        # 16-bit weights back once per step, ZeRO-3 fetches them for every forward and again for backward.
+        lo = 4.0 if self.precision.name == "fp32" else 2.0
+        if STAGE[self.cfg.strategy] == 3:
+            return 2 * lo * self.grad_accum, lo * self.grad_accum
+        return lo, lo * self.grad_accum
+
     def ds_config(self, n_params: int | None = None, hidden: int | None = None) -> dict[str, Any]:
         return resolved_ds_config(
             self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type, n_params, hidden

@@ -35,6 +35,12 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def cpu_optimizer(cls, cfg) -> bool:
         return cfg.strategy == "fsdp_offload"
 
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        # CPUOffloadPolicy copies the fp32 shard to the GPU at every unshard (forward, and backward again after a
+        # reshard), for every micro-batch; the fp32 gradient shard comes back once, after the synced backward.
+        gathers = 2 if self.cfg.strategy_options.fsdp_reshard_after_forward else 1
+        return 4.0 * gathers * self.grad_accum, 4.0
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

@@ -80,8 +80,9 @@ PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
 # zero3 and zero2_offload are within noise of each other there (the file quotes ±10% for DeepSpeed);
 # zero3 is ranked first because it keeps everything on the GPU and scales with more GPUs.
-# zero0/zero1/zero1_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
-# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
+# zero0/zero1/zero1_offload/ao_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
+# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; ao_offload after the
+# measured zero2_offload until benchmarks/gpu_big_model.sh has compared them; NVMe slowest).
 SPEED_ORDER = (
     "dp",
     "zero0",
@@ -89,8 +90,8 @@ SPEED_ORDER = (
     "zero2",
     "fsdp",
     "zero3",
-    "ao_offload",
     "zero2_offload",
+    "ao_offload",
     "zero1_offload",
     "fsdp_offload",
     "zero3_offload",

@@ -222,3 +222,16 @@ def test_adamw8bit_tracks_adamw_over_200_steps(tmp_path, train_cli):
     tail_ref, tail_q = statistics.fmean(ref.losses[-20:]), statistics.fmean(q.losses[-20:])
     assert tail_q < statistics.fmean(q.losses[:20])  # it trains
     assert tail_q == pytest.approx(tail_ref, rel=ADAMW8BIT_REL_TOLERANCE)
+
+
+def test_auto_micro_batch_accumulates_offload_steps_to_a_large_token_batch():
+    from shardlab.autobatch import OFFLOAD_TOKENS_PER_STEP, offload_accumulation
+
+    lines = []
+    cfg = RunConfig(strategy="zero2_offload", seq_len=1024, micro_batch=4)
+    out = offload_accumulation(cfg, 1, lines.append)
+    assert out.grad_accum == OFFLOAD_TOKENS_PER_STEP // (4 * 1024) == 16 and "65,536 tokens" in lines[0]
+    assert offload_accumulation(cfg, 2, lines.append).grad_accum == 8  # the data-parallel ranks share the tokens
+    for kept in (cfg.model_copy(update={"strategy": "dp"}), cfg.model_copy(update={"global_batch": 8}),
+                 cfg.model_copy(update={"grad_accum": 2})):  # not offloading, or the user chose the batch
+        assert offload_accumulation(kept, 1, lines.append) is kept

@@ -235,3 +235,22 @@ def test_auto_micro_batch_accumulates_offload_steps_to_a_large_token_batch():
     for kept in (cfg.model_copy(update={"strategy": "dp"}), cfg.model_copy(update={"global_batch": 8}),
                  cfg.model_copy(update={"grad_accum": 2})):  # not offloading, or the user chose the batch
         assert offload_accumulation(kept, 1, lines.append) is kept
+
+
+def test_report_says_what_to_use_for_a_model_that_does_not_fit():
+    from shardlab.report.guide import guide
+    from shardlab.report.load import Spread
+    from shardlab.report.tables import BIG_MODEL_COLUMNS, Table
+
+    def row(label, tok, opt, mfu=None):
+        return {"label": label, "optimizer": opt, "useful_tokens_per_s": Spread(tok, tok, tok, 1) if tok else None,
+                "mfu_pct": Spread(mfu, mfu, mfu, 1) if mfu else None, "cpu_rss_peak_gb": Spread(90.0, 90.0, 90.0, 1)}
+
+    exact = "exact fp32 AdamW"
+    t = Table("big-model", "A model that does not fit: bloom-7b1, 1 GPU", BIG_MODEL_COLUMNS, [
+        row("fsdp_offload", 1000.0, exact, 5.0), row("zero2_offload", 4000.0, exact, 21.0),
+        row("dp-adamw8bit-in-backward", 6000.0, "8-bit AdamW (torchao), stepped in backward", 36.0), row("ao_offload", None, exact)])
+    lines = guide([t], [])
+    assert "exact AdamW: zero2_offload (4,000 tok/s, 21% MFU" in lines[0] and "then fsdp_offload" in lines[0]
+    assert "dp-adamw8bit-in-backward" in lines[1] and "faster than every exact option" in lines[1]
+    assert lines[2] == "Did not complete (bloom-7b1, 1 GPU): ao_offload (see the runs table)."

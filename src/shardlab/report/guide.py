@@ -99,17 +99,19 @@ def _big_model(t: Table) -> list[str]:
         return f"{r['label']} ({_n(speed(r))} tok/s{mfu}, host {_n(r['cpu_rss_peak_gb'].median if r.get('cpu_rss_peak_gb') else None, ' GB')})"
 
     exact = [r for r in ok if str(r.get("optimizer", "")).startswith("exact fp32 AdamW") and "in backward" not in str(r.get("optimizer"))]
-    lines = [f"What to use for a model that does not fit ({t.title.split(': ', 1)[-1]}):"]
+    where = t.title.split(": ", 1)[-1]
+    lines = []
     if exact:
-        lines.append(f"- exact AdamW with offload: {name(exact[0])} is the fastest measured"
+        lines.append(f"What to use for a model that does not fit ({where}), exact AdamW: {name(exact[0])} is the fastest measured"
                      + (f"; then {', '.join(name(r) for r in exact[1:3])}" if len(exact) > 1 else "") + ".")
     other = [r for r in ok if r not in exact]
     if other:
-        lines.append(f"- if the optimizer may change ({other[0]['optimizer']}): {name(other[0])}"
+        lines.append(f"What to use for a model that does not fit ({where}), if the optimizer may change ({other[0]['optimizer']}): "
+                     f"{name(other[0])}"
                      + (" - faster than every exact option measured" if exact and speed(other[0]) > speed(exact[0]) else "") + ".")
     failed = [r["label"] for r in t.rows if r not in ok]
     if failed:
-        lines.append(f"- did not complete: {', '.join(failed)} (see the runs table).")
+        lines.append(f"Did not complete ({where}): {', '.join(failed)} (see the runs table).")
     return lines
 
 

@@ -206,8 +206,9 @@ def test_exact_options_match_dp_and_offload_runs_split_their_time(tmp_path, trai
 
 
 # AdamW8bit quantises m and v block-wise (256 elements, dynamic-tree 8-bit code), so it does not follow AdamW
-# bit for bit: over 200 steps of tiny-gpt2 on the offline corpus the mean loss of the last 20 steps stays within
-# 3% of exact AdamW's (measured: see the commit), which is the documented tolerance.
+# bit for bit. Documented tolerance: over 200 steps of tiny-gpt2 on the offline corpus, the mean loss of the last
+# 20 steps within 3% of exact AdamW's. (Each run is ~1 min on an idle 2-core machine; under load it takes much
+# longer, hence the long timeout.)
 ADAMW8BIT_REL_TOLERANCE = 0.03
 
 
@@ -216,8 +217,8 @@ def test_adamw8bit_tracks_adamw_over_200_steps(tmp_path, train_cli):
     args = ["--model", "tiny-gpt2", "--max-steps", "200", "--seq-len", "32", "--micro-batch", "4", "--lr", "3e-3", "--dropout", "0",
             "--precision", "fp32", "--log-every", "1", "--seed", "1234", "--lr-schedule", "constant", "--no-export",
             "--set", "dataset.eval_samples=1"]  # fmt: skip
-    ref = train_cli(args, tmp_path / "adamw").check()
-    q = train_cli([*args, "--optimizer", "adamw8bit"], tmp_path / "adamw8bit").check()
+    ref = train_cli(args, tmp_path / "adamw", timeout=1800).check()
+    q = train_cli([*args, "--optimizer", "adamw8bit"], tmp_path / "adamw8bit", timeout=1800).check()
     assert q.summary["optimizer"].startswith("8-bit AdamW")
     tail_ref, tail_q = statistics.fmean(ref.losses[-20:]), statistics.fmean(q.losses[-20:])
     assert tail_q < statistics.fmean(q.losses[:20])  # it trains

@@ -304,12 +304,32 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
                     + f" ({t.seconds:.0f} s)")
                 return t
         chosen, trials = search_micro_batch(start, candidates, trial, step_up=device_type == "cuda")
-    resolved = with_micro_batch(cfg, chosen)
+    resolved = offload_accumulation(with_micro_batch(cfg, chosen), dp, log)
     micro, accum, glob = resolved.resolve_batch(dp)
     result = AutoBatchResult(chosen=micro, grad_accum=accum, global_batch=glob, plan_start=start, device=device_type,
                              budget_gib=None if budget is None else budget / 2**30, plan_note=note, trials=trials)
     log(result.line())
     return resolved, result
+
+
+# Tokens per optimizer step that an offload run (Strategy.cpu_optimizer) aims for when --micro-batch auto chooses
+# the accumulation: its CPU AdamW step costs the same however many tokens the step has (bloom-7b1: seconds), so
+# forward/backward must be long enough to hide it. 64 sequences of 1024 tokens, the issue's global batch, makes
+# bloom-3b/7b1's forward+backward several times longer than the CPU step on a 16-core host.
+OFFLOAD_TOKENS_PER_STEP = 64 * 1024
+
+
+def offload_accumulation(cfg: RunConfig, dp: int, log: Callable[[str], None]) -> RunConfig:
+    """With neither --grad-accum nor --global-batch given, an offload run accumulates up to OFFLOAD_TOKENS_PER_STEP."""
+    from .strategies import strategy_class
+
+    if cfg.grad_accum is not None or cfg.global_batch is not None or not strategy_class(cfg.strategy).cpu_optimizer(cfg):
+        return cfg
+    per_micro = cfg.micro_batch * cfg.seq_len * dp
+    accum = max(1, -(-OFFLOAD_TOKENS_PER_STEP // per_micro))
+    log(f"offload: accumulating {accum} micro-batches per step ({accum * per_micro:,} tokens) so the CPU optimizer step is "
+        f"amortised (set --grad-accum or --global-batch to choose)")
+    return cfg.model_copy(update={"grad_accum": accum})
 
 
 def plan_start(cfg: RunConfig, device_type: str, nproc: int, dp: int, cpu_budget: float | None) -> tuple[int, str]:

@@ -30,6 +30,7 @@ STRATEGIES = (
     "infinity",
     "fsdp",
     "fsdp_offload",
+    "ao_offload",
     "pipeline",
 )
 
@@ -76,6 +77,14 @@ class StrategyOptions(_Strict):
         1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "
         "(DeepSpeed's default; below the model's size it lowers the peak at the start of backward, at the cost of re-gathering)")
     fsdp_reshard_after_forward: bool = True
+    offload_ratio: float = Field(
+        1.0, gt=0.0, le=1.0, description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest "
+        "stays on the GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")
+    zenflow: bool = Field(
+        False, description="zero1_offload/zero2_offload: DeepSpeed ZenFlow, NOT bit-exact AdamW: the top 10% gradient columns "
+        "step on the GPU every step, the rest on the CPU asynchronously and less often (stale updates)")
+    bind_cores: bool = Field(True, description="CPU-optimizer strategies: pin each rank's threads to its share of the cores "
+                             "(what DeepSpeed's launcher does with --bind_cores_to_rank)")
     pp_stages: int | None = Field(None, gt=0, description="pipeline: number of ranks the layers are split over (default: all)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", description="pipeline schedule")
     pp_chunks: int = Field(2, gt=0, description="interleaved-1f1b: model chunks (virtual stages) per rank")
@@ -121,6 +130,12 @@ class RunConfig(_Strict):
     adam_beta2: float = Field(0.999, gt=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="'adamw' = exact fp32 AdamW; 'adamw8bit' = torchao's AdamW8bit (block-wise 8-bit moments, "
+        "2 B/param of state instead of 8; dp, fsdp)")
+    optimizer_in_backward: bool = Field(
+        False, description="step each parameter in its gradient hook and free its gradient at once (as torchtune does; dp on one "
+        "rank, fsdp): no full set of gradients is ever held; needs grad_accum 1 and no global-norm clipping")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     compile: bool = False
     loss_kernel: Literal["auto", "compiled", "hf"] = Field(

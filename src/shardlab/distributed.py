@@ -117,6 +117,25 @@ def init_distributed(device_type: str, timeout_s: float = 1800) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
 
 
+def bind_threads_to_rank_cores(local_rank: int, local_world: int) -> list[int]:
+    """Give this rank its own contiguous share of the cores it may run on, and as many torch/OpenMP threads.
+
+    What DeepSpeed's launcher does with `--bind_cores_to_rank` (numactl -C + OMP_NUM_THREADS), for the
+    workers shardlab spawns itself: a CPU optimizer (DeepSpeed's CPU-Adam, torch's fused CPU AdamW) is
+    memory-bound and OpenMP-parallel, and ranks whose threads share cores slow each other down. Returns
+    the cores bound (none when there are fewer cores than ranks: nothing to split).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // max(1, local_world)
+    if per_rank == 0:
+        return []
+    mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(per_rank)  # read by OpenMP runtimes (DeepSpeed's op) loaded after this
+    torch.set_num_threads(per_rank)
+    return mine
+
+
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

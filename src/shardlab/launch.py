@@ -53,8 +53,11 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
         from .autobatch import check_auto
 
         check_auto(cfg, dp_world)
+        accum = cfg.grad_accum or 1
     else:
-        cfg.resolve_batch(dp_world)
+        accum = cfg.resolve_batch(dp_world)[1]
+    # optimizer options, offload settings: refused in one line by the strategy that cannot run them
+    strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
     from .reshard import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts

@@ -74,9 +74,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def adamw(model: nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
-    # fused AdamW is the fastest torch kernel on CUDA; on CPU torch picks its single-tensor path (foreach is for accelerators).
-    fused = device_type == "cuda"
+def adamw(model: nn.Module, cfg: RunConfig, device_type: str, cpu_fused: bool = False) -> torch.optim.Optimizer:
+    """torch's AdamW. `cpu_fused`: the optimizer steps CPU-resident (offloaded) states, where torch's fused CPU
+    kernel (vectorised, OpenMP-parallel over the rank's threads) is several times faster than its default
+    single-tensor loop. Plain CPU runs keep the single-tensor path, whose small temporaries the plan models."""
+    # fused AdamW is the fastest torch kernel on CUDA; on CPU torch picks its single-tensor path unless asked.
+    fused = device_type == "cuda" or cpu_fused
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
@@ -84,6 +87,134 @@ def adamw(model: nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Opt
         eps=cfg.adam_eps,
         fused=fused,
     )
+
+
+# ---- beyond exact fp32 AdamW: 8-bit moments, the step inside backward -------------------------------------
+
+TORCHAO_HINT = "pip install 'shardlab[offload]' (torchao)"
+
+
+def torchao_optim():
+    """torchao.optim, or a one-line error naming the extra that installs it (imported here: it is optional)."""
+    import logging
+    import warnings
+
+    # torchao logs a warning per optional CUDA kernel library its wheel cannot load here (none of them
+    # is used by torchao.optim) and torch warns about one of its enums: noise in every run's log.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.optim
+    except ImportError:
+        raise UserError("this option needs torchao, which is not installed", TORCHAO_HINT) from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    return torchao.optim
+
+
+def arithmetic(cfg: RunConfig) -> str:
+    """What the optimizer computes, in words, for the logs and summary.json."""
+    base = {"adamw": "exact fp32 AdamW",
+            "adamw8bit": "8-bit AdamW (torchao AdamW8bit: block-wise quantised moments, not bit-exact AdamW)"}[cfg.optimizer]
+    if cfg.strategy_options.zenflow and cfg.strategy in ("zero1_offload", "zero2_offload"):
+        base = "ZenFlow AdamW (DeepSpeed: important gradient columns every step on the GPU, the rest later on the CPU; not bit-exact AdamW)"
+    if cfg.optimizer_in_backward:
+        base += ", stepped in backward per parameter (no global-norm clipping)"
+    return base
+
+
+def check_optimizer_options(cfg: RunConfig, strategy: str, world: int, accum: int, supports_8bit: bool, supports_in_backward: bool,
+                            device_type: str) -> None:
+    """One-line refusals of optimizer options a strategy or a setting cannot honour (launch preflight and setup)."""
+    if cfg.optimizer == "adamw8bit":
+        if not supports_8bit:
+            raise UserError(f"--optimizer adamw8bit is not supported with strategy {strategy!r}", "use --strategy dp or fsdp")
+        torchao_optim()
+    if not cfg.optimizer_in_backward:
+        return
+    if not supports_in_backward:
+        raise UserError(f"--optimizer-in-backward is not supported with strategy {strategy!r}", "use --strategy dp (one rank) or fsdp")
+    if strategy == "dp" and world > 1:
+        # DDP all-reduces after the gradient hooks fire: a step there would use this rank's gradient only.
+        raise UserError("--optimizer-in-backward with dp needs one rank (DDP reduces gradients after the hooks run)",
+                        "use --strategy fsdp for several ranks")
+    if accum > 1:
+        raise UserError(f"--optimizer-in-backward cannot accumulate gradients (grad_accum {accum}): each gradient is applied and freed "
+                        "as soon as backward produces it", "use --grad-accum 1 (raise --micro-batch instead)")
+    if cfg.max_grad_norm is not None:
+        raise UserError("--optimizer-in-backward cannot clip by the global gradient norm (each parameter steps before the others' "
+                        "gradients exist)", "pass --set max_grad_norm=null")
+    if cfg.nan_policy == "skip":
+        raise UserError("--optimizer-in-backward cannot skip a step with non-finite gradients (it is applied during backward)",
+                        "use --nan-policy stop")
+    if cfg.precision == "fp16" or (cfg.precision == "auto" and device_type == "cuda" and not torch.cuda.is_bf16_supported()):
+        raise UserError("--optimizer-in-backward does not work with fp16 loss scaling (unscaling needs every gradient first)",
+                        "use --precision bf16 or fp32")
+
+
+def optimizer_class(cfg: RunConfig):
+    """(class, extra kwargs) of the per-group optimizer the options ask for."""
+    if cfg.optimizer == "adamw8bit":
+        return torchao_optim().AdamW8bit, {}
+    return torch.optim.AdamW, {}
+
+
+def build(model: nn.Module, cfg: RunConfig, device_type: str, cpu_fused: bool = False) -> torch.optim.Optimizer:
+    """The run's optimizer: exact AdamW, torchao AdamW8bit, either of them stepped in backward."""
+    if cfg.optimizer_in_backward:
+        return InBackwardOptimizer(model, cfg, device_type)
+    if cfg.optimizer == "adamw8bit":
+        return torchao_optim().AdamW8bit(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                         eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    return adamw(model, cfg, device_type, cpu_fused)
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """One optimizer per parameter, stepped in that parameter's post-accumulate-grad hook, which then frees the
+    gradient: at most one parameter's gradient is alive at a time instead of all of them (torchtune's
+    optimizer-in-backward). FSDP2 runs the same hooks on the sharded parameter after its reduce-scatter.
+
+    It subclasses Optimizer without calling its __init__ (as torchao's CPUOffloadOptimizer does) so that torch's
+    lr schedulers, which read and write ``param_groups``, drive every per-parameter optimizer's lr; ``step`` is a
+    no-op (the work happened in backward). ``state_dict`` maps parameter names to each optimizer's state, so a
+    checkpoint resumes into the same model; DCP's optimizer helpers do not understand it (see the strategies)."""
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, device_type: str):
+        cls = torchao_optim().AdamW8bit if cfg.optimizer == "adamw8bit" else torch.optim.AdamW
+        kwargs = {"fused": True} if cls is torch.optim.AdamW and device_type == "cuda" else {}
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        for group in param_groups(model, cfg.weight_decay):
+            for p in group["params"]:
+                self.optimizers[p] = cls([p], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                         weight_decay=group["weight_decay"], **kwargs)
+                p.register_post_accumulate_grad_hook(self._hook)
+        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        self.defaults = {"lr": cfg.lr}
+        self.state = {}  # the per-parameter optimizers own the state; torch's Optimizer API expects the attribute
+
+    def _hook(self, p: torch.Tensor) -> None:
+        opt = self.optimizers[p]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self, closure=None):  # noqa: ARG002 - the update ran in backward
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # gradients are freed in the hooks already
+        return None
+
+    def state_dict(self) -> dict:
+        return {self.names[p]: opt.state_dict() for p, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for p, opt in self.optimizers.items():
+            opt.load_state_dict(state_dict[self.names[p]])
 
 
 def fused_clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:

@@ -80,8 +80,9 @@ PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
 # zero3 and zero2_offload are within noise of each other there (the file quotes ±10% for DeepSpeed);
 # zero3 is ranked first because it keeps everything on the GPU and scales with more GPUs.
-# zero0/zero1/zero1_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
-# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
+# zero0/zero1/zero1_offload/ao_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
+# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; ao_offload after the
+# measured zero2_offload until benchmarks/gpu_big_model.sh has compared them; NVMe slowest).
 SPEED_ORDER = (
     "dp",
     "zero0",
@@ -90,6 +91,7 @@ SPEED_ORDER = (
     "fsdp",
     "zero3",
     "zero2_offload",
+    "ao_offload",
     "zero1_offload",
     "fsdp_offload",
     "zero3_offload",
@@ -490,20 +492,27 @@ class StrategyPlan:
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
 
 
-def _model_states(strategy: str, n: int, d: int, precision: str) -> tuple[Fraction, Fraction, Fraction, str]:
+def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str = "adamw",
+                  in_backward: bool = False) -> tuple[Fraction, Fraction, Fraction, str]:
     """(params, grads, optimizer) bytes per parameter on each GPU and where the states live (what lives
-    in host memory instead: ``host_states``). ``d`` = data-parallel world size."""
+    in host memory instead: ``host_states``). ``d`` = data-parallel world size. `optimizer`/`in_backward`
+    (dp, fsdp): torchao's AdamW8bit keeps 1 B per moment plus an fp32 scale per 256-element block;
+    a step in backward frees each gradient as soon as it is applied (none left for a whole model)."""
     F = Fraction
     mixed = precision != "fp32"
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
     master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
     adam = F(8)
+    torch_adam = F(2) + F(2 * 4, 256) if optimizer == "adamw8bit" else adam
+    torch_grads = F(0) if in_backward else F(4)
     if strategy == "dp":
-        return F(4), F(4), adam, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+        return F(4), torch_grads, torch_adam, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
+    if strategy == "ao_offload":  # torchao CPUOffloadOptimizer: device gradients freed once copied to the host
+        return F(4), F(0), F(0), "fp32 weights on the GPU; AdamW states, step and host copies on the CPU"
     if strategy.startswith("fsdp"):
         if strategy == "fsdp_offload":
             return F(0), F(0), F(0), "fp32 params, grads, AdamW states sharded, kept on the CPU"
-        return F(4, d), F(4, d), F(8, d), "fp32 params, grads, AdamW states sharded across GPUs"
+        return F(4, d), torch_grads / d, torch_adam / d, "fp32 params, grads, AdamW states sharded across GPUs"
     stage = STAGE[strategy]
     opt = master + adam
     if strategy == "zero0":
@@ -578,6 +587,13 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
             # param_groups_fp16_flat_cpu_memory is pinned whatever pin_memory says (on a GPU)
             out["16-bit param partition (flat, always pinned)"] = sum(
                 pinned_bytes(lo * math.ceil(g / d), device == "cuda") for g in _ds_groups(arch, cfg.weight_decay))
+    elif strategy == "ao_offload":
+        # torchao CPUOffloadOptimizer: a pinned fp32 host copy of every weight and of every gradient, beside
+        # fp32 AdamW m and v (optim/cpu_offload.py allocates them per parameter)
+        sizes = [k for k, _ in arch.param_sizes] or [n]
+        out["fp32 params copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
+        out["fp32 grads copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
+        out["AdamW m, v"] = 8.0 * n
     elif strategy == "fsdp_offload":
         shards = [math.ceil(k / d) for k, _ in arch.param_sizes] or [math.ceil(n / d)]
         out["fp32 param shards (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in shards)
@@ -620,7 +636,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     opts = cfg.strategy_options
     mixed = precision != "fp32"
     lo = 2 if mixed else 4
-    P, G, O, where = _model_states(strategy, n, d, precision)
+    P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
     if strategy == "dp":
         mode = "autocast" if mixed else "fp32"
@@ -633,9 +649,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
     stage = STAGE.get(strategy)
-    if device == "cpu" and (strategy == "dp" or strategy.startswith("fsdp")):
-        # optim.adamw: fused on CUDA (no temporaries). On the CPU torch takes the single-tensor path (foreach
-        # kernels are for accelerators): each parameter's sqrt(v) and its quotient, freed before the next one.
+    if device == "cpu" and strategy in ("dp", "fsdp") and cfg.optimizer == "adamw":
+        # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
+        # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
+        # quotient, freed before the next one.
         temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
             d if strategy.startswith("fsdp") else 1)
     if strategy == "dp":
@@ -651,10 +668,13 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:
-        rb, ab = opts.reduce_bucket_size, opts.allgather_bucket_size
+        from .strategies.deepspeed_zero import offload_kind, overlap_comm, sized_buckets
+
+        buckets = sized_buckets(opts, n, arch.hidden, offload_kind(strategy))  # what the engine gets (offload: model-sized)
+        rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
         if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
             rb = min(rb, n)
-        overlap = opts.overlap_comm if opts.overlap_comm is not None else d > 1
+        overlap = overlap_comm(opts, d, offload_kind(strategy))
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
         elif stage in (1, 2):
@@ -670,7 +690,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
             if strategy == "zero3":
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
-            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + opts.stage3_prefetch_bucket_size)
+            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":
                 gather = min(gather, n)
             label = "ZeRO-3 gathered params (largest layer + prefetch bucket)"
@@ -682,7 +702,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 # so up to that many parameters stay gathered at the start of backward. Measured: gpt2-large
                 # zero3_offload -16.4% and zero3 on 2/4 GPUs -6.6%/-7.5% with the largest-layer allowance alone,
                 # -1.0% and -0.7%/-0.6% with this (benchmarks/results/2026-11-21-h100-session3/).
-                kept = min(n, opts.stage3_max_reuse_distance + opts.stage3_prefetch_bucket_size)
+                kept = min(n, opts.stage3_max_reuse_distance + buckets["stage3_prefetch_bucket_size"])
                 if kept > gather:
                     gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
             temp[label] = float(lo * gather)
@@ -895,6 +915,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     names = strategies or PLANNED_STRATEGIES
     out: dict[str, StrategyPlan] = {}
     for s in names:
+        if s == "ao_offload" and d > 1 and not strategies:  # torchao's offload is for one process (strategies/ao_offload.py)
+            plan_notes.append("ao_offload left out: it runs on one GPU only")
+            continue
         if s == "pipeline":  # as `train --strategy pipeline` runs it: without --microbatches, its default
             s_micro, s_accum, _ = cfg.model_copy(update={"strategy": s}).with_pipeline_microbatches(d)[0].resolve_batch(_dp_size(s, cfg, d))
         else:

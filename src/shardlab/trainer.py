@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, faults, guards, metrics, mfu, reshard
+from . import checkpoint, faults, guards, metrics, mfu, optim, reshard
 from .compile_stats import CompileClock, process_start_time, use_persistent_cache
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
@@ -303,7 +303,7 @@ class Trainer:
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
         strategy.setup(model, total_steps)
-        log0(env, strategy.memory_note())
+        log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
         state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
         if cfg.resume:
@@ -356,7 +356,8 @@ class Trainer:
         """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
         stop requested on some rank, checkpoint requested on some rank)."""
         step_loss, useful = strategy.train_step(batches, self.accum)
-        grad_norm = strategy.optimizer_step()
+        with strategy.time_split.optimizer():  # offload runs: CPU optimizer time (timesplit.py); else a no-op
+            grad_norm = strategy.optimizer_step()
         stop, save = self.signals.stop_signal is not None, self.signals.take_save_request()
         loss_value, useful_total, stop, save = _reduce_step(step_loss / self.accum, useful, self.env, stop, save)
         return loss_value, useful_total, grad_norm, stop, save

@@ -86,6 +86,35 @@ def _scaling(t: Table) -> list[str]:
             f"({last['speedup']:.2f}x the samples/s of {t.rows[0]['gpus']})."]
 
 
+def _big_model(t: Table) -> list[str]:
+    """What to use for a model that does not fit, ranked by what the runs measured."""
+    ok = [r for r in t.rows if r.get("mfu_pct") is not None or r.get("useful_tokens_per_s") is not None]
+    if not ok:
+        return []
+    speed = lambda r: (r["useful_tokens_per_s"].median if r.get("useful_tokens_per_s") else 0.0)  # noqa: E731
+    ok.sort(key=speed, reverse=True)
+
+    def name(r) -> str:
+        mfu = f", {r['mfu_pct'].median:.0f}% MFU" if r.get("mfu_pct") else ""
+        return f"{r['label']} ({_n(speed(r))} tok/s{mfu}, host {_n(r['cpu_rss_peak_gb'].median if r.get('cpu_rss_peak_gb') else None, ' GB')})"
+
+    exact = [r for r in ok if str(r.get("optimizer", "")).startswith("exact fp32 AdamW") and "in backward" not in str(r.get("optimizer"))]
+    where = t.title.split(": ", 1)[-1]
+    lines = []
+    if exact:
+        lines.append(f"What to use for a model that does not fit ({where}), exact AdamW: {name(exact[0])} is the fastest measured"
+                     + (f"; then {', '.join(name(r) for r in exact[1:3])}" if len(exact) > 1 else "") + ".")
+    other = [r for r in ok if r not in exact]
+    if other:
+        lines.append(f"What to use for a model that does not fit ({where}), if the optimizer may change ({other[0]['optimizer']}): "
+                     f"{name(other[0])}"
+                     + (" - faster than every exact option measured" if exact and speed(other[0]) > speed(exact[0]) else "") + ".")
+    failed = [r["label"] for r in t.rows if r not in ok]
+    if failed:
+        lines.append(f"Did not complete ({where}): {', '.join(failed)} (see the runs table).")
+    return lines
+
+
 def guide(tables: list[Table], cells: list[Cell]) -> list[str]:
     on_cpu = bool(cells) and all(c.device_type == "cpu" for c in cells if c.ok)
     lines: list[str] = []
@@ -96,6 +125,8 @@ def guide(tables: list[Table], cells: list[Cell]) -> list[str]:
             lines += _offload(t)
         elif t.key == "pin-memory":
             lines += _pin(t)
+        elif t.key == "big-model":
+            lines += _big_model(t)
         elif t.key in ("weak-scaling", "strong-scaling"):
             lines += _scaling(t)
     if not lines:

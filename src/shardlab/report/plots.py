@@ -215,10 +215,34 @@ def scaling_plot(tables: list[Table]) -> Plot | None:
     return Plot("scaling", "Scaling", _png(fig), "Samples/s against the GPU count, the linear ideal and the efficiency.")
 
 
+def time_split_plot(cells: list[Cell]) -> Plot | None:
+    """Stacked bars: where each offload run's step goes (summary.json time_split)."""
+    ok = [c for c in cells if c.ok and c.first("time_split")]
+    if not ok:
+        return None
+    fig = _figure(max(6.0, 0.8 * len(ok) + 2), 4.2)
+    ax = fig.add_subplot()
+    parts = (("gpu_compute_s", "GPU compute"), ("cpu_optimizer_s", "CPU optimizer"), ("idle_s", "idle"))
+    for i, c in enumerate(ok):
+        split, bottom = c.first("time_split"), 0.0
+        for j, (key, title) in enumerate(parts):
+            ax.bar(i, split[key], bottom=bottom, color=COLORS[j % len(COLORS)], label=title if i == 0 else None)
+            bottom += split[key]
+        if split.get("transfer_s") is not None:
+            ax.plot([i - 0.4, i + 0.4], [split["transfer_s"]] * 2, color="black", linewidth=1.5, label="transfers (est.)" if i == 0 else None)
+    ax.set_xticks(range(len(ok)), [c.label for c in ok], rotation=30, ha="right")
+    ax.set_ylabel("seconds per optimizer step (mean after warm-up)")
+    ax.set_title("Where an offload step's time goes")
+    ax.legend(fontsize=8)
+    return Plot("time-split", "Where an offload step's time goes", _png(fig),
+                "Black line: the step's host<->device bytes over the measured pinned bandwidth, an estimate that runs overlapped.")
+
+
 def all_plots(cells: list[Cell], tables: list[Table]) -> list[Plot]:
     plots = [memory_plot(cells), throughput_plot(cells), loss_plot(cells), gpu_timeline_plot(cells), cpu_timeline_plot(cells),
-             scaling_plot(tables)]
+             scaling_plot(tables), time_split_plot(cells)]
     return [p for p in plots if p is not None]
 
 
-__all__ = ["Plot", "all_plots", "memory_plot", "throughput_plot", "loss_plot", "gpu_timeline_plot", "cpu_timeline_plot", "scaling_plot"]
+__all__ = ["Plot", "all_plots", "memory_plot", "throughput_plot", "loss_plot", "gpu_timeline_plot", "cpu_timeline_plot", "scaling_plot",
+           "time_split_plot"]

@@ -497,6 +497,47 @@ def plan_tables(cells: list[Cell]) -> list[Table]:
 
 
 # --------------------------------------------------------------------------------------------------
+# a model that does not fit: every offload strategy and optimizer option side by side
+
+
+BIG_MODEL_COLUMNS = [
+    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("optimizer", "Optimizer arithmetic", "text"),
+    Column("batch", "Micro x accum", "text"), Column("tokens_per_step", "Tokens/step", "int"),
+    Column("useful_tokens_per_s", "Useful tok/s"), Column("mfu_pct", "MFU %", "pct"),
+    Column("gpu_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("predicted_gib", "Predicted GPU (GiB)", "gib"),
+    Column("cpu_rss_peak_gb", "Peak host RSS (GB)", "gb"), Column("predicted_cpu_gib", "Predicted host (GiB)", "gib"),
+    Column("final_loss", "Loss after N steps"), Column("compute_s", "GPU compute s/step"), Column("optimizer_s", "CPU optimizer s/step"),
+    Column("idle_s", "Idle s/step"), Column("transfer_s", "Transfers s/step (est., overlapped)"), Column("status", "Status", "text"),
+]
+
+
+def _split(c: Cell, key: str) -> Spread | None:
+    return c.stat(lambda r: (r.summary.get("time_split") or {})[key])
+
+
+def big_model_tables(cells: list[Cell]) -> list[Table]:
+    members = [c for c in cells if c.in_part("big-model")]
+    tables = []
+    for group in _groups(members, lambda c: (c.model, c.world)).values():
+        rows = []
+        for c in group:
+            row = _basic_row(c)
+            plan = next((r.summary["plan"] for r in c.runs if isinstance(r.summary.get("plan"), dict)), {})
+            row.update(optimizer=c.first("optimizer", "?"), batch=f"{row['micro_batch']} x {c.first('grad_accum', '?')}",
+                       tokens_per_step=c.first("tokens_per_step"), predicted_gib=plan.get("gpu_peak_gib"),
+                       predicted_cpu_gib=plan.get("cpu_gib"), compute_s=_split(c, "gpu_compute_s"),
+                       optimizer_s=_split(c, "cpu_optimizer_s"), idle_s=_split(c, "idle_s"), transfer_s=_split(c, "transfer_s"))
+            rows.append(row)
+        tables.append(Table("big-model", f"A model that does not fit: {_where(group[0])}", BIG_MODEL_COLUMNS, rows, [
+            "Time split (offload runs, summary.json time_split): GPU compute = forward+backward by CUDA events; CPU optimizer = the "
+            "optimizer step's wall time up to a device sync (CPU AdamW + the weight copies it waits for); idle = the rest of the step; "
+            "transfers = bytes moved / pinned bandwidth measured at setup, an estimate that overlaps the other parts.",
+            "Predicted = `shardlab plan` for that run (GPU: max_memory_allocated; host: the CPU-side states per node).",
+        ]))
+    return tables
+
+
+# --------------------------------------------------------------------------------------------------
 # every cell, failed ones included
 
 
@@ -527,7 +568,8 @@ def runs_table(cells: list[Cell]) -> Table:
 def build_tables(cells: list[Cell]) -> list[Table]:
     """Every table the runs support, in the order of the seed tutorials. A table without rows is left out;
     the last table (all runs) says which were left out and why."""
-    tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *scaling_tables(cells),
+    tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *big_model_tables(cells),
+              *scaling_tables(cells),
               *memory_tables(cells), *plan_tables(cells), runs_table(cells)]
     kept = [t for t in tables if t.rows]
     for t in tables:

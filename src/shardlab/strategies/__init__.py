@@ -19,6 +19,10 @@ def strategy_class(name: str) -> type[Strategy]:
         from .deepspeed_zero import DeepSpeedStrategy
 
         return DeepSpeedStrategy
+    if name == "ao_offload":
+        from .ao_offload import AOOffloadStrategy
+
+        return AOOffloadStrategy
     if name == "pipeline":
         from .pipeline import PipelineStrategy
 

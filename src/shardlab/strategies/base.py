@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import loss
+from .. import loss, optim
 from ..config import RunConfig
 from ..distributed import DistEnv
 from ..optim import Precision
@@ -28,6 +28,9 @@ class Strategy(ABC):
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
     own_loss: bool = False  # the strategy computes the loss itself (pipeline's last stage): no loss_kernel
     eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
+    # Optimizer options beyond exact AdamW (optim.check_optimizer_options) this engine can run.
+    supports_8bit: bool = False
+    supports_in_backward: bool = False
     # Optimizer steps not applied: non-finite gradients, or fp16 loss-scale overflows (counted apart too).
     skipped_steps: int = 0
     overflow_steps: int = 0
@@ -43,6 +46,17 @@ class Strategy(ABC):
         # None: the HF model computes its own loss from `labels`; else a fused loss on its logits.
         self.loss_fn = None if self.own_loss else loss.build(cfg.loss_kernel, env.device.type)
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
+        self.bound_cores: list[int] = []
+        if self.cpu_optimizer(cfg) and cfg.strategy_options.bind_cores:
+            import os
+
+            from ..distributed import bind_threads_to_rank_cores
+
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
+            self.bound_cores = bind_threads_to_rank_cores(env.local_rank, local_world)
+        from ..timesplit import StepSplit
+
+        self.time_split = StepSplit(env.device, self.cpu_optimizer(cfg))
 
     # ---- building -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -55,6 +69,17 @@ class Strategy(ABC):
     @abstractmethod
     def setup(self, model: nn.Module, total_steps: int) -> None:
         """Wrap the model, build optimizer and scheduler. Collective."""
+
+    @classmethod
+    def cpu_optimizer(cls, cfg: RunConfig) -> bool:
+        """Whether this run steps the optimizer on the CPU (offload): its threads are bound to the rank's
+        cores and its steps are split into GPU compute / transfers / CPU optimizer / idle (timesplit.py)."""
+        return False
+
+    @classmethod
+    def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
+        """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
+        optim.check_optimizer_options(cfg, cfg.strategy, world, accum, cls.supports_8bit, cls.supports_in_backward, device_type)
 
     @staticmethod
     def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -69,6 +94,11 @@ class Strategy(ABC):
         """
         step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
         useful = 0
+        if self.time_split.enabled and not self.time_split.h2d_bytes:  # first step: the engine has placed the model
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf_model.parameters())  # (ZeRO-3: partitioned)
+            h2d, d2h = self.transfer_bytes_per_param()
+            self.time_split.h2d_bytes, self.time_split.d2h_bytes = h2d * n, d2h * n
+        self.time_split.compute_start()
         for micro in range(accum):
             batch, n_useful = next(batches)
             useful += n_useful
@@ -78,7 +108,12 @@ class Strategy(ABC):
                 self.backward(loss, last)
             batches.preload()  # the next batch's host work overlaps this step's GPU tail
             step_loss += loss.detach().float()
+        self.time_split.compute_end()
         return step_loss, useful
+
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        """(host->device, device->host) bytes per parameter in one optimizer step, for offload strategies."""
+        return 0.0, 0.0
 
     def autocast(self):
         """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
@@ -140,7 +175,14 @@ class Strategy(ABC):
 
     def summary_extras(self) -> dict[str, Any]:
         """Strategy-specific figures for summary.json, at the end of training. Collective."""
-        return {}
+        out: dict[str, Any] = {"optimizer": optim.arithmetic(self.cfg)}
+        if self.time_split.enabled:
+            out["time_split"] = self.time_split.summary()
+            if self.env.is_main and out["time_split"]:
+                print("[shardlab]", self.time_split.describe(), flush=True)
+            out["cpu_threads"] = torch.get_num_threads()
+            out["bound_cores"] = len(self.bound_cores)
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "memory": self.memory_note()}

@@ -33,26 +33,65 @@ def offload_kind(strategy: str) -> str | None:
     return "cpu" if strategy.endswith("_offload") else None
 
 
+def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str | None) -> dict[str, int]:
+    """Bucket sizes (elements) for this model, where the user left them at their defaults.
+
+    With CPU offload every gradient bucket is also the unit of the device->host copy and every ZeRO-3
+    prefetch bucket a host->device copy: DeepSpeed's 5e8-element defaults are tuned for NVLink all-reduce
+    and, on one GPU, hold GBs of staging buffers (overlap_comm keeps ~4.5 reduce buckets alive) while
+    the copies start only when a whole bucket is full. The rule HF Trainer's "auto" uses, hidden^2 for the
+    reduce bucket and 0.9 hidden^2 for the ZeRO-3 prefetch (one layer's largest matrix: a copy starts
+    as soon as a layer's gradients are ready), and 10 x hidden as the persistence threshold (norms and
+    biases stay resident), keeps the staging small and the copies overlapped with backward.
+    `sub_group_size` (ZeRO-3: the unit of the optimizer step and of Twin-Flow's GPU/CPU split) is a tenth
+    of the model, between 1e8 and DeepSpeed's 1e9: ten groups let the partial offload's ratio land within
+    10% and one group's CPU step overlap the next group's copies, and 1e8 keeps the per-group overhead small.
+    """
+    defaults = type(opts)()
+    out = {k: getattr(opts, k) for k in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                                         "stage3_param_persistence_threshold")}
+    out["sub_group_size"] = 1_000_000_000
+    if offload is None or not hidden:
+        return out
+    sized = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
+             "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden), "stage3_param_persistence_threshold": 10 * hidden}
+    for key, value in sized.items():
+        if key not in opts.model_fields_set and getattr(opts, key) == getattr(defaults, key):
+            out[key] = value
+    if n_params:
+        out["sub_group_size"] = int(min(1e9, max(1e8, n_params / 10)))
+    return out
+
+
+def overlap_comm(opts, world: int, offload: str | None) -> bool:
+    """Overlapping reduction with backward pays off only when there is communication to hide: other ranks,
+    or (offload) the device->host gradient copies, which otherwise run after backward, serialised. On one
+    GPU without offload it only adds stream synchronisation (DeepSpeed's own default is off)."""
+    return opts.overlap_comm if opts.overlap_comm is not None else (world > 1 or offload is not None)
+
+
 def build_ds_config(
-    cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str
+    cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
+    n_params: int | None = None, hidden: int | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed JSON for this run (before any user JSON is merged)."""
+    """The DeepSpeed JSON for this run (before any user JSON is merged). `n_params` and `hidden` (the
+    model's size and width) size the buckets of offload runs (sized_buckets)."""
     stage = STAGE[cfg.strategy]
     opts = cfg.strategy_options
     offload = offload_kind(cfg.strategy)
+    buckets = sized_buckets(opts, n_params, hidden, offload)
     zero: dict[str, Any] = {
         "stage": stage,
-        # Overlapping reduction with backward pays off only when there is communication to hide;
-        # on one GPU it only adds stream synchronisation (DeepSpeed's own default is off).
-        "overlap_comm": opts.overlap_comm if opts.overlap_comm is not None else world > 1,
+        "overlap_comm": overlap_comm(opts, world, offload),
         "contiguous_gradients": opts.contiguous_gradients,
-        "reduce_bucket_size": opts.reduce_bucket_size,
-        "allgather_bucket_size": opts.allgather_bucket_size,
+        "reduce_bucket_size": buckets["reduce_bucket_size"],
+        "allgather_bucket_size": buckets["allgather_bucket_size"],
     }
     if stage == 3:
         zero.update(
-            stage3_prefetch_bucket_size=opts.stage3_prefetch_bucket_size,
-            stage3_param_persistence_threshold=opts.stage3_param_persistence_threshold,
+            sub_group_size=buckets["sub_group_size"],
+            stage3_prefetch_bucket_size=buckets["stage3_prefetch_bucket_size"],
+            stage3_param_persistence_threshold=buckets["stage3_param_persistence_threshold"],
             stage3_max_live_parameters=opts.stage3_max_live_parameters,
             stage3_max_reuse_distance=opts.stage3_max_reuse_distance,
             # Export gathers weights itself (full_state_dict); no 16-bit copy needed at save time.
@@ -60,6 +99,11 @@ def build_ds_config(
         )
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": opts.pin_memory}
+        if opts.offload_ratio < 1.0:  # Twin-Flow: the rest of the optimizer states stay and step on the GPU
+            zero["offload_optimizer"]["ratio"] = opts.offload_ratio
+        if opts.zenflow:  # DeepSpeed's defaults (top 10% columns, auto intervals); not bit-exact AdamW
+            zero["zenflow"] = {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto", "update_interval": "auto",
+                               "overlap_step": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": opts.pin_memory}
     elif offload == "nvme":
@@ -257,10 +301,11 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunC
 
 
 def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
-                       total_steps: int | None = None) -> dict[str, Any]:
+                       total_steps: int | None = None, n_params: int | None = None,
+                       hidden: int | None = None) -> dict[str, Any]:
     """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top. `total_steps` fills a
-    scheduler's total_num_steps "auto" (known once the data is built)."""
-    ds = build_ds_config(cfg, precision, micro, accum, world, device_type)
+    scheduler's total_num_steps "auto" (known once the data is built); `n_params`/`hidden` size the buckets."""
+    ds = build_ds_config(cfg, precision, micro, accum, world, device_type, n_params, hidden)
     if cfg.deepspeed_config:
         ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg, total_steps, device_type)
     return ds
@@ -379,9 +424,11 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
 
-    def ds_config(self, total_steps: int | None = None) -> dict[str, Any]:
-        return resolved_ds_config(
-            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type, total_steps
+                       total_steps: int | None = None, n_params: int | None = None,
+                       hidden: int | None = None) -> dict[str, Any]:
+    """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top. `total_steps` fills a
+    scheduler's total_num_steps "auto" (known once the data is built); `n_params`/`hidden` size the buckets."""
+    ds = build_ds_config(cfg, precision, micro, accum, world, device_type, n_params, hidden)
         )
 
     def build_model(self) -> nn.Module:
@@ -408,7 +455,9 @@ class DeepSpeedStrategy(Strategy):
         sanitize_cuda_arch_list()
         import deepspeed
 
-        ds = _one_name_per_zero_key(self.ds_config(total_steps))  # (the NVMe path was checked in launch.preflight)
+        hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
+        n_params = sum(p.numel() for p in model.parameters())
+        ds = _one_name_per_zero_key(self.ds_config(total_steps, n_params, hidden))  # (the NVMe path was checked in launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:

@@ -26,6 +26,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 class FSDPStrategy(TorchOptimizerStrategy):
     uses_autocast = False  # MixedPrecisionPolicy already computes in low precision
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
@@ -52,6 +53,16 @@ class FSDPStrategy(TorchOptimizerStrategy):
         opts = StateDictOptions(full_state_dict=True, strict=False)  # each file holds part of the model
         load_local_weights(model, self.cfg, lambda part: set_model_state_dict(model, part, options=opts))
 
+    @classmethod
+    def cpu_optimizer(cls, cfg) -> bool:
+        return cfg.strategy == "fsdp_offload"
+
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        # CPUOffloadPolicy copies the fp32 shard to the GPU at every unshard (forward, and backward again after a
+        # reshard), for every micro-batch; the fp32 gradient shard comes back once, after the synced backward.
+        gathers = 2 if self.cfg.strategy_options.fsdp_reshard_after_forward else 1
+        return 4.0 * gathers * self.grad_accum, 4.0
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -74,7 +85,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
             self._materialise(model, torch.device("cpu") if self.cfg.strategy == "fsdp_offload" else self.env.device)
         self.hf_model = model
         self.model = torch.compile(model) if self.cfg.compile else model
-        self._build_optimizer(model, "cpu" if self.cfg.strategy == "fsdp_offload" else self.env.device.type, total_steps)
+        offload = self.cpu_optimizer(self.cfg)
+        self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 
     def accumulate(self, last_micro: bool):
         import contextlib

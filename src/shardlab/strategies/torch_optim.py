@@ -15,18 +15,35 @@ import torch
 from torch import nn
 
 from .. import optim
+from ..errors import UserError
 from .base import Strategy
 
 CKPT_DIR = "torch_dcp"
 EXTRA_FILE = "torch_extra.pt"  # scheduler and GradScaler: plain state dicts, identical on every rank
 
 
+def _check_checkpointable(cfg) -> None:
+    if cfg.optimizer_in_backward or cfg.optimizer == "adamw8bit":
+        # DCP's optimizer-state helpers know torch optimizers over the model's parameters: not one optimizer
+        # per parameter (in backward), nor torchao's quantised state tensors.
+        raise UserError(f"checkpoints are not supported with {optim.arithmetic(cfg)} yet",
+                        "drop --save-every/--save-each-epoch/--resume, or train with --optimizer adamw")
+
+
 class TorchOptimizerStrategy(Strategy):
     # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (optim.fused_clipped_step).
     plain_tensor_params = False
+    supports_8bit = True
+    supports_in_backward = True
 
-    def _build_optimizer(self, module: nn.Module, device_type: str, total_steps: int) -> None:
-        self.optimizer = optim.adamw(module, self.cfg, device_type)
+    @classmethod
+    def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
+        super().check_options(cfg, world, accum, device_type)
+        if cfg.save_every or cfg.save_each_epoch or cfg.resume:
+            _check_checkpointable(cfg)
+
+    def _build_optimizer(self, module: nn.Module, device_type: str, total_steps: int, cpu_fused: bool = False) -> None:
+        self.optimizer = optim.build(module, self.cfg, device_type, cpu_fused)
         self.scheduler = optim.scheduler(self.optimizer, self.cfg, total_steps)
         # Dynamic loss scaling is what keeps fp16 gradients from underflowing.
         self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
@@ -38,6 +55,10 @@ class TorchOptimizerStrategy(Strategy):
 
     def optimizer_step(self) -> float | None:
         norm = None
+        if self.cfg.optimizer_in_backward:  # every parameter stepped in backward (no norm: nothing to clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            return None
         params = list(self.hf_model.parameters())
         if self.cfg.max_grad_norm is not None and self._fold_clip:
             norm_t = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -73,10 +94,11 @@ class TorchOptimizerStrategy(Strategy):
         return norm
 
     def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])  # torchao's optimizers keep lr as a tensor
 
     # ---- checkpoints (dp, fsdp; the pipeline keeps its per-stage files) --------------------------------
     def _dcp_state(self) -> dict[str, Any]:
+        _check_checkpointable(self.cfg)  # again here: a preemption signal can ask for a checkpoint too
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)
@@ -94,8 +116,6 @@ class TorchOptimizerStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if not (directory / CKPT_DIR).is_dir():
-            from ..errors import UserError
-
             raise UserError(f"{str(directory)!r} has no {CKPT_DIR}/ (a checkpoint of another strategy, or of a shardlab before dp and fsdp shared one format)",
                             "resume it with the strategy and shardlab version that wrote it")  # fmt: skip
         state = self._dcp_state()
@@ -111,8 +131,6 @@ class TorchOptimizerStrategy(Strategy):
         Every rank passes the full tensors; torch's set_state_dict keeps each rank's shard (FSDP).
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        from ..errors import UserError
 
         params = dict(self.hf_model.named_parameters(remove_duplicate=False))
         aliases: dict[int, list[str]] = {}

@@ -8,6 +8,15 @@ Library use mirrors the CLI:
 
 __version__ = "0.1.0"
 
+import logging as _logging
+
+# transformers imports torchao whenever it is installed (the `offload` extra). torchao then logs a warning for
+# each optional C++ kernel built for another torch version, and torch's pytree logs a deprecation per torchao
+# enum: several lines on every command, which would bury shardlab's one-line errors. shardlab uses only
+# torchao's pure-Python optimizers, which those kernels do not affect, so both loggers are kept to errors.
+for _name in ("torchao", "torch.utils._pytree"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)
+
 from .config import RunConfig, load_config  # noqa: E402,F401
 from .errors import UserError  # noqa: E402,F401
 

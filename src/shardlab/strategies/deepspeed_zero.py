@@ -424,11 +424,34 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.name = self.cfg.strategy
 
-                       total_steps: int | None = None, n_params: int | None = None,
-                       hidden: int | None = None) -> dict[str, Any]:
-    """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top. `total_steps` fills a
-    scheduler's total_num_steps "auto" (known once the data is built); `n_params`/`hidden` size the buckets."""
-    ds = build_ds_config(cfg, precision, micro, accum, world, device_type, n_params, hidden)
+    @classmethod
+    def cpu_optimizer(cls, cfg: RunConfig) -> bool:
+        return offload_kind(cfg.strategy) is not None
+
+    @classmethod
+    def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
+        super().check_options(cfg, world, accum, device_type)
+        opts = cfg.strategy_options
+        if opts.offload_ratio < 1.0 and cfg.strategy != "zero3_offload":
+            raise UserError(f"offload_ratio {opts.offload_ratio} (partial offload) needs strategy zero3_offload, not {cfg.strategy!r}",
+                            "use --strategy zero3_offload, or drop --offload-ratio")
+        if opts.zenflow and cfg.strategy not in ("zero1_offload", "zero2_offload"):
+            raise UserError(f"--zenflow needs strategy zero1_offload or zero2_offload, not {cfg.strategy!r}", "use --strategy zero2_offload")
+        if opts.zenflow and device_type != "cuda":
+            raise UserError("--zenflow needs a CUDA GPU (its important-column step runs there)", "drop --zenflow on CPU")
+
+    def transfer_bytes_per_param(self) -> tuple[float, float]:
+        # 16-bit gradients go to the host's fp32 partition after every micro-batch; ZeRO-1/2 copy the updated
+        # 16-bit weights back once per step, ZeRO-3 fetches them for every forward and again for backward.
+        lo = 4.0 if self.precision.name == "fp32" else 2.0
+        if STAGE[self.cfg.strategy] == 3:
+            return 2 * lo * self.grad_accum, lo * self.grad_accum
+        return lo, lo * self.grad_accum
+
+    def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None) -> dict[str, Any]:
+        return resolved_ds_config(
+            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type,
+            total_steps, n_params, hidden
         )
 
     def build_model(self) -> nn.Module:

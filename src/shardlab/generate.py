@@ -153,23 +153,26 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
+    from transformers.utils import logging as hf_logging
 
     from .distributed import pick_device_type
     from .models import max_positions
 
     _check_args(args)
     device = pick_device_type(args.device)
+    hf_logging.disable_progress_bar()  # stderr keeps to our lines; stdout holds only the texts
     model, tok, source = load(args.model, args.tokenizer, device)
     limit = max_positions(model.config)
-    print(f"[shardlab] {source}: {'sampling' if args.sample else 'greedy'}, at most {args.max_new_tokens} new tokens", file=sys.stderr)
     for prompt in args.prompt:
         n_prompt = len(tok(prompt)["input_ids"])
         if limit is not None and n_prompt + args.max_new_tokens > limit:
             raise UserError(f"the prompt's {n_prompt} tokens + --max-new-tokens {args.max_new_tokens} exceed the model's {limit} positions",
                             f"use --max-new-tokens {max(1, limit - n_prompt)} or a shorter prompt")
+    print(f"[shardlab] {source}: {'sampling' if args.sample else 'greedy'}, at most {args.max_new_tokens} new tokens", file=sys.stderr)
+    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "sample": args.sample}
+    if args.sample:
+        options.update(temperature=args.temperature or 1.0, top_p=args.top_p or 1.0)
+    for prompt in args.prompt:
         if args.seed is not None:
             torch.manual_seed(args.seed)  # per prompt: each prompt's text does not depend on the ones before
-        options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "sample": args.sample}
-        if args.sample:
-            options.update(temperature=args.temperature or 1.0, top_p=args.top_p or 1.0)
         print(prompt + complete(model, tok, prompt, **options), flush=True)

@@ -135,6 +135,23 @@ def test_early_stopping_needs_one_eval_split():
         config_from_dict({"save_best": True, "curriculum": [{"dataset": {"source": "offline"}, "max_steps": 1}]})
 
 
+def test_report_shows_the_eval_losses_and_early_stopping(tmp_path):
+    from shardlab.report.load import load as load_runs
+    from shardlab.report.render import to_markdown
+    from shardlab.report.tables import build_tables
+
+    for name, extra in (("stopped", {"stopped_early": True, "early_stopping_patience": 2, "exported_step": 3}), ("plain", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(f"model: tiny-gpt2\nseed: {len(name)}\n")
+        summary = {"model": "tiny-gpt2", "strategy": "dp", "steps": 5, "initial_eval_loss": 3.21875, "final_eval_loss": 2.96875,
+                   "best_eval_loss": 2.90625, "best_step": 3, **extra}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    table = next(t for t in build_tables(load_runs([tmp_path / "stopped", tmp_path / "plain"])) if t.key == "eval")
+    text = to_markdown(table)
+    assert "| stopped | 5 | 3.219 | 2.969 | 2.906 | 3 | 3 | yes (patience 2) |" in text
+    assert "| plain | 5 | 3.219 | 2.969 | 2.906 | 3 |  | no early stopping |" in text
+
+
 # ---- a run: initial eval, early stopping, the best step exported, samples.md -------------------------------------
 
 

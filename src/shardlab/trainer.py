@@ -1,9 +1,9 @@
 """The training loop: one worker process's whole run, strategy-agnostic.
 
-    model + tokenizer -> datasets -> strategy.setup -> [resume] -> for each stage, epoch, step:
+    model + tokenizer -> datasets -> [samples before] -> strategy.setup -> [resume] -> [eval before] -> for each stage, epoch, step:
         for each micro-batch: with strategy.accumulate(last): loss = strategy.forward(b); strategy.backward(loss, last)
-        strategy.optimizer_step(); log; eval; checkpoint
-    -> export (HF format) -> summary
+        strategy.optimizer_step(); log; eval (best checkpoint, early stopping); checkpoint
+    -> [load the best checkpoint] -> export (HF format) -> [samples after] -> summary
 
 The loop never asks which strategy it runs; everything engine-specific is behind the
 Strategy verbs (strategies/base.py).
@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import checkpoint, faults, guards, metrics, mfu, reshard
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
-from .early_stopping import EvalTracker
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
+from .early_stopping import EvalTracker
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
 from .preemption import Preempted, StopSignals

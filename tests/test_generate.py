@@ -155,8 +155,9 @@ def test_report_shows_the_eval_losses_and_early_stopping(tmp_path):
 # ---- a run: initial eval, early stopping, the best step exported, samples.md -------------------------------------
 
 
-@pytest.mark.slow  # a training subprocess of ~20 s on a loaded 2-core machine
-def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_loss):
+@pytest.mark.slow  # a training subprocess of ~20 s (sharded: several processes)
+@pytest.mark.parametrize("strategy,gpus", [("dp", 1), ("fsdp", 2), ("pipeline", 2)])
+def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_loss, strategy, gpus):
     from transformers import AutoModelForCausalLM
 
     from shardlab.config import load_config
@@ -166,7 +167,8 @@ def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_
     # lr 0.5, constant: Adam's first step moves every weight by ~0.5 and each later step makes the eval loss worse
     run = train_cli(["--model", "tiny-gpt2", "--num-samples", "8", "--set", "dataset.eval_samples=2", "--seq-len", "32",
                      "--micro-batch", "2", "--grad-accum", "1", "--max-steps", "12", "--lr", "0.5", "--lr-schedule", "constant",
-                     "--precision", "fp32", "--eval-every", "1", "--early-stopping-patience", "2", "--save-best", "--samples"],
+                     "--precision", "fp32", "--eval-every", "1", "--early-stopping-patience", "2", "--save-best", "--samples",
+                     "--strategy", strategy, "--gpus", str(gpus)] + (["--grad-accum", "2", "--micro-batch", "1"] if strategy == "pipeline" else []),
                     tmp_path / "run").check()  # fmt: skip
     s = run.summary
     evals = {r["step"]: r["eval_loss"] for r in run.all_rows if "eval_loss" in r}
@@ -181,7 +183,10 @@ def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_
     cfg = load_config(run.out / "config.yaml")
     splits = build_datasets(cfg.dataset, load_tokenizer(cfg), cfg.seq_len, cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(run.out / "model").eval()
-    assert trainer_eval_loss(model, splits.eval, 1) == pytest.approx(s["best_eval_loss"], rel=1e-4)
+    blocks, world = splits.eval, s["world_size"]
+    if strategy == "pipeline":  # one data-parallel replica; whole eval batches of micro x accum = 2 blocks only
+        blocks, world = torch.utils.data.Subset(blocks, range(len(blocks) // 2 * 2)), 1
+    assert trainer_eval_loss(model, blocks, world) == pytest.approx(s["best_eval_loss"], rel=1e-4)
     samples = (run.out / "samples.md").read_text()
     assert samples.count("Before fine-tuning:") == samples.count("After fine-tuning:") == len(SAMPLE_PROMPTS)
     assert f"the exported model, step {s['best_step']}" in samples

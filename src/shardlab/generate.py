@@ -37,7 +37,7 @@ def complete(model, tokenizer, prompt: str, *, max_new_tokens: int = SAMPLE_MAX_
     # A config of our own: the model's generation_config may ask for sampling, top-k or a length limit.
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
                            top_p=top_p if sample else None, top_k=0 if sample else None,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id)  # fmt: skip
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     was_training = model.training
     model.eval()  # no dropout

@@ -1,6 +1,6 @@
 # shardlab developer entry points.
 #
-#   make demo    set up (once), then train tiny-gpt2 on the offline CPython-docs corpus into runs/demo
+#   make demo    set up (once), then fine-tune SmolLM2-135M-Instruct on the offline CPython-docs corpus into runs/demo
 #   make test    set up (once), then run the test suite
 #   make setup   install shardlab and its dependencies into the current Python (idempotent)
 #
@@ -26,7 +26,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: help setup demo test gpu-wheelhouse clean
 
 help:
-	@echo "make demo            train tiny-gpt2 on the offline corpus (examples/quick-test.yaml -> runs/demo)"
+	@echo "make demo            fine-tune SmolLM2-135M-Instruct on the offline corpus (examples/demo-smollm2.yaml -> runs/demo)"
 	@echo "make test            run the test suite (python -m pytest tests -q)"
 	@echo "make setup           install shardlab + test deps into $(PYTHON) (done once, automatically)"
 	@echo "make gpu-wheelhouse  build .whl/ for offline GPU machines (benchmarks/build_wheelhouse.sh)"
@@ -80,8 +80,9 @@ $(STAMP): pyproject.toml
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 demo: $(STAMP)
-	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/quick-test.yaml --output-dir runs/demo --overwrite
-	@echo "demo: run directory runs/demo (summary.json, metrics.jsonl, config.yaml, env.json, model/)"
+	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/demo-smollm2.yaml --output-dir runs/demo --overwrite
+	@echo "demo: run directory runs/demo (summary.json: initial_eval_loss -> final_eval_loss; samples.md; model/)"
+	@echo "demo: try it: $(PYTHON) -m shardlab generate runs/demo --prompt \"The with statement in Python\""
 
 test: $(STAMP)
 	$(PYTHON) -m pytest tests -q

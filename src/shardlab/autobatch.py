@@ -119,7 +119,7 @@ def trial_config(cfg: RunConfig, micro: int, out_dir: Path, steps: int = TRIAL_S
     return with_micro_batch(cfg, micro).model_copy(update={
         "max_steps": steps, "epochs": None, "export": False, "save_every": None, "eval_every": None, "resume": None,
         "tensorboard": False, "wandb": False, "log_every": steps, "output_dir": str(out_dir), "dataset": dataset,
-        "curriculum": curriculum,
+        "curriculum": curriculum, "save_best": False, "early_stopping_patience": None, "samples": False,
     })
 
 

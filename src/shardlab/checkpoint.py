@@ -61,16 +61,26 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+BEST = "best"  # checkpoints/best: the lowest eval loss so far (--save-best)
+EXPORT_DIR = "model"  # OUTPUT_DIR/model: the exported HF model
+
+
 def checkpoints_root(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
-def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int, config_text: str | None = None) -> Path:
-    """Collective: every rank writes its part; returns the final directory."""
+def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int, config_text: str | None = None,
+         name: str | None = None) -> Path:
+    """Collective: every rank writes its part; returns the final directory.
+
+    `name` (e.g. BEST) writes checkpoints/NAME instead of step-N, outside the rotation: `latest`,
+    resume and pruning see only step-N directories.
+    """
     env = strategy.env
     root = checkpoints_root(output_dir)
     step = trainer_state["global_step"]
-    name = f"step-{step:07d}"
+    rotated = name is None
+    name = name or f"step-{step:07d}"
     final, tmp = root / name, root / (name + ".tmp")
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -89,8 +99,9 @@ def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int, c
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _atomic_write_text(root / "latest", name)
-        _prune(root, keep)
+        if rotated:
+            _atomic_write_text(root / "latest", name)
+            _prune(root, keep)
     env.barrier()
     return final
 
@@ -188,6 +199,6 @@ def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:
     if not strategy.env.is_main:
         strategy.env.barrier()
         return None
-    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / "model")
+    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / EXPORT_DIR)
     strategy.env.barrier()
     return final

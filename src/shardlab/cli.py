@@ -72,6 +72,10 @@ FLAGS: list[tuple[str, str, Any, str]] = [
     ("--overwrite", "overwrite", "bool", "the output dir holds another run: delete its files first (else refused)"),
     ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
     ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
+    ("--eval-at-start", "eval_at_start", "bool", "evaluate before the first step (initial_eval_loss; default on)"),
+    ("--early-stopping-patience", "early_stopping_patience", int, "stop after N evaluations without a new best eval loss"),
+    ("--save-best", "save_best", "bool", "keep the best-eval checkpoint (checkpoints/best) and export that step"),
+    ("--samples", "samples", "bool", "write samples.md: greedy completions of fixed prompts before and after training"),
     ("--save-every", "save_every", int, "optimizer steps between checkpoints (default: no periodic checkpoints)"),
     ("--save-each-epoch", "save_each_epoch", "bool", "also checkpoint at the end of every epoch"),
     ("--keep-checkpoints", "keep_checkpoints", int, "how many recent checkpoints to keep"),
@@ -245,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cluster_cli import add_cluster_parsers
 
     add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
+    from .generate import add_generate_parser
+
+    add_generate_parser(sub)  # `generate`: completions from a run's exported model
     return parser
 
 
@@ -346,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                 return exit_as(supervise(cfg.output_dir, cfg.strategy))
         from .bench.cli import cmd_bench, cmd_report
         from .cluster_cli import cmd_export, cmd_slurm
+        from .generate import cmd_generate
 
         commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
-                    "export": cmd_export, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
+                    "export": cmd_export, "generate": cmd_generate, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
         commands[args.command](args)
     return status.code
 

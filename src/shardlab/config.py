@@ -161,6 +161,13 @@ class RunConfig(_Strict):
     overwrite: bool = Field(False, description="output_dir holds another run: delete its files first (else the run is refused)")
     log_every: int = Field(10, gt=0)
     eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
+    eval_at_start: bool = Field(True, description="evaluate once before the first step: summary.json's initial_eval_loss")
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="stop after this many evaluations in a row without a lower eval loss than the best so far")
+    save_best: bool = Field(False, description="keep the checkpoint of the lowest eval loss (checkpoints/best) and export that step, not the last")
+    samples: bool = Field(False, description="write samples.md: greedy completions of sample_prompts before and after training "
+                          "(rank 0, on the CPU, from the model as loaded and from the exported one)")
+    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.generate.SAMPLE_PROMPTS)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
     save_each_epoch: bool = Field(False, description="also checkpoint at the end of every epoch")
@@ -195,6 +202,9 @@ class RunConfig(_Strict):
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.node_rank >= self.nodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nodes {self.nodes}")
+        if self.curriculum and (self.early_stopping_patience or self.save_best):
+            raise ValueError("early_stopping_patience and save_best compare eval losses of one eval split; a curriculum's "
+                             "stages each have their own (run the stages as separate runs)")
         if self.epochs is not None and self.max_steps is not None:
             pass  # max_steps caps epochs; both are allowed
         return self

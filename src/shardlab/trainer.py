@@ -1,9 +1,9 @@
 """The training loop: one worker process's whole run, strategy-agnostic.
 
-    model + tokenizer -> datasets -> strategy.setup -> [resume] -> for each stage, epoch, step:
+    model + tokenizer -> datasets -> [samples before] -> strategy.setup -> [resume] -> [eval before] -> for each stage, epoch, step:
         for each micro-batch: with strategy.accumulate(last): loss = strategy.forward(b); strategy.backward(loss, last)
-        strategy.optimizer_step(); log; eval; checkpoint
-    -> export (HF format) -> summary
+        strategy.optimizer_step(); log; eval (best checkpoint, early stopping); checkpoint
+    -> [load the best checkpoint] -> export (HF format) -> [samples after] -> summary
 
 The loop never asks which strategy it runs; everything engine-specific is behind the
 Strategy verbs (strategies/base.py).
@@ -36,6 +36,7 @@ from .compile_stats import CompileClock, process_start_time, use_persistent_cach
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
 from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
+from .early_stopping import EvalTracker
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
 from .preemption import Preempted, StopSignals
@@ -201,6 +202,7 @@ class Trainer:
         self.layout = reshard.layout(cfg, self.env.world_size, self.dp_size, self.micro, self.accum, self.global_batch)
         self.signals = StopSignals()
         self.config_text: str | None = None
+        self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)
 
     # ---- setup ------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -285,6 +287,9 @@ class Trainer:
         if cfg.curriculum and cfg.max_steps:  # a top-level --max-steps caps the whole curriculum
             stage_steps = _cap(stage_steps, cfg.max_steps)
         total_steps = sum(stage_steps)
+        if (cfg.early_stopping_patience or cfg.save_best) and any(loaders[2] is None for loaders in stage_loaders):
+            raise UserError("--early-stopping-patience and --save-best compare eval losses, and this run has no eval split",
+                            "set --eval-split (e.g. 0.05), or use a dataset with an eval split")
         self._prepare_run_dir()
         log0(env, f"world {env.world_size} x {env.device.type} ({env.backend}), strategy {cfg.strategy}, precision {self.precision.name}, "
                   f"micro {self.micro} x accum {self.accum} x data-parallel {self.dp_size} = global batch {self.global_batch}, seq {cfg.seq_len}")
@@ -299,6 +304,7 @@ class Trainer:
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         model = strategy.build_model()  # only what the engine keeps: its dtype, ZeRO-3 partitions, FSDP shards
         apply_dropout(model, cfg.dropout)
+        samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}")
@@ -310,6 +316,7 @@ class Trainer:
             resume_dir = checkpoint.find_resume_dir(cfg.resume, self.run_dir)
             if resume_dir is not None:
                 state = checkpoint.load(strategy, resume_dir, self.layout)
+                self.evals = EvalTracker.restore(cfg.early_stopping_patience, state.get("evals"))
                 log0(env, f"resumed from {resume_dir} at step {state['global_step']}")
             else:
                 log0(env, "no checkpoint to resume from; starting fresh")
@@ -332,6 +339,7 @@ class Trainer:
             if self.plan is not None:
                 summary["plan"] = self.plan
             if cfg.export:
+                summary["exported_step"] = self._restore_best(strategy, summary["steps"]) if cfg.save_best else summary["steps"]
                 path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
                 if path:
                     log0(env, f"exported HF model to {path}")
@@ -340,6 +348,8 @@ class Trainer:
             self.signals.uninstall()
             writer.close()
         if env.is_main:
+            if samples_before is not None:
+                self._write_samples(samples_before, summary)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return RunResult(self.run_dir, summary, self.step_losses)
 
@@ -351,6 +361,51 @@ class Trainer:
             f"try --micro-batch {max(1, self.micro // 2)} with --grad-accum {self.accum * 2}, --gradient-checkpointing, "
             f"or a strategy that shards more ({next_strategy(cfg.strategy)})",
         )
+
+    # ---- evaluations: the initial one, the best one, early stopping, samples -------------------------
+    def _track(self, strategy, ev: dict[str, float], position: dict[str, Any]) -> None:
+        """Feed an evaluation made after a training step (at `position`, a checkpoint's trainer state) to the tracker;
+        with --save-best a new best is checkpointed into checkpoints/best. Collective (every rank has the same loss)."""
+        if "eval_loss" not in ev:
+            return
+        step = position["global_step"]
+        if self.evals.update(step, ev["eval_loss"]) and self.cfg.save_best:
+            checkpoint.save(strategy, self.run_dir, {**position, "evals": self.evals.state()}, self.cfg.keep_checkpoints,
+                            self.config_text, name=checkpoint.BEST)
+        if self.evals.stopped_early:
+            log0(self.env, f"early stopping at step {step}: {self.evals.since_best} evaluations without an eval loss below "
+                           f"{self.evals.best:.4f} (step {self.evals.best_step})")
+
+    def _restore_best(self, strategy, current: int) -> int:
+        """--save-best: load the best checkpoint into the strategy, for the export; returns the step exported. Collective."""
+        best = self.evals.best_step
+        directory = checkpoint.checkpoints_root(self.run_dir) / checkpoint.BEST
+        if best is None or best == current:
+            return current
+        if not checkpoint.is_complete(directory):  # e.g. resumed with --save-best from a run that had it off
+            log0(self.env, f"no best checkpoint in {directory}; exporting the last step {current}")
+            return current
+        checkpoint.load(strategy, directory, self.layout)
+        log0(self.env, f"exporting the best step {best} (eval loss {self.evals.best:.4f}), not the last step {current}")
+        return best
+
+    def _samples(self, model, tokenizer) -> list[str]:
+        """Greedy completions of the sample prompts by `model`, on the CPU where it was built."""
+        from .generate import SAMPLE_PROMPTS, complete_all
+
+        return complete_all(model, tokenizer, self.cfg.sample_prompts or SAMPLE_PROMPTS)
+
+    def _write_samples(self, before: list[str], summary: dict[str, Any]) -> None:
+        """samples.md: the completions before training and those of the exported model (rank 0)."""
+        from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, load, samples_markdown
+
+        prompts = self.cfg.sample_prompts or SAMPLE_PROMPTS
+        after, label = None, "no exported model: the run had --no-export"
+        if summary.get("export_dir"):
+            model, tokenizer, _ = load(summary["export_dir"])
+            after = self._samples(model, tokenizer)
+            label = f"the exported model, step {summary['exported_step']}"
+        (self.run_dir / SAMPLES_FILE).write_text(samples_markdown(self.cfg.model, prompts, before, after, label))
 
     def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None, bool, bool]:
         """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
@@ -387,6 +442,11 @@ class Trainer:
         epochs_summary: list[dict[str, Any]] = []
         last_eval: dict[str, float] = {}
         global_step = state["global_step"]
+        last_eval_step = -1  # an epoch-end eval right after a step's eval reuses it
+        if global_step == 0 and cfg.eval_at_start and stage_loaders[0][2] is not None:
+            initial = evaluate(strategy, stage_loaders[0][2], env)  # the baseline; not a candidate for the best step
+            self.evals.initial = initial.get("eval_loss")
+            writer.log({"step": 0, **initial})
         t_start = time.perf_counter()
         progress = _progress(env, total_steps, global_step)
         # A log file (SLURM, nohup, `> log`) gets no progress bar: one plain line per metrics row instead.
@@ -447,21 +507,29 @@ class Trainer:
                             print(progress_line(row, total_steps, eta), flush=True)
                         window_losses.clear()
                     self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)  # after the row: it shows the step
-                    if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
-                        last_eval = evaluate(strategy, eval_loader, env)
-                        writer.log({"step": global_step, **last_eval})
                     done_epoch = step_in_epoch + 1 == steps_per_epoch
+                    nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch,
+                           "step_in_epoch": 0 if done_epoch else step_in_epoch + 1, "layout": self.layout}  # where a resume goes on
+                    if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
+                        last_eval, last_eval_step = evaluate(strategy, eval_loader, env), global_step
+                        writer.log({"step": global_step, **last_eval})
+                        self._track(strategy, last_eval, nxt)
                     if stop or save_now or (cfg.save_every and global_step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
-                        nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch,
-                               "step_in_epoch": 0 if done_epoch else step_in_epoch + 1, "layout": self.layout}
-                        saved = checkpoint.save(strategy, self.run_dir, nxt, cfg.keep_checkpoints, self.config_text)
+                        saved = checkpoint.save(strategy, self.run_dir, {**nxt, "evals": self.evals.state()}, cfg.keep_checkpoints, self.config_text)
                         if stop:
                             raise Preempted(self.signals.describe(), global_step, str(saved))
+                    if self.evals.stopped_early:
+                        break
                 # epoch end
                 epoch_wall = time.perf_counter() - epoch_t0
                 epoch_compile = compile_clock.seconds() - epoch_compile0
                 epoch_time = epoch_wall - epoch_compile  # the epoch's time as a compiled run repeats it
-                ev = evaluate(strategy, eval_loader, env) if eval_loader is not None else {}
+                ev = {}
+                if eval_loader is not None and last_eval_step == global_step:  # evaluated after this very step
+                    ev = last_eval
+                elif eval_loader is not None:
+                    ev, last_eval_step = evaluate(strategy, eval_loader, env), global_step
+                    self._track(strategy, ev, nxt)
                 last_eval = ev or last_eval
                 if epoch_steps:
                     summary = {"stage": si, "epoch": epoch, "steps": epoch_steps, "train_loss": statistics.fmean(epoch_losses), **ev,
@@ -470,6 +538,10 @@ class Trainer:
                                "steps_per_s": epoch_steps / epoch_time, **_peak(env)}
                     epochs_summary.append(summary)
                     writer.log({"step": global_step, "epoch_summary": summary})
+                if self.evals.stopped_early:
+                    break
+            if self.evals.stopped_early:
+                break
         profiler.close()
         if progress is not None:
             progress.close()
@@ -492,6 +564,7 @@ class Trainer:
             "loss_kernel": "hf" if strategy.loss_fn is None else "compiled", "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
+            **self.evals.summary(),
             "epochs": epochs_summary,
             **strategy.summary_extras(),
         }
@@ -562,7 +635,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
         return str(v)
 
-    for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "final_eval_loss", "final_eval_ppl",
+    for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "initial_eval_loss", "final_eval_loss",
+                "final_eval_ppl", "best_eval_loss", "best_step",
                 "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
                 "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "time_to_first_step_s", "compile_time_s",
                 "total_time_s"):
@@ -574,6 +648,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row("MFU", summary["mfu_note"].removeprefix("MFU not reported: "))
     if summary.get("model_tflops_per_s") is not None:
         table.add_row("model TFLOP/s (useful tokens, all devices)", fmt(summary["model_tflops_per_s"]))
+    if summary.get("stopped_early"):
+        table.add_row("stopped early: evaluations without a new best", str(summary["early_stopping_patience"]))
     pp = summary.get("pipeline")
     if pp:
         table.add_row("pipeline step ms: measured / simulated", f"{pp['measured_step_ms']:.4g} / {pp['simulated_step_ms']:.4g}")

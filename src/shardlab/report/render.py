@@ -24,6 +24,8 @@ def _num(v: float, kind: str) -> str:
         return f"{int(round(v)):,}"
     if kind == "pct":
         return f"{v:.1f}"
+    if kind == "loss":  # fine-tuning moves a loss in its second decimal
+        return f"{v:.4g}"
     if kind == "ratio":
         return f"{v:.2f}x"
     if kind in ("gib", "gb"):

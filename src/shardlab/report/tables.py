@@ -24,12 +24,12 @@ FLAG = "\u26a0"  # warning sign
 class Column:
     key: str
     title: str
-    kind: str = "num"  # num | int | pct | ratio | text | gib | gb
+    kind: str = "num"  # num | int | pct | ratio | text | gib | gb | loss
 
 
 @dataclass
 class Table:
-    key: str  # strategies | pin-memory | offload | weak-scaling | strong-scaling | gpu-memory | cpu-memory | plan | runs
+    key: str  # strategies | pin-memory | offload | weak-scaling | strong-scaling | gpu-memory | cpu-memory | plan | eval | runs
     title: str
     columns: list[Column]
     rows: list[dict[str, Any]]
@@ -537,6 +537,35 @@ def big_model_tables(cells: list[Cell]) -> list[Table]:
     return tables
 
 
+# held-out loss: before training, after, the best step, early stopping
+
+
+EVAL_COLUMNS = [
+    Column("label", "Run", "text"), Column("steps", "Steps", "int"), Column("initial_eval_loss", "Eval loss before", "loss"),
+    Column("final_eval_loss", "Eval loss after", "loss"), Column("best_eval_loss", "Best eval loss", "loss"), Column("best_step", "Best step", "int"),
+    Column("exported_step", "Exported step", "int"), Column("stopped_early", "Stopped early", "text"),
+]
+
+
+def eval_tables(cells: list[Cell]) -> list[Table]:
+    rows = []
+    for c in cells:
+        if not c.ok or (c.first("initial_eval_loss") is None and c.first("best_eval_loss") is None):
+            continue
+        patience = c.first("early_stopping_patience")
+        stopped = "yes" if c.first("stopped_early") else "no"
+        rows.append({"label": c.label, "steps": c.stat("steps"), "initial_eval_loss": c.stat("initial_eval_loss"),
+                     "final_eval_loss": c.stat("final_eval_loss"), "best_eval_loss": c.stat("best_eval_loss"),
+                     "best_step": c.stat("best_step"), "exported_step": c.stat("exported_step"),
+                     "stopped_early": f"{stopped} (patience {patience})" if patience else "no early stopping"})
+    if not rows:
+        return []
+    return [Table("eval", "Held-out eval loss: before training, after, and the best step", EVAL_COLUMNS, rows, [
+        "Before = the eval before the first step; after = the last eval; best = the lowest eval after a training step.",
+        "Exported step = the step in model/: the best one with --save-best, else the last.",
+    ])]
+
+
 # --------------------------------------------------------------------------------------------------
 # every cell, failed ones included
 
@@ -570,7 +599,7 @@ def build_tables(cells: list[Cell]) -> list[Table]:
     the last table (all runs) says which were left out and why."""
     tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *big_model_tables(cells),
               *scaling_tables(cells),
-              *memory_tables(cells), *plan_tables(cells), runs_table(cells)]
+              *memory_tables(cells), *plan_tables(cells), *eval_tables(cells), runs_table(cells)]
     kept = [t for t in tables if t.rows]
     for t in tables:
         if not t.rows and kept:

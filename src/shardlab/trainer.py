@@ -268,7 +268,7 @@ class Trainer:
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from .models import build_model, load_tokenizer, model_summary
+        from .models import build_model, describe_weights, load_tokenizer, model_summary
 
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
@@ -293,7 +293,7 @@ class Trainer:
         apply_dropout(model, cfg.dropout)
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
-        log0(env, f"model {cfg.model}: {info.get('human', info)}")
+        log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         strategy.setup(model, total_steps)
         log0(env, strategy.memory_note())

@@ -185,7 +185,7 @@ def test_gguf_file_that_does_not_exist_is_a_user_error(tmp_path):
         build_hf_config(RunConfig(model=str(tmp_path / "nope.gguf")))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
-    with pytest.raises(UserError, match="not a readable GGUF"):
+    with pytest.raises(UserError, match="cannot read the config of the GGUF"):
         build_hf_config(RunConfig(model=str(bad)))
 
 

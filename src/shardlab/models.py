@@ -451,52 +451,58 @@ def _gguf_bits(type_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _gguf_cache(path: Path) -> Path:
-    """A directory with the GGUF's config (config.json), tokenizer and tensor types (gguf.json), parsed once
-    per file (transformers takes tens of seconds to read 49k tokens from the GGUF metadata on a small CPU).
+def _gguf_cache(path: Path, part: str) -> Path:
+    """A directory holding one ``part`` of the GGUF, parsed once per file and kept: 'config' (config.json),
+    'tokenizer' (tokenizer files) or 'info' (gguf.json: architecture and tensor types). transformers takes
+    tens of seconds to read the 49k-token vocabulary from the GGUF metadata on a small CPU, and each part is
+    a separate pass over it, so a preset that needs only the tokenizer parses only that.
 
-    Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>``;
+    Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>/<part>``;
     written to a temporary directory and renamed, so concurrent ranks never see half of it.
     """
     import json
     import shutil
     import tempfile
-    from collections import Counter
 
     root = os.environ.get("SHARDLAB_CACHE")
-    base = (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "gguf"
-    out = base / f"{path.stem}-{_file_key(path)}"
-    if (out / "gguf.json").is_file():
+    base = (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "gguf" / f"{path.stem}-{_file_key(path)}"
+    out = base / part
+    if out.is_dir():
         return out
     try:
         from gguf import GGUFReader
     except ImportError:
         raise UserError("reading a GGUF file needs the gguf package, which is not installed", "`pip install gguf accelerate`") from None
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=base))
+    def unreadable(exc: Exception) -> UserError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return UserError(f"cannot read the {part} of the GGUF {str(path)!r}: {first}",
+                         "pass a GGUF written by llama.cpp's converters, of an architecture transformers supports "
+                         "(llama, qwen2, mistral, ...)")
+
     try:
-        try:
-            reader = GGUFReader(str(path))
-        except Exception as exc:
-            raise UserError(f"{str(path)!r} is not a readable GGUF file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                            "pass a .gguf file written by llama.cpp's converters") from None
-        types = Counter(t.tensor_type.name for t in reader.tensors)
-        arch_field = reader.fields.get("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "unknown"
-        del reader
-        try:
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
-        except (ValueError, KeyError, NotImplementedError) as exc:
-            raise UserError(f"transformers cannot load the GGUF {str(path)!r} ({arch}): {str(exc).splitlines()[0]}",
-                            "use a GGUF of an architecture transformers supports (llama, qwen2, mistral, ...)") from None
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "gguf.json").write_text(json.dumps({"file": str(path), "architecture": arch, "tensor_types": dict(types)}, indent=1))
+        reader = GGUFReader(str(path)) if part == "info" else None
+    except Exception as exc:  # truncated or not a GGUF: numpy/struct errors of all kinds
+        raise unreadable(exc) from None
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=base))
+    try:
+        if reader is not None:
+            from collections import Counter
+
+            types = Counter(t.tensor_type.name for t in reader.tensors)
+            field = reader.fields.get("general.architecture")
+            arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+            (tmp / "gguf.json").write_text(json.dumps({"file": str(path), "architecture": arch, "tensor_types": dict(types)}, indent=1))
+        else:
+            loader = AutoConfig if part == "config" else AutoTokenizer
+            try:
+                loader.from_pretrained(str(path.parent), gguf_file=str(path)).save_pretrained(tmp)
+            except Exception as exc:  # not a GGUF, or an architecture transformers cannot convert
+                raise unreadable(exc) from None
         try:
             tmp.rename(out)
         except OSError:  # another process renamed its copy first
-            if not (out / "gguf.json").is_file():
+            if not out.is_dir():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -507,7 +513,7 @@ def gguf_summary(path: Path) -> str:
     """'Q4_1 (4-bit) for 210 of 272 tensors, Q8_0 1, F32 61': how the GGUF stores its weights."""
     import json
 
-    types = json.loads((_gguf_cache(path) / "gguf.json").read_text())["tensor_types"]
+    types = json.loads((_gguf_cache(path, "info") / "gguf.json").read_text())["tensor_types"]
     main, n = max(types.items(), key=lambda kv: kv[1])
     bits = _gguf_bits(main)
     rest = ", ".join(f"{k} {v}" for k, v in sorted(types.items()) if k != main)
@@ -578,7 +584,7 @@ def build_hf_config(cfg: RunConfig) -> transformers.PretrainedConfig:
                 raise _remote_code_error(cfg.model) from None
             raise UserError(f"cannot read the config in {cfg.model!r}: {exc}".split("\n")[0], "check its config.json") from None
     elif kind == "gguf":
-        hf_config = AutoConfig.from_pretrained(str(_gguf_cache(obj)))
+        hf_config = AutoConfig.from_pretrained(str(_gguf_cache(obj, "config")))
     else:
         hf_config = _hub_load(AutoConfig.from_pretrained, obj, "model", trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, hf_config)
@@ -825,11 +831,11 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
     if name == GPT2_BPE:
         tok = gpt2_bpe_tokenizer()
     elif name == SMOLLM2_GGUF:
-        tok = AutoTokenizer.from_pretrained(str(_gguf_cache(packaged_gguf(SMOLLM2_INSTRUCT))))
+        tok = AutoTokenizer.from_pretrained(str(_gguf_cache(packaged_gguf(SMOLLM2_INSTRUCT), "tokenizer")))
     else:
         kind, obj = _classify(name, "tokenizer")
         if kind == "gguf":
-            tok = AutoTokenizer.from_pretrained(str(_gguf_cache(obj)))
+            tok = AutoTokenizer.from_pretrained(str(_gguf_cache(obj, "tokenizer")))
         elif kind == "dir":
             try:
                 tok = AutoTokenizer.from_pretrained(str(obj), trust_remote_code=cfg.trust_remote_code)

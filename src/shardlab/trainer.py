@@ -274,7 +274,7 @@ class Trainer:
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from .models import load_tokenizer, model_summary
+        from .models import describe_weights, load_tokenizer, model_summary
 
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
@@ -307,7 +307,7 @@ class Trainer:
         samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
-        log0(env, f"model {cfg.model}: {info.get('human', info)}")
+        log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
         strategy.setup(model, total_steps)
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 

@@ -8,7 +8,7 @@ of decoder blocks that the balanced split gives it (plus the embedding on the fi
 and LM head on the last) and moves only that slice to its device. One optimizer step = one schedule step
 over `grad_accum` micro-batches, so `--microbatches M` is the gradient accumulation.
 
-Tied input/output embeddings (GPT-2, BLOOM) live on two ranks here; their gradients are summed between
+Tied input/output embeddings (GPT-2, BLOOM, SmolLM2, Llama 3.2, Qwen2.5-0.5B) live on two ranks here; their gradients are summed between
 the first and the last stage before the optimizer step, which keeps the two copies identical, exactly as
 a tied weight would be (the same thing Megatron-LM does for its embedding group).
 """
@@ -64,18 +64,32 @@ def stage_costs(n_layers: int, layer_cost: float, head_cost: float, n_stages: in
 
 
 def _model_parts(model: nn.Module):
-    """(family, embedding module names, decoder blocks, final norm, lm head) of a GPT-2 or BLOOM model."""
+    """(family, trunk, decoder blocks, final norm, lm head) of a GPT-2, BLOOM or Llama-style model
+    (Llama, Qwen2, Mistral, SmolLM: ``model.model`` with embed_tokens, layers, norm and rotary_emb)."""
     if hasattr(model, "transformer") and hasattr(model.transformer, "wpe"):
         t = model.transformer
         return "gpt2", t, list(t.h), t.ln_f, model.lm_head
     if hasattr(model, "transformer") and hasattr(model.transformer, "word_embeddings_layernorm"):
         t = model.transformer
         return "bloom", t, list(t.h), t.ln_f, model.lm_head
-    raise UserError(f"pipeline parallelism supports GPT-2 and BLOOM models, not {type(model).__name__}", "use another strategy")
+    t = getattr(model, "model", None)
+    if all(hasattr(t, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "llama", t, list(t.layers), t.norm, model.lm_head
+    raise UserError(f"pipeline parallelism supports GPT-2, BLOOM and Llama-style models, not {type(model).__name__}",
+                    "use another strategy")
+
+
+def embedding_modules(family: str, trunk: nn.Module) -> dict[str, nn.Module]:
+    """The first stage's modules before the blocks; the token embedding ('wte') first."""
+    if family == "gpt2":
+        return {"wte": trunk.wte, "wpe": trunk.wpe, "drop": trunk.drop}
+    if family == "bloom":
+        return {"wte": trunk.word_embeddings, "ln": trunk.word_embeddings_layernorm}
+    return {"wte": trunk.embed_tokens}
 
 
 class _Stage(nn.Module):
-    """One pipeline stage of a GPT-2 or BLOOM model, built from the HF model's own submodules."""
+    """One pipeline stage of a GPT-2, BLOOM or Llama-style model, built from the HF model's own submodules."""
 
     def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool, autocast_dtype: torch.dtype | None = None):
         super().__init__()
@@ -84,13 +98,11 @@ class _Stage(nn.Module):
         self.autocast_dtype = autocast_dtype
         self.family, trunk, blocks, ln_f, lm_head = _model_parts(model)
         self.config = model.config
-        if first and self.family == "gpt2":
-            self.embed = nn.ModuleDict({"wte": trunk.wte, "wpe": trunk.wpe, "drop": trunk.drop})
-        elif first:
-            self.embed = nn.ModuleDict({"wte": trunk.word_embeddings, "ln": trunk.word_embeddings_layernorm})
-        else:
-            self.embed = None
+        self.embed = nn.ModuleDict(embedding_modules(self.family, trunk)) if first else None
         self.blocks = nn.ModuleList(blocks[start:end])
+        # Llama: every stage computes the rotary cos/sin itself from the positions (a buffer-only module, no
+        # weights), so only the hidden states travel between stages, as for GPT-2 and BLOOM.
+        self.rotary_emb = trunk.rotary_emb if self.family == "llama" else None
         self.head = nn.ModuleDict({"ln_f": ln_f, "lm_head": lm_head}) if last else None
         self.num_heads = getattr(model.config, "n_head", None) or getattr(model.config, "num_attention_heads", None)
 
@@ -105,10 +117,14 @@ class _Stage(nn.Module):
             if self.family == "gpt2":
                 pos = torch.arange(x.shape[1], device=x.device)
                 x = self.embed["drop"](self.embed["wte"](x) + self.embed["wpe"](pos))
-            else:
+            elif self.family == "bloom":
                 x = self.embed["ln"](self.embed["wte"](x))
+            else:
+                x = self.embed["wte"](x)
         if self.family == "bloom" and len(self.blocks):
             x = self._bloom_blocks(x)
+        elif self.family == "llama" and len(self.blocks):
+            x = self._llama_blocks(x)
         else:
             for block in self.blocks:  # no mask: right-padded or packed data needs only the causal one
                 out = block(x)
@@ -117,18 +133,52 @@ class _Stage(nn.Module):
             x = self.head["lm_head"](self.head["ln_f"](x))
         return x
 
+    def _llama_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        # What LlamaModel.forward (and Qwen2's, Mistral's) does around its layers: positions 0..s-1, the
+        # rotary (cos, sin) passed to every layer as position_embeddings, and the causal mask for the
+        # configured attention (None for SDPA, which is then causal by itself); sliding-window layers get theirs.
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(x, position_ids)
+        types = getattr(self.config, "layer_types", None)  # Qwen2: per layer; Mistral: none, all sliding if set
+        default = "full_attention" if getattr(self.config, "sliding_window", None) is None else "sliding_attention"
+        masks = {t: _causal_mask(self.config, x, position_ids, sliding=t == "sliding_attention") for t in set(types or [default])}
+        for block in self.blocks:
+            kind = types[block.self_attn.layer_idx] if types else default
+            out = block(x, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
     def _bloom_blocks(self, x: torch.Tensor) -> torch.Tensor:
         # BLOOM's blocks need ALiBi biases and the causal mask, which BloomModel.forward builds; same recipe.
-        from transformers.masking_utils import create_causal_mask
         from transformers.models.bloom import modeling_bloom
 
         batch, seq = x.shape[:2]
         slopes = modeling_bloom._get_alibi_slopes(self.num_heads, x.device)
         alibi = (slopes[:, None, None] * torch.arange(seq, device=x.device)).repeat(batch, 1, 1).to(x.dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None)
+        mask = _causal_mask(self.config, x, None)
         for block in self.blocks:
             x = block(x, alibi=alibi, attention_mask=mask)[0]
         return x
+
+
+def _causal_mask(config, x: torch.Tensor, position_ids: torch.Tensor | None, sliding: bool = False):
+    """transformers' causal (or sliding-window) mask for ``config``'s attention, with no cache and no padding.
+
+    The KV-cache argument is named ``cache`` in transformers 5.2x and ``past_key_values`` before (with a
+    ``cache_position``); each is passed under the name this version takes."""
+    import inspect
+
+    from transformers import masking_utils
+
+    fn = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    params = inspect.signature(fn).parameters
+    kwargs = {name: None for name in ("cache", "past_key_values") if name in params}
+    if "cache_position" in params:  # older signatures derive the query length from it
+        kwargs["cache_position"] = torch.arange(x.shape[1], device=x.device)
+    if "position_ids" in params:
+        kwargs["position_ids"] = position_ids
+    embeds = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
+    return fn(config=config, attention_mask=None, **{embeds: x}, **kwargs)
 
 
 # The LM head's matmul is 2*V*h FLOPs per token, but with the fp32 cross-entropy over the vocabulary
@@ -144,7 +194,17 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     cfg = model.config
     hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
     vocab = cfg.vocab_size
-    layer = 24 * hidden * hidden + 4 * seq_len * hidden  # Megatron/Narayanan et al. 2021: matmuls + attention
+    heads = getattr(cfg, "n_head", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+    from ..planner import _family
+
+    gated = _family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
+    # Megatron/Narayanan et al. 2021: 2 FLOPs per weight of the matmuls (q and o, k and v with GQA's fewer
+    # heads, the MLP's 2 or 3 matrices) + attention; GPT-2/BLOOM: 24h^2 + 4sh.
+    matmul_weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + (3 if gated else 2) * hidden * ffn
+    layer = 2 * matmul_weights + 4 * seq_len * heads * head_dim
     head = HEAD_COST_FACTOR * 2 * vocab * hidden
     return float(layer), float(head)
 
@@ -320,9 +380,8 @@ class PipelineStrategy(TorchOptimizerStrategy):
             g.copy_(reduced)
 
     def _find_tied(self) -> bool:
-        _, trunk, _, _, lm_head = _model_parts(self.full_model)
-        wte = trunk.wte if hasattr(trunk, "wte") else trunk.word_embeddings
-        return wte.weight is lm_head.weight
+        family, trunk, _, _, lm_head = _model_parts(self.full_model)
+        return embedding_modules(family, trunk)["wte"].weight is lm_head.weight
 
     def _tied_param(self) -> nn.Parameter | None:
         if not self._tied or not (self.is_first or self.is_last):

@@ -129,6 +129,24 @@ def init_distributed(device_type: str, timeout_s: float = 1800) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
 
 
+_group_broken = False
+
+
+def mark_group_broken() -> None:
+    """A peer died or hung: this process's group must not be torn down (see `shutdown_distributed`)."""
+    global _group_broken
+    _group_broken = True
+
+
+def group_broken() -> bool:
+    return _group_broken
+
+
 def shutdown_distributed() -> None:
+    # Destroying a group whose peer is gone can end in std::terminate ("terminate called without an active
+    # exception", SIGABRT) inside the backend's teardown; a broken group is left alone and the process exits
+    # (the spawned worker with os._exit, after flushing: shardlab.worker).
+    if _group_broken:
+        return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

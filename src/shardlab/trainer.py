@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import checkpoint, faults, guards, metrics, mfu, reshard
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
-from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
+from .distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, shutdown_distributed
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
 from .preemption import Preempted, StopSignals
@@ -547,6 +547,7 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
             raise trainer.oom_error() from None
         except Exception as err:  # another rank died or hung: one line, naming it where known (guards.py)
             if trainer.env.is_distributed and guards.is_comm_failure(err):
+                mark_group_broken()
                 raise guards.comm_failure(err, trainer.env.rank, cfg.dist_timeout_s) from None
             raise
     finally:

@@ -107,6 +107,7 @@ def test_example_dry_run_offline(path: Path, guard_dir: Path):
         assert "# DeepSpeed config" not in proc.stdout
 
 
+@pytest.mark.slow  # the fast tier's dp run is test_train_e2e's
 def test_quick_test_trains_for_real(tmp_path: Path):
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -133,19 +133,20 @@ def crash_chain(root, ref_run):
     the end. (SIGTERM/SIGUSR1 preemption: the SLURM test.)"""
     out = root / "crash"
     a = Run([*RESUME, "--gpus", "2"], out, env={"SHARDLAB_FAULTS": "kill@6:1"}, tag="-a").wait()
+    after_a = {"last_step": last_step(out), "latest": latest(out)}
     b = Run([*RESUME, "--gpus", "2", "--resume", "auto"], out, env={"SHARDLAB_FAULTS": "kill_in_save@8:1"}, tag="-b").wait()
     step6 = out / "checkpoints" / "step-0000006"
     after_b = {"latest": latest(out), "dirs": sorted(p.name for p in (out / "checkpoints").iterdir()),
                "step6_complete": (step6 / "trainer_state.json").is_file() and (step6 / "torch_dcp" / ".metadata").is_file()}  # fmt: skip
     # resumes from step 6, an epoch's last step: the next epoch's order and dropout masks must follow
     d = Run([*RESUME, "--gpus", "2", "--resume", "auto"], out, tag="-d").ok()
-    return {"out": out, "a": a, "b": b, "after_b": after_b, "d": d}
+    return {"out": out, "a": a, "after_a": after_a, "b": b, "after_b": after_b, "d": d}
 
 
 def test_kill9_mid_epoch_names_the_rank(crash_chain):
     a = crash_chain["a"]
     assert a.rc == 128 + signal.SIGKILL, a.stderr[-3000:]
-    assert last_step(crash_chain["out"]) <= 5 and latest(crash_chain["out"]) == "step-0000004"  # it died in step 6
+    assert crash_chain["after_a"] == {"last_step": 5, "latest": "step-0000004"}  # it died in step 6
     assert re.search(r"error: rank 1 \(pid \d+\) was killed by SIGKILL", a.stderr), a.stderr[-3000:]  # not rank 0, which lost its peer
     assert "the host's out-of-memory killer" in a.stderr and "--micro-batch" in a.stderr  # the likely cause, and the fix
 

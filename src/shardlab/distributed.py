@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -138,14 +140,20 @@ def mark_group_broken() -> None:
     _group_broken = True
 
 
-def group_broken() -> bool:
-    return _group_broken
+def exit_process(code: int) -> NoReturn:
+    """`sys.exit(code)`, except after a peer died: then flush and `os._exit`, skipping the interpreter's teardown,
+    which would destroy the broken group's backend objects (a std::terminate there aborts with SIGABRT)."""
+    if _group_broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def shutdown_distributed() -> None:
     # Destroying a group whose peer is gone can end in std::terminate ("terminate called without an active
     # exception", SIGABRT) inside the backend's teardown; a broken group is left alone and the process exits
-    # (the spawned worker with os._exit, after flushing: shardlab.worker).
+    # (`exit_process`).
     if _group_broken:
         return
     if dist.is_available() and dist.is_initialized():

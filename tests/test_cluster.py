@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +24,8 @@ import psutil
 import pytest
 from slurm_cluster import LocalSlurm, missing_reason
 
+from shardlab.distributed import free_port
+
 BASE = ["--model", "tiny-gpt2", "--dataset", "offline", "--device", "cpu", "--seq-len", "64", "--precision", "fp32",
         "--log-every", "1", "--lr", "1e-3", "--lr-schedule", "constant", "--seed", "7", "--set", "dataset.eval_samples=1",
         "--num-samples", "8", "--global-batch", "4", "--micro-batch", "2"]  # fmt: skip  (25 train blocks: 6 steps per epoch)
@@ -31,11 +33,7 @@ RESUME = [*BASE, "--dropout", "0.1", "--max-steps", "14", "--save-every", "2", "
 ELASTIC = [*BASE, "--dropout", "0", "--save-every", "4", "--eval-every", "4", "--keep-checkpoints", "5"]
 TIMEOUT = 300
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # every test here runs several ranks, nodes or launches (conftest.py: the tiers)
 
 
 class Run:
@@ -130,27 +128,26 @@ def ref(ref_run) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def crash_chain(root, ref_run):
-    """One run directory through three launches: rank 1 SIGKILLed mid-epoch; resumed, rank 1 SIGKILLed while the
-    step-8 checkpoint is half-written; resumed to the end. (SIGTERM/SIGUSR1 preemption: the SLURM test.)"""
+    """One run directory through three launches: rank 1 SIGKILLed mid-epoch (in step 6, by a fault: at a known step,
+    whatever the machine's load); resumed, rank 1 SIGKILLed while the step-8 checkpoint is half-written; resumed to
+    the end. (SIGTERM/SIGUSR1 preemption: the SLURM test.)"""
     out = root / "crash"
-    a = Run([*RESUME, "--gpus", "2"], out, tag="-a")
-    a.wait_for_step(5)
-    victim = a.worker(1)
-    victim.send_signal(signal.SIGKILL)
-    a.wait()
+    a = Run([*RESUME, "--gpus", "2"], out, env={"SHARDLAB_FAULTS": "kill@6:1"}, tag="-a").wait()
+    after_a = {"last_step": last_step(out), "latest": latest(out)}
     b = Run([*RESUME, "--gpus", "2", "--resume", "auto"], out, env={"SHARDLAB_FAULTS": "kill_in_save@8:1"}, tag="-b").wait()
     step6 = out / "checkpoints" / "step-0000006"
     after_b = {"latest": latest(out), "dirs": sorted(p.name for p in (out / "checkpoints").iterdir()),
                "step6_complete": (step6 / "trainer_state.json").is_file() and (step6 / "torch_dcp" / ".metadata").is_file()}  # fmt: skip
     # resumes from step 6, an epoch's last step: the next epoch's order and dropout masks must follow
     d = Run([*RESUME, "--gpus", "2", "--resume", "auto"], out, tag="-d").ok()
-    return {"out": out, "a": a, "victim_pid": victim.pid, "b": b, "after_b": after_b, "d": d}
+    return {"out": out, "a": a, "after_a": after_a, "b": b, "after_b": after_b, "d": d}
 
 
 def test_kill9_mid_epoch_names_the_rank(crash_chain):
     a = crash_chain["a"]
-    assert a.rc not in (0, None)
-    assert f"rank 1 (pid {crash_chain['victim_pid']}) was killed by SIGKILL" in a.stderr
+    assert a.rc == 128 + signal.SIGKILL, a.stderr[-3000:]
+    assert crash_chain["after_a"] == {"last_step": 5, "latest": "step-0000004"}  # it died in step 6
+    assert re.search(r"error: rank 1 \(pid \d+\) was killed by SIGKILL", a.stderr), a.stderr[-3000:]  # not rank 0, which lost its peer
     assert "the host's out-of-memory killer" in a.stderr and "--micro-batch" in a.stderr  # the likely cause, and the fix
 
 
@@ -211,14 +208,15 @@ def test_dead_or_hung_rank_stops_the_other_node(root):
             node0.wait(timeout=60)
             took[how] = time.time() - t0
         dead, hung = jobs["dies"][0], jobs["hangs"][0]
-        # A death is reported as such (not as a collective timeout); the bound leaves room for a loaded 2-core CI box.
-        assert dead.rc == 2 and took["dies"] < timeout + 25, (took, dead.stderr[-2000:])
+        # A death is reported as such, not as a collective timeout (no wall-clock bound: a loaded CI box can be
+        # slower than any bound; the message says which path named it).
+        assert dead.rc == 2, (took, dead.stderr[-2000:])
         assert "a collective waited more than" not in dead.stderr
         pid = victims["dies"].pid
         assert f"rank 0 lost the other ranks: on node 1, rank 1 (pid {pid}) was killed by SIGKILL" in dead.stderr
         jobs["dies"][1].wait(timeout=60)
         assert f"rank 1 (pid {pid}) was killed by SIGKILL" in jobs["dies"][1].stderr
-        assert hung.rc == 2 and timeout <= took["hangs"] < timeout + 30, (took, hung.stderr[-2000:])
+        assert hung.rc == 2 and took["hangs"] >= timeout, (took, hung.stderr[-2000:])  # it waited the whole dist_timeout_s
         assert f"a collective waited more than {timeout} s (dist_timeout_s)" in hung.stderr
     finally:
         for victim in victims.values():

@@ -252,3 +252,86 @@ def test_fault_spec_parsing(monkeypatch):
     monkeypatch.setenv(faults.ENV, "kill_in_save@8:1, nan_loss@3")
     assert faults._wanted("kill_in_save", 8, 1) and not faults._wanted("kill_in_save", 8, 0) and not faults._wanted("kill_in_save", 7, 1)
     assert faults._wanted("nan_loss", 3, 0) and faults._wanted("nan_loss", 3, 5) and not faults._wanted("nan_loss", 4, 0)
+    monkeypatch.setenv(faults.ENV, "kill@6:1")
+    assert faults._wanted("kill", 6, 1) and not faults._wanted("kill", 6, 0) and not faults._wanted("kill_in_save", 6, 1)
+
+
+def test_kill_fault_fires_in_the_first_training_forward_of_its_step(monkeypatch):
+    from shardlab import faults
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(2, 2)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setenv(faults.ENV, "kill@3:1")
+    survivor, victim = Tiny(), Tiny()
+    faults.arm(survivor, 0, 1, 2)  # resumed after step 1, 2 micro-batches per step
+    faults.arm(victim, 1, 1, 2)
+    x = torch.zeros(1, 2)
+    for _ in range(2):  # step 2
+        survivor.head(x), victim.head(x)
+    victim.eval()
+    victim.head(x)  # an eval forward counts for no step
+    assert sent == []
+    victim.train()
+    survivor.head(x), victim.head(x)  # step 3, first micro-batch
+    assert sent == [(os.getpid(), signal.SIGKILL)]
+
+
+def _failure(rank: int, exitcode: int, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="/nonexistent")
+    failure.timestamp = timestamp  # the launcher's poll time, in whole seconds
+    return failure
+
+
+def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second():
+    from shardlab.launch import WorkerFailed
+    from shardlab.preemption import REQUEUE_EXIT
+
+    # rank 0 lost its peer and exited with its one-line error; rank 1 was SIGKILLed; one poll saw both
+    for failures in ({0: _failure(0, 2, 100), 1: _failure(1, -signal.SIGKILL, 100)},
+                     {1: _failure(1, -signal.SIGKILL, 100), 0: _failure(0, 2, 100)}):  # fmt: skip
+        err = WorkerFailed.from_failures(failures)
+        assert "rank 1 (pid 1001) was killed by SIGKILL" in str(err) and err.exitcode == 128 + signal.SIGKILL
+    # the launcher's SIGTERM to a rank still running, and a survivor's abort while tearing down, are not the cause
+    err = WorkerFailed.from_failures({0: _failure(0, -signal.SIGABRT, 100), 1: _failure(1, -signal.SIGKILL, 100), 2: _failure(2, -signal.SIGTERM, 100)})
+    assert "rank 1 (pid 1001)" in str(err)
+    err = WorkerFailed.from_failures({0: _failure(0, -signal.SIGTERM, 100), 1: _failure(1, 1, 100)})
+    assert err.exitcode == 1 and "(rank 1;" in str(err)
+    # an earlier poll still wins: a rank that failed first is the cause whatever a later one died of
+    err = WorkerFailed.from_failures({0: _failure(0, 1, 99), 1: _failure(1, -signal.SIGKILL, 130)})
+    assert err.exitcode == 1 and "(rank 0;" in str(err)
+    # preemption: every rank checkpointed and stopped (exit 75); one the launcher SIGTERMed on the way is no failure
+    err = WorkerFailed.from_failures({0: _failure(0, -signal.SIGTERM, 100), 1: _failure(1, REQUEUE_EXIT, 100)})
+    assert err.exitcode == REQUEUE_EXIT
+    err = WorkerFailed.from_failures({0: _failure(0, REQUEUE_EXIT, 100), 1: _failure(1, 1, 100)})
+    assert err.exitcode == 1
+
+
+def test_a_group_broken_by_a_dead_peer_is_not_torn_down(monkeypatch):
+    """Destroying it can std::terminate (SIGABRT) a survivor that already printed its error; exit_process flushes and
+    leaves with os._exit, skipping the interpreter's teardown."""
+    from shardlab import distributed
+
+    monkeypatch.setattr(distributed, "_group_broken", False)  # restored after the test
+    destroyed, exited = [], []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(distributed.os, "_exit", exited.append)
+    distributed.shutdown_distributed()
+    assert destroyed == [True]
+    with pytest.raises(SystemExit):
+        distributed.exit_process(2)
+    distributed.mark_group_broken()
+    distributed.shutdown_distributed()
+    with pytest.raises(SystemExit):  # only because os._exit is a stand-in here that returns
+        distributed.exit_process(2)
+    assert destroyed == [True] and exited == [2]

@@ -85,7 +85,12 @@ def test_ds_config_example_is_json_with_auto_values():
     assert data["train_batch_size"] == "auto"
 
 
-@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+# Each dry run is a fresh interpreter (~10 CPU-seconds of imports): the fast tier dry-runs the demo's example and
+# one DeepSpeed example; every other example's dry run is in the slow tier (conftest.py: the tiers).
+FAST_DRY_RUNS = {"quick-test.yaml", "gpt2-medium-zero2.yaml"}
+
+
+@pytest.mark.parametrize("path", [p if p.name in FAST_DRY_RUNS else pytest.param(p, marks=pytest.mark.slow) for p in YAMLS], ids=lambda p: p.name)
 def test_example_dry_run_offline(path: Path, guard_dir: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "shardlab", "train", "--config", str(path.relative_to(ROOT)), "--dry-run"],
@@ -107,6 +112,7 @@ def test_example_dry_run_offline(path: Path, guard_dir: Path):
         assert "# DeepSpeed config" not in proc.stdout
 
 
+@pytest.mark.slow  # the fast tier's dp run is test_train_e2e's
 def test_quick_test_trains_for_real(tmp_path: Path):
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -8,27 +8,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shardlab.distributed import free_port
+
 ARGS = ["--model", "tiny-gpt2", "--max-steps", "6", "--micro-batch", "2", "--seq-len", "64", "--lr", "1e-3",
         "--dropout", "0", "--precision", "fp32", "--strategy", "zero2", "--log-every", "1", "--no-export",
         "--set", "dataset.eval_samples=1"]  # fmt: skip
 TIMEOUT = 420
 
+pytestmark = pytest.mark.slow  # two ranks in every test (conftest.py: the tiers)
+
 
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

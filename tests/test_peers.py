@@ -41,6 +41,7 @@ def test_ratios_pair_shardlab_with_each_peer():
     assert got[("shardlab dp-noclip", "bare-eager")]["met"] is False
 
 
+@pytest.mark.slow  # a transformers.Trainer + DeepSpeed training run
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers.Trainer needs accelerate (pip install accelerate)")
 def test_hf_trainer_deepspeed_peer_runs_on_cpu(tmp_path):
     out = tmp_path / "peers"

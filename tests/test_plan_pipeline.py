@@ -205,6 +205,7 @@ def measured(wide_models, tmp_path_factory):
     return {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(CASES)}
 
 
+@pytest.mark.slow  # two probe processes (a 2-rank pipeline step)
 @pytest.mark.parametrize("name", list(CASES))
 def test_peak_matches_a_measured_cpu_pipeline_step(name, measured, wide_models):
     case = CASES[name]

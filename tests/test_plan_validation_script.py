@@ -15,6 +15,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_validation.p
 BUDGET_GB = 1.0
 
 
+pytestmark = pytest.mark.slow  # every test reads a training cell the script runs
+
+
 @pytest.fixture(scope="module")
 def validation(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan-validation")

@@ -1,7 +1,7 @@
 """`shardlab train` end to end on CPU: every strategy trains, agrees with DDP, exports, resumes.
 
 Each run is a `python -m shardlab train` subprocess (gloo workers for --gpus N), made once per
-module by the `runs` registry and read by several tests. Runs use fp32, dropout 0 and the same
+pytest run by the session's `shared_runs` registry (conftest.py) and read by several tests. Runs use fp32, dropout 0 and the same
 seed and data, so strategies that only move memory around must produce the same losses.
 
 The runs use a constant learning rate (the 2-rank ones after 3 warm-up steps, so the engines'
@@ -22,6 +22,12 @@ import pytest
 STRATEGIES_1 = ["dp", "zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "fsdp", "fsdp_offload"]
 STRATEGIES_2 = ["dp", "zero2", "zero3", "fsdp"]
 N_PARAMS_TINY_GPT2 = 3_382_080
+FAST = ("dp", "zero2", "fsdp")  # the fast tier's single-rank runs (conftest.py): one per engine family
+
+
+def tiered(strategies):
+    """Parameters for STRATEGIES_1 tests: the other strategies' runs belong to the slow tier."""
+    return [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in strategies]
 
 
 def train_args(*, model="tiny-gpt2", steps=20, gpus=1, strategy="dp", extra=()):
@@ -39,18 +45,16 @@ def train_args(*, model="tiny-gpt2", steps=20, gpus=1, strategy="dp", extra=()):
 
 
 class Runs:
-    """Each named run happens once per module, however many tests read it."""
+    """Names for this module's runs in the session's `shared_runs` registry (conftest.py): each configuration
+    trains once per pytest run, however many tests (in any module) read it."""
 
-    def __init__(self, root: Path, train):
-        self.root = root
-        self.train = train
-        self._done: dict[str, object] = {}
+    def __init__(self, shared):
+        self.shared = shared
+        self.root = shared.root
 
-    def get(self, name: str, args: list[str], out: str | None = None):
-        """Run `shardlab train ARGS` into root/OUT (default root/NAME) unless NAME already ran."""
-        if name not in self._done:
-            self._done[name] = self.train(args, self.root / (out or name))
-        return self._done[name]
+    def get(self, name: str, args: list[str], out: Path | None = None):
+        """`shardlab train ARGS` into a new directory called NAME, or into OUT (a resume into an earlier run)."""
+        return self.shared.get(args, name=name, out=out)
 
     def strategy(self, strategy: str, gpus: int = 1):
         extra = ["--nvme-path", str(self.root / "nvme")] if strategy == "infinity" else []
@@ -58,8 +62,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, train_cli):
-    return Runs(tmp_path_factory.mktemp("runs"), train_cli)
+def runs(shared_runs):
+    return Runs(shared_runs)
 
 
 def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: int = 1, micro: int = 2, seq: int = 64, loss_falls: bool = True):
@@ -95,7 +99,7 @@ def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: in
 # ---- every strategy, one rank ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES_1)
+@pytest.mark.parametrize("strategy", tiered(STRATEGIES_1))
 def test_single_rank_trains(runs, strategy):
     run = runs.strategy(strategy)
     assert_trained(run, steps=20, world=1, strategy=strategy)
@@ -124,7 +128,7 @@ def assert_same_losses(run, ref, n=10, rel=1e-3):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-6), f"step {a['step']}: lr {a['lr']} vs dp {b['lr']}"
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_1 if s != "dp"])
+@pytest.mark.parametrize("strategy", tiered(s for s in STRATEGIES_1 if s != "dp"))
 def test_single_rank_losses_match_dp(runs, strategy):
     assert_same_losses(runs.strategy(strategy), runs.strategy("dp"))
 
@@ -147,6 +151,7 @@ def _aio_compatible() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
+@pytest.mark.slow
 def test_infinity_trains_with_nvme_swap(runs):
     if not _aio_compatible():
         pytest.skip("DeepSpeed's async_io op is not compatible here (libaio-dev missing?), so ZeRO-Infinity cannot swap to NVMe")
@@ -181,11 +186,14 @@ def test_nvme_path_checks(tmp_path):
 # ---- BLOOM ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_bloom_trains(runs):
     # A stale metrics.jsonl from some earlier run in the same output dir: a fresh run must start it over.
-    (runs.root / "bloom").mkdir()
-    (runs.root / "bloom" / "metrics.jsonl").write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
-    run = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"]))
+    out = runs.root / "bloom"
+    if not out.exists():
+        out.mkdir()
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
+    run = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"]), out=out)
     # 10 noisy steps of batch 2 are too few for the train loss to fall reliably; the fixed eval set shows it
     assert_trained(run, steps=10, world=1, strategy="dp", loss_falls=False)
     evals = [r for r in run.all_rows if "eval_loss" in r]
@@ -226,7 +234,7 @@ def test_export_reloads_and_reproduces_eval_loss(runs, trainer_eval_loss, strate
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------
 
-RESUMABLE = [("dp", 1), ("zero2", 1), ("fsdp", 1), pytest.param("zero3", 2, marks=pytest.mark.slow)]
+RESUMABLE = [("dp", 1), ("zero2", 1), ("fsdp", 1), ("zero3", 2)]
 
 
 def resume_runs(runs, strategy, gpus):
@@ -234,15 +242,17 @@ def resume_runs(runs, strategy, gpus):
     name = f"resume-{strategy}-{gpus}rank"
     first = runs.get(name, train_args(strategy=strategy, gpus=gpus, steps=10, extra=["--save-every", "5"]))
     first.check()
-    if f"{name}-continued" not in runs._done:
+    again = train_args(strategy=strategy, gpus=gpus, steps=14, extra=["--resume", "auto"])
+    if not runs.shared.has(again, out=first.out):
         assert [r["step"] for r in first.rows] == list(range(1, 11))
         # as if the job had been killed at step 12, after logging two steps past its last checkpoint
         with open(first.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n")
-    second = runs.get(f"{name}-continued", train_args(strategy=strategy, gpus=gpus, steps=14, extra=["--resume", "auto"]), out=name)
+    second = runs.get(f"{name}-continued", again, out=first.out)
     return first, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,gpus", RESUMABLE)
 def test_checkpoints_are_written(runs, strategy, gpus):
     first, _ = resume_runs(runs, strategy, gpus)
@@ -254,6 +264,7 @@ def test_checkpoints_are_written(runs, strategy, gpus):
     assert state["global_step"] == 10 and state["stage"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,gpus", RESUMABLE)
 def test_resume_continues_like_an_uninterrupted_run(runs, strategy, gpus):
     first, second = resume_runs(runs, strategy, gpus)
@@ -268,6 +279,7 @@ def test_resume_continues_like_an_uninterrupted_run(runs, strategy, gpus):
         assert r["loss"] == pytest.approx(want, rel=1e-4), f"{strategy} step {r['step']}: {r['loss']} vs uninterrupted {want}"
 
 
+@pytest.mark.slow
 def test_resume_with_another_weight_decay_is_refused(runs, train_cli, tmp_path):
     """The optimizer state holds the weight decay it was written with (a new value would be ignored),
     and decay 0 is one parameter group, not two: the launcher refuses before any worker starts."""
@@ -287,6 +299,7 @@ def test_resume_with_another_weight_decay_is_refused(runs, train_cli, tmp_path):
 # ---- data formats: QA with answer-only loss, curriculum ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_qa_answer_only_loss_with_padding(runs, tmp_path):
     data = tmp_path / "qa.jsonl"
     cities = ["Paris", "Rome", "Madrid", "Berlin", "Vienna", "Lisbon", "Athens", "Dublin", "Oslo", "Prague"]
@@ -312,6 +325,7 @@ def test_qa_answer_only_loss_with_padding(runs, tmp_path):
     assert "non-pad" in run.stdout
 
 
+@pytest.mark.slow
 def test_curriculum_trains_through_both_stages(runs, tmp_path):
     text = tmp_path / "notes.txt"
     paragraphs = [f"Note {i}: sharding splits the optimizer state of model {i} across {i % 7 + 2} ranks, then gathers it." for i in range(120)]
@@ -344,6 +358,7 @@ curriculum:
     assert run.config["curriculum"][1]["dataset"]["source"] == str(text)
 
 
+@pytest.mark.slow
 def test_compiled_dp_matches_eager(runs):
     """--compile (torch.compile, inductor's CPU backend here) changes speed, not the losses."""
     run = runs.get("dp-compile-1rank", train_args(strategy="dp", steps=6, extra=["--compile"]))
@@ -352,6 +367,7 @@ def test_compiled_dp_matches_eager(runs):
     assert_same_losses(run, runs.strategy("dp"), n=6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2), ("fsdp", 2)])
 def test_compiled_loss_kernel_matches_the_models_own_loss(runs, strategy, gpus):
     """loss_kernel=compiled (the loss outside the model, torch.compile'd) changes memory and speed, not the losses;

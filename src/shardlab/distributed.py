@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -136,6 +138,30 @@ def bind_threads_to_rank_cores(local_rank: int, local_world: int) -> list[int]:
     return mine
 
 
+_group_broken = False
+
+
+def mark_group_broken() -> None:
+    """A peer died or hung: this process's group must not be torn down (see `shutdown_distributed`)."""
+    global _group_broken
+    _group_broken = True
+
+
+def exit_process(code: int) -> NoReturn:
+    """`sys.exit(code)`, except after a peer died: then flush and `os._exit`, skipping the interpreter's teardown,
+    which would destroy the broken group's backend objects (a std::terminate there aborts with SIGABRT)."""
+    if _group_broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def shutdown_distributed() -> None:
+    # Destroying a group whose peer is gone can end in std::terminate ("terminate called without an active
+    # exception", SIGABRT) inside the backend's teardown; a broken group is left alone and the process exits
+    # (`exit_process`).
+    if _group_broken:
+        return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

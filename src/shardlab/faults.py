@@ -4,6 +4,9 @@ SHARDLAB_FAULTS is a comma-separated list of
     kill_in_save@STEP[:RANK]   the rank SIGKILLs itself while the checkpoint of STEP is half-written
                                (its shards are on disk, the directory is not yet renamed)
     nan_loss@STEP[:RANK]       the rank's LM head returns NaN logits in STEP (loss and gradients NaN)
+    kill@STEP[:RANK]           the rank SIGKILLs itself in its first training forward of STEP (mid-step, as the
+                               kernel's OOM killer would): the crash tests' first kill, at a known step, with no
+                               polling from outside
 RANK defaults to every rank. Nothing here runs unless the variable is set.
 """
 
@@ -31,8 +34,9 @@ def in_save(step: int, rank: int) -> None:
 
 def arm(model, rank: int, done_steps: int, accum: int) -> None:
     """nan_loss: NaN logits from the LM head in the training forwards of the chosen step, so that the
-    loss *and* every gradient are NaN, as after a real overflow. Eval forwards are left alone."""
-    if ENV not in os.environ or "nan_loss" not in os.environ[ENV]:
+    loss *and* every gradient are NaN, as after a real overflow; kill: SIGKILL in that step's first
+    training forward. Eval forwards are left alone."""
+    if ENV not in os.environ or not any(kind in os.environ[ENV] for kind in ("nan_loss", "kill@")):
         return
     head = model.get_output_embeddings()
     calls = {"n": 0}
@@ -42,6 +46,8 @@ def arm(model, rank: int, done_steps: int, accum: int) -> None:
             return output
         step = done_steps + 1 + calls["n"] // accum
         calls["n"] += 1
+        if _wanted("kill", step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)
         return output * float("nan") if _wanted("nan_loss", step, rank) else output
 
     head.register_forward_hook(hook)

@@ -35,7 +35,7 @@ from . import checkpoint, faults, guards, metrics, mfu, optim, reshard
 from .compile_stats import CompileClock, process_start_time, use_persistent_cache
 from .config import RunConfig, dump_config
 from .data.blocks import IGNORE
-from .distributed import DistEnv, init_distributed, pick_device_type, shutdown_distributed
+from .distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, shutdown_distributed
 from .early_stopping import EvalTracker
 from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
@@ -671,6 +671,7 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
             raise trainer.oom_error() from None
         except Exception as err:  # another rank died or hung: one line, naming it where known (guards.py)
             if trainer.env.is_distributed and guards.is_comm_failure(err):
+                mark_group_broken()
                 raise guards.comm_failure(err, trainer.env.rank, cfg.dist_timeout_s) from None
             raise
     finally:

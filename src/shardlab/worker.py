@@ -6,6 +6,7 @@ import sys
 
 from .cli import report_errors
 from .config import load_config
+from .distributed import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,4 +20,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

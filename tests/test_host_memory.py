@@ -42,9 +42,8 @@ def _fsdp_weights(cfg: RunConfig, env) -> tuple[torch.nn.Module, dict[str, torch
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp_offload"])
 def test_fsdp_from_meta_initialises_like_transformers(one_rank, strategy):
-    """Random init from meta + per-shard init: not the same numbers as the ordinary build (the RNG is drawn in
-    another order), but the same distribution: per parameter, the same std (GPT-2's 1/sqrt(2 n_layer) scaled
-    residual projections included) and exactly the same constant tensors (norms, biases)."""
+    """Random init from meta + per-shard init gives exactly the ordinary build's weights on one rank (the same seeded
+    draws in the same order, the tied head drawn once), so fsdp starts where dp, ZeRO and the pipeline start."""
     from shardlab.models import build_model
 
     cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64)
@@ -53,13 +52,7 @@ def test_fsdp_from_meta_initialises_like_transformers(one_rank, strategy):
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     assert ref.keys() == new.keys()
     for name, a in ref.items():
-        b = new[name]
-        assert b.shape == a.shape and b.dtype == a.dtype, name
-        if a.std() == 0:  # ones / zeros
-            assert torch.equal(a, b), name
-        else:  # >= 4096 draws each: the std is known to ~1-2%; 10% separates 0.02 from GPT-2's scaled 0.01
-            assert b.std().item() == pytest.approx(a.std().item(), rel=0.1), name
-            assert abs(b.mean().item()) < 0.1 * a.std().item(), name
+        assert torch.equal(a, new[name]), name
 
 
 def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
@@ -182,7 +175,12 @@ def test_host_fixes_name_an_unpinned_run_or_another_strategy():
     record = predict_run(cfg, "cuda", 1, gpu_memory=80, host_ram=125)
     assert record["cpu_gib"] > 125
     fixes = _host_fixes(cfg, record, "cuda", 1, 125.0)
-    assert fixes[0].startswith("--no-pin-memory") and "--strategy fsdp_offload" in fixes[-1]
+    assert fixes[0].startswith("--no-pin-memory")
+    # then the fastest other strategy whose plan fits both memories (ao_offload ranks first since it was measured)
+    other = fixes[-1].split()[1]
+    assert fixes[-1].startswith("--strategy ") and other != cfg.strategy
+    again = predict_run(cfg.model_copy(update={"strategy": other}), "cuda", 1, gpu_memory=80, host_ram=125)
+    assert again["cpu_gib"] <= 125 and again["fits"] is not False
 
 
 @pytest.mark.slow

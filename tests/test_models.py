@@ -62,6 +62,8 @@ def test_presets_and_hub_ids():
     assert set(models.PRESETS) == {
         "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
         "bloom-560m", "bloom-1b7", "bloom-3b", "bloom-7b1", "tiny-gpt2", "tiny-bloom",
+        "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "llama-2-7b", "llama-2-13b",
+        "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b", "tiny-llama",
     }  # fmt: skip
     assert models.resolve_preset("gpt2-medium").family == "gpt2"
     assert models.resolve_preset("tiny-bloom").family == "bloom"

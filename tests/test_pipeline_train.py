@@ -217,7 +217,7 @@ def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
     cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", precision="fp16")
     with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
         launch._check_pipeline(cfg, 2, build_hf_config(cfg), "cuda")
-    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16"}), 2, build_hf_config(cfg), "cuda")
+    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), 2, build_hf_config(cfg), "cuda")
 
 
 @pytest.mark.slow

@@ -301,12 +301,17 @@ def test_compiled_loss_keeps_only_16bit_logits_and_their_gradient():
 # gpt2-large, seq 1024, bf16: peak allocated measured on GPUs (torch.cuda.max_memory_allocated, the busiest rank).
 # zero3 on 2/4 x H200 (micro 4, global 32, transformers' loss): benchmarks/results/2026-11-21-h200x4-pipeline/rows.json;
 # zero3_offload on 1 x H100 (micro 2, compiled loss): benchmarks/results/2026-11-21-h100-session3/plan-validation/.
+# The offload cells ran with DeepSpeed's default buckets, before offload runs got model-sized ones
+# (strategies/deepspeed_zero.sized_buckets): set explicitly, as the runs had them.
+MEASURED_BUCKETS = dict(reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
+                        stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000)
 MEASURED_ZERO3_GATHER = [
     (dict(model="gpt2-large", gpus=2, micro_batch=4, grad_accum=4, loss_kernel="hf"), "zero3", 20.821),
     (dict(model="gpt2-large", gpus=4, micro_batch=4, grad_accum=2, loss_kernel="hf"), "zero3", 17.9),
-    (dict(model="gpt2-large", gpus=1, micro_batch=2, grad_accum=1), "zero3_offload", 7.95),
+    (dict(model="gpt2-large", gpus=1, micro_batch=2, grad_accum=1, strategy_options=MEASURED_BUCKETS), "zero3_offload", 7.95),
     # measured with BLOOM's eager attention (before shardlab.bloom_sdpa made sdpa its auto choice)
-    (dict(model="bloom-560m", gpus=1, micro_batch=2, grad_accum=1, attn_implementation="eager"), "zero3_offload", 9.96),
+    (dict(model="bloom-560m", gpus=1, micro_batch=2, grad_accum=1, attn_implementation="eager", strategy_options=MEASURED_BUCKETS),
+     "zero3_offload", 9.96),
 ]
 
 

@@ -141,12 +141,15 @@ def test_pipeline_in_the_full_plan_and_bad_inputs(tmp_path):
         plan(RunConfig(model="tiny-gpt2", gpus=4), gpu_memory_gb=16, strategies=("pipeline",))
     with pytest.raises(UserError, match="multiple of --stages"):
         plan(RunConfig(model="tiny-gpt2", gpus=3, strategy_options={"pp_stages": 2}), gpu_memory_gb=16, strategies=("pipeline",))
-    # a Llama-style model: the pipeline strategy supports GPT-2 and BLOOM only
-    from transformers import LlamaConfig
+    # a Llama-style model is split like GPT-2/BLOOM; another family (GPT-NeoX) is left out with a note
+    from transformers import GPTNeoXConfig, LlamaConfig
 
-    LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000).save_pretrained(tmp_path)
-    p = plan(RunConfig(model=str(tmp_path), gpus=2, seq_len=64, micro_batch=2), gpu_memory_gb=16)
-    assert "pipeline" not in p.strategies and any("supports GPT-2 and BLOOM" in n for n in p.notes)
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000).save_pretrained(tmp_path / "llama")
+    p = plan(RunConfig(model=str(tmp_path / "llama"), gpus=2, seq_len=64, micro_batch=2), gpu_memory_gb=16)
+    assert "pipeline" in p.strategies
+    GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000).save_pretrained(tmp_path / "neox")
+    p = plan(RunConfig(model=str(tmp_path / "neox"), gpus=2, seq_len=64, micro_batch=2), gpu_memory_gb=16)
+    assert "pipeline" not in p.strategies and any("supports GPT-2, BLOOM and Llama-style models" in n for n in p.notes)
     with pytest.raises(UserError, match="unknown strategy 'pipe'"):
         plan(RunConfig(model="tiny-gpt2"), gpu_memory_gb=16, strategies=("pipe",))
 

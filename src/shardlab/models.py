@@ -701,8 +701,14 @@ def build_model(
                 hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
             )
     elif kind == "preset":
+        # Construction draws nothing; then one seeded init. This is the order of draws that DeepSpeed's zero.Init
+        # build and FSDP2's meta build follow too, so every strategy starts from the same weights.
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+        init_weights(model)
     else:
         kwargs: dict[str, Any] = dict(
             config=hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
@@ -776,6 +782,11 @@ def init_weights(model: transformers.PreTrainedModel) -> None:
     in place, on whatever its tensors are now (FSDP2's DTensor shards included)."""
     for module in model.modules():  # from_config marked every module initialised while it was on meta
         module._is_hf_initialized = False
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is not None and inp is not None and out.weight is inp.weight:
+        # A tied head gets its values from the input embedding's init, as in transformers' own build; under
+        # FSDP2 transformers no longer sees the tie and would draw the head again over the embedding.
+        out._is_hf_initialized = True
     # fully_shard swaps in a class of its own (FSDP<name>, defined outside transformers), which transformers
     # takes for custom code and then skips modules without direct parameters (GPT-2's scaled c_proj init):
     # answer as the model's own class does.

@@ -549,6 +549,9 @@ class DeepSpeedStrategy(Strategy):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         import deepspeed
 
+        # An eval forward ends with the next step's parameters prefetched (in flight); gathering one of them would
+        # trip DeepSpeed's "Cannot partition a param in flight". This waits for them and releases every parameter.
+        self.engine.empty_partition_cache()
         out: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters():
             # One parameter at a time keeps the gather's peak at the largest tensor, not the whole model.

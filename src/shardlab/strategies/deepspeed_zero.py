@@ -449,10 +449,11 @@ class DeepSpeedStrategy(Strategy):
         return lo, lo * self.grad_accum
 
     def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None) -> dict[str, Any]:
-        return resolved_ds_config(
+        """What DeepSpeed gets, both for the engine and for the ZeRO-3 build's zero.Init (a user's JSON merged in)."""
+        return _one_name_per_zero_key(resolved_ds_config(
             self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type,
             total_steps, n_params, hidden
-        )
+        ))
 
     def build_model(self) -> nn.Module:
         """Built in the engine's own dtype: with bf16/fp16 every stage keeps 16-bit module weights (the engine
@@ -480,7 +481,7 @@ class DeepSpeedStrategy(Strategy):
 
         hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
         n_params = sum(p.numel() for p in model.parameters())
-        ds = _one_name_per_zero_key(self.ds_config(total_steps, n_params, hidden))  # (the NVMe path was checked in launch.preflight)
+        ds = self.ds_config(total_steps, n_params, hidden)  # (the NVMe path was checked in launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:

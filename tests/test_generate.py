@@ -96,6 +96,9 @@ def test_samples_markdown_fences_and_missing_after():
     text = samples_markdown("m", ["a ```b"], [" c"], None, "no exported model: the run had --no-export")
     assert "````text\na ```b c\n````" in text  # a fence longer than the text's own backticks
     assert "After fine-tuning: none (no exported model: the run had --no-export)." in text
+    # a model built as shards only (FSDP2 from meta, ZeRO-3 partitions) has no completions before training: said why
+    text = samples_markdown("m", ["p"], "only shards were built", [" x"], "the exported model, step 3")
+    assert "Before fine-tuning: none (only shards were built)." in text and "```text\np x\n```" in text
 
 
 def test_complete_keeps_the_random_state_and_the_training_mode(run_dir):

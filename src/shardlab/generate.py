@@ -105,17 +105,18 @@ def _fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def samples_markdown(model_name: str, prompts: list[str] | tuple[str, ...], before: list[str], after: list[str] | None,
+def samples_markdown(model_name: str, prompts: list[str] | tuple[str, ...], before: list[str] | str, after: list[str] | None,
                      after_label: str) -> str:
-    """samples.md: each prompt with its completion before and after training (`after` None: `after_label` says why)."""
+    """samples.md: each prompt with its completion before and after training (`after` None: `after_label` says why;
+    `before` a string: why there are no completions before training)."""
     out = [f"# Samples: {model_name}", "",
            f"Greedy completions (at most {SAMPLE_MAX_NEW_TOKENS} new tokens) of fixed prompts, before training (the model "
            f"as loaded) and after ({after_label}). Try others with `shardlab generate RUN_DIR --prompt \"...\"`.", ""]
     for i, prompt in enumerate(prompts):
         out += [f"## Prompt {i + 1}", ""]
-        for label, texts in (("Before fine-tuning", before), ("After fine-tuning", after)):
-            if texts is None:
-                out += [f"{label}: none ({after_label}).", ""]
+        for label, texts, why in (("Before fine-tuning", before, before), ("After fine-tuning", after, after_label)):
+            if texts is None or isinstance(texts, str):
+                out += [f"{label}: none ({why}).", ""]
                 continue
             text = prompt + texts[i]
             fence = _fence(text)

@@ -304,7 +304,7 @@ class Trainer:
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         model = strategy.build_model()  # only what the engine keeps: its dtype, ZeRO-3 partitions, FSDP shards
         apply_dropout(model, cfg.dropout)
-        samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded
+        samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded (or why not)
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
@@ -389,13 +389,16 @@ class Trainer:
         log0(self.env, f"exporting the best step {best} (eval loss {self.evals.best:.4f}), not the last step {current}")
         return best
 
-    def _samples(self, model, tokenizer) -> list[str]:
-        """Greedy completions of the sample prompts by `model`, on the CPU where it was built."""
+    def _samples(self, model, tokenizer) -> list[str] | str:
+        """Greedy completions of the sample prompts by `model`, on the CPU where it was built; or, for a model built
+        as shards only (FSDP2 on the meta device, ZeRO-3 partitions), the reason there are none."""
         from .generate import SAMPLE_PROMPTS, complete_all
 
+        if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
+            return "the engine built only its shards of the model, so no rank holds it whole before training"
         return complete_all(model, tokenizer, self.cfg.sample_prompts or SAMPLE_PROMPTS)
 
-    def _write_samples(self, before: list[str], summary: dict[str, Any]) -> None:
+    def _write_samples(self, before: list[str] | str, summary: dict[str, Any]) -> None:
         """samples.md: the completions before training and those of the exported model (rank 0)."""
         from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, load, samples_markdown
 

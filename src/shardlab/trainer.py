@@ -17,6 +17,7 @@ import json
 import math
 import platform
 import random
+import resource
 import socket
 import statistics
 import sys
@@ -589,7 +590,10 @@ def _cap(steps: list[int], limit: int) -> list[int]:
 def _peak(env: DistEnv) -> dict[str, float]:
     """Peak memory, maximised over ranks (the rank that OOMs first is the one that matters)."""
     snap = metrics.memory_snapshot(env.device)
-    keys = [k for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_gib") if k in snap]
+    # The rank's own peak RSS (the kernel's high-water mark of this process alone: not the launcher's, nor that of
+    # a compiler DeepSpeed runs to build an op, which the monitor's process-tree sum includes).
+    snap["cpu_rss_peak_rank_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / metrics.GIB
+    keys = [k for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_gib", "cpu_rss_peak_rank_gib") if k in snap]
     vals = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
     if env.is_distributed:
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
@@ -641,7 +645,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "initial_eval_loss", "final_eval_loss",
                 "final_eval_ppl", "best_eval_loss", "best_step",
                 "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
-                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "time_to_first_step_s", "compile_time_s",
+                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "cpu_rss_peak_rank_gib", "time_to_first_step_s",
+                "compile_time_s",
                 "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))

@@ -467,8 +467,12 @@ class DeepSpeedStrategy(Strategy):
         if STAGE[self.cfg.strategy] < 3:
             return build_model(self.cfg, dtype=dtype)
         sanitize_cuda_arch_list()
+        import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
+        # zero.Init checks the batch triple against deepspeed.comm's world size, which is 1 until DeepSpeed has
+        # adopted the torch.distributed group that is already up (deepspeed.initialize does it only later).
+        deepspeed.init_distributed(dist_backend=self.env.backend)
         live = HfDeepSpeedConfig(self.ds_config())  # transformers holds a weak reference: only while `live` exists
         try:
             return build_model(self.cfg, dtype=dtype)

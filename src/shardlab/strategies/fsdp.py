@@ -47,11 +47,20 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
         from ..models import init_weights, load_local_weights
 
+        from ..models import build_model, resolve_preset
+
         model.to_empty(device=device)
         torch.manual_seed(self.cfg.seed)
         init_weights(model)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
         opts = StateDictOptions(full_state_dict=True, strict=False)  # each file holds part of the model
         load_local_weights(model, self.cfg, lambda part: set_model_state_dict(model, part, options=opts))
+        if self.env.world_size > 1 and resolve_preset(self.cfg.model) is not None:
+            # Random init drawn per shard differs from the whole model's draws (each rank's generator starts at the
+            # same seed): rank 0 builds the ordinary model once and torch broadcasts it into every rank's shards, so
+            # fsdp starts from dp's weights at one copy per node, not one per rank (torchtune loads this way).
+            full = build_model(self.cfg).state_dict() if self.env.is_main else {}
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+            del full
 
     @classmethod
     def cpu_optimizer(cls, cfg) -> bool:

@@ -715,6 +715,11 @@ def build_model(
         )
         if kind == "gguf":  # dequantised by transformers (gguf + accelerate) straight into `dtype`
             model = AutoModelForCausalLM.from_pretrained(str(obj.parent), gguf_file=str(obj), **kwargs)
+            # The tensors are plain `dtype` now, but newer transformers (5.24) keep a GGUF quantizer on the model,
+            # which refuses save_pretrained ("quantized with gguf and is not serializable"): it is a normal model.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
         elif kind == "dir":
             try:
                 model = AutoModelForCausalLM.from_pretrained(str(obj), **kwargs)

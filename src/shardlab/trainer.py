@@ -645,9 +645,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "initial_eval_loss", "final_eval_loss",
                 "final_eval_ppl", "best_eval_loss", "best_step",
                 "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
-                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "cpu_rss_peak_rank_gib", "time_to_first_step_s",
-                "compile_time_s",
-                "total_time_s"):
+                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "cpu_rss_peak_rank_gib",
+                "time_to_first_step_s", "compile_time_s", "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))
     if summary.get("mfu") is not None:

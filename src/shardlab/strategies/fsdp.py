@@ -45,9 +45,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         (seeded as the ordinary build is), then a local directory's files loaded one at a time into them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from ..models import init_weights, load_local_weights
-
-        from ..models import build_model, resolve_preset
+        from ..models import build_model, init_weights, load_local_weights, resolve_preset
 
         model.to_empty(device=device)
         torch.manual_seed(self.cfg.seed)

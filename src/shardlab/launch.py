@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .buildlocks import clear_stale_build_locks
 from .compile_stats import mark_start, use_persistent_cache
 from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
@@ -120,6 +121,8 @@ def train(cfg: RunConfig, force: bool = False):
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
+        clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
     quiet_engines(device_type)

@@ -51,6 +51,10 @@ def offline_env(tmp_path_factory):
         mp.setenv("TRANSFORMERS_OFFLINE", "1")
         mp.setenv("SHARDLAB_CACHE", str(base / "shardlab-cache"))
         mp.setenv("HF_DATASETS_CACHE", str(base / "hf-datasets"))
+        # Inductor's cache: this session's. Importing torch._inductor sets the variable to the machine-wide
+        # /tmp/torchinductor_<user> in this process otherwise, and every `shardlab train` started from here would
+        # inherit it (and find graphs compiled by earlier sessions: cache hits where a test expects compiling).
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(base / "inductor"))
         try:  # the in-process side (datasets reads the variable at import)
             import datasets.config
 

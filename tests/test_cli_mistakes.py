@@ -340,7 +340,7 @@ def test_stale_run_files_decides_what_a_new_run_may_delete(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_overwrite_replaces_the_old_run_and_leaves_none_of_its_files(tmp_path, train_cli):
     out = tmp_path / "run"
-    base = ["--max-steps", "2", "--seq-len", "16", "--micro-batch", "2"]
+    base = ["--max-steps", "2", "--seq-len", "16", "--micro-batch", "2", "--set", "dataset.eval_samples=2"]
     train_cli(base, out).check()
     assert (out / "model").is_dir()
     refused = train_cli(base + ["--no-export"], out)

@@ -4,6 +4,7 @@
 # in step 6 by a fault, resumed, SIGKILLed while the step-8 checkpoint is half-written, resumed to the end, and
 # compared with the uninterrupted run), beside two loops of the fast tier's training tests.
 #   bash benchmarks/crash_chain_under_load.sh [N] [RESULT_DIR]
+# LOADS=k runs k load loops instead of 2 (e.g. 1 while a CI run on the same machine is the other test process).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 N="${1:-20}"
@@ -14,12 +15,13 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 load() {  # one loop of other test processes until the marker file goes away
   while [ -e "$OUT/.loading" ]; do "$PY" -m pytest -q -p no:cacheprovider tests/test_train_e2e.py -m "not slow" >/dev/null 2>&1; done
 }
+LOADS="${LOADS:-2}"
 touch "$OUT/.loading"
-load & L1=$!
-load & L2=$!
+PIDS=()
+for _ in $(seq 1 "$LOADS"); do load & PIDS+=($!); done
 {
   echo "# crash chain under load: $N repeats, $(date -Is)"
-  echo "# host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load: two loops of pytest tests/test_train_e2e.py -m 'not slow'"
+  echo "# host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load: $LOADS loop(s) of pytest tests/test_train_e2e.py -m 'not slow'${LOAD_NOTE:+; $LOAD_NOTE}"
   echo "# python: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)')"
 } > "$OUT/results.txt"
 passed=0
@@ -34,6 +36,6 @@ for i in $(seq 1 "$N"); do
   [ "$status" = pass ] || break
 done
 rm -f "$OUT/.loading"
-kill "$L1" "$L2" 2>/dev/null; wait 2>/dev/null
+kill "${PIDS[@]}" 2>/dev/null; wait 2>/dev/null
 echo "passed $passed of $N in a row" | tee -a "$OUT/results.txt"
 [ "$passed" = "$N" ]

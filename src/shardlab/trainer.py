@@ -42,6 +42,7 @@ from .errors import OutOfMemory, UserError
 from .optim import Precision, resolve_precision
 from .preemption import Preempted, StopSignals
 from .profiling import StepProfiler
+from .sampling import SeekableDistributedSampler
 from .strategies import strategy_class
 
 
@@ -236,8 +237,10 @@ class Trainer:
             splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
         return splits
 
-    def _loaders(self, splits) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
-        sampler = DistributedSampler(splits.train, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=True, seed=self.cfg.seed, drop_last=True)
+    def _loaders(self, splits) -> tuple[DataLoader, SeekableDistributedSampler, DataLoader | None]:
+        # Seekable: a resumed epoch starts at its checkpointed sample instead of collating every earlier batch to discard it.
+        sampler = SeekableDistributedSampler(splits.train, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=True,
+                                             seed=self.cfg.seed, drop_last=True)
         pin = self.device_type == "cuda"
         # Own generators: iter() then draws no number from the global RNG, whose state checkpoints restore
         # (an epoch-end eval after a checkpoint would otherwise shift every later dropout mask).
@@ -469,10 +472,10 @@ class Trainer:
                     break
                 sampler.set_epoch(epoch)
                 skip = state["step_in_epoch"] if (si == state["stage"] and epoch == state["epoch"]) else 0
-                batches = iter(train_loader)
-                for _ in range(skip * self.accum):  # replay the sampler to where the checkpoint stopped
-                    next(batches)
-                batches = DevicePrefetcher(batches, env.device)
+                # Seek to where the checkpoint stopped: the same remaining batches, without fetching the skipped ones.
+                # Still one iter() per epoch, so the loader's generator is drawn from exactly as before.
+                sampler.skip_next(skip * self.accum * self.micro)
+                batches = DevicePrefetcher(iter(train_loader), env.device)
                 epoch_t0, epoch_losses, epoch_steps, epoch_compile0 = time.perf_counter(), [], 0, compile_clock.seconds()
                 for step_in_epoch in range(skip, steps_per_epoch):
                     if global_step >= stage_end:

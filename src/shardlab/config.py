@@ -256,7 +256,7 @@ class RunConfig(_Strict):
         (torch demands one per stage) and GPipe would idle all but one stage. Two per stage keep the bubble at
         (S-1)/(3S-1) of the step. A given global batch takes the largest of 2S and S that divides it per pipeline.
         Returns the config to run and the line to log (None when nothing was chosen)."""
-        if spec(self.strategy).engine != "pipeline" or self.grad_accum is not None or world < 1:
+        if spec(self.strategy).engine != "pipelining" or self.grad_accum is not None or world < 1:
             return self, None
         stages = self.strategy_options.pp_stages or world
         if world % stages or (isinstance(self.micro_batch, int) and self.global_batch is not None):

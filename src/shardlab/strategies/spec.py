@@ -25,7 +25,9 @@ from typing import Literal
 
 from ..errors import UserError
 
-Engine = Literal["ddp", "deepspeed", "fsdp", "torchao", "pipeline"]
+# Engine names differ from strategy names on purpose ("fsdp2", not "fsdp"): a comparison with one is never
+# mistaken for the other (tests/test_registry.py greps for the strategy names outside strategies/).
+Engine = Literal["ddp", "deepspeed", "fsdp2", "torchao", "pipelining"]
 State = Literal["params", "grads", "optimizer"]
 Place = Literal["cpu", "nvme"]
 # How a run's checkpoints are laid out (reshard.py and export.py read weights by it):
@@ -33,9 +35,9 @@ Place = Literal["cpu", "nvme"]
 #   deepspeed_zero    DeepSpeed ZeRO 1-3 partitions: convertible to a universal checkpoint
 #   deepspeed_stage0  DeepSpeed stage 0: whole fp32 states in one file, no partitions
 #   deepspeed_nvme    DeepSpeed with states swapped to NVMe: not resharded nor exported
-#   pipeline          one directory per pipeline stage
+#   pipeline_stages   one directory per pipeline stage
 #   None              the strategy saves no checkpoints
-CheckpointFormat = Literal["torch_dcp", "deepspeed_zero", "deepspeed_stage0", "deepspeed_nvme", "pipeline"]
+CheckpointFormat = Literal["torch_dcp", "deepspeed_zero", "deepspeed_stage0", "deepspeed_nvme", "pipeline_stages"]
 
 # What a fresh config runs when no strategy is given.
 DEFAULT_STRATEGY = "dp"

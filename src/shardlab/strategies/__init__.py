@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .spec import names, spec
+from . import spec as registry  # the module: `shardlab.strategies.spec` must stay the module, not its function
+from .spec import names
 
 if TYPE_CHECKING:
     from .base import Strategy
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    return spec(name).load()
+    return registry.spec(name).load()
 
 
 def uses_deepspeed(name: str) -> bool:
-    return spec(name).engine == "deepspeed"
+    return registry.spec(name).engine == "deepspeed"
 
 
 def __getattr__(attr: str):
@@ -31,4 +32,4 @@ def __getattr__(attr: str):
     raise AttributeError(attr)
 
 
-__all__ = ["Strategy", "strategy_class", "uses_deepspeed", "names", "spec"]
+__all__ = ["Strategy", "strategy_class", "uses_deepspeed", "names", "registry"]

@@ -133,11 +133,12 @@ def speed_order() -> tuple[str, ...]:
 
 
 def find(**facts) -> str:
-    """The one registered name whose fields equal `facts` (e.g. engine="deepspeed", zero_stage=3, offload_params="cpu")."""
-    hits = [s.name for s in all_specs() if all(getattr(s, k) == v for k, v in facts.items())]
-    if len(hits) != 1:
-        raise LookupError(f"{len(hits)} strategies have {facts}: {hits}")
-    return hits[0]
+    """The first name, in registry order, whose fields equal `facts` (e.g. engine="deepspeed", zero_stage=3,
+    offload_params="cpu"): the canonical strategy with those facts; a later twin does not displace it."""
+    for s in all_specs():
+        if all(getattr(s, k) == v for k, v in facts.items()):
+            return s.name
+    raise LookupError(f"no strategy has {facts}")
 
 
 __all__ = ["StrategySpec", "DEFAULT_STRATEGY", "register", "unregister", "all_specs", "names", "lookup", "spec",

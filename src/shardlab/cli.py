@@ -272,7 +272,6 @@ def _dry_run(cfg) -> None:
     from .distributed import pick_device_type
     from .launch import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
     from .optim import resolve_precision
-    from .strategies import uses_deepspeed
 
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
     cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
@@ -291,10 +290,11 @@ def _dry_run(cfg) -> None:
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
         cfg = with_micro_batch(cfg, start)
     from .strategies import strategy_class
+    from .strategies.spec import spec
 
     micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
-    if uses_deepspeed(cfg.strategy):
+    if spec(cfg.strategy).engine == "deepspeed":
         from .strategies.deepspeed_zero import resolved_ds_config
 
         precision = resolve_precision(cfg.precision, device_type).name

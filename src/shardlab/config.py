@@ -18,21 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import UserError
 
-STRATEGIES = (
-    "dp",
-    "zero0",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero1_offload",
-    "zero2_offload",
-    "zero3_offload",
-    "infinity",
-    "fsdp",
-    "fsdp_offload",
-    "ao_offload",
-    "pipeline",
-)
+from .strategies.spec import DEFAULT_STRATEGY, names, spec
+
+# Every strategy name, in the registry's order (strategies/specs/): the choices listed by --help and errors.
+STRATEGIES = names()
 
 
 class _Strict(BaseModel):
@@ -142,7 +131,7 @@ class RunConfig(_Strict):
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
         "'auto' = compiled on CUDA, hf on CPU (shardlab.loss)")
     # strategy
-    strategy: str = "dp"
+    strategy: str = DEFAULT_STRATEGY
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
     deepspeed_config: str | None = Field(None, description="user DeepSpeed JSON; 'auto' values are filled from this config")
     # where it runs
@@ -198,8 +187,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.strategy not in names():  # live: a strategy registered after import is valid too
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(names())}")
         if self.node_rank >= self.nodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nodes {self.nodes}")
         if self.curriculum and (self.early_stopping_patience or self.save_best):
@@ -267,7 +256,7 @@ class RunConfig(_Strict):
         (torch demands one per stage) and GPipe would idle all but one stage. Two per stage keep the bubble at
         (S-1)/(3S-1) of the step. A given global batch takes the largest of 2S and S that divides it per pipeline.
         Returns the config to run and the line to log (None when nothing was chosen)."""
-        if self.strategy != "pipeline" or self.grad_accum is not None or world < 1:
+        if spec(self.strategy).engine != "pipelining" or self.grad_accum is not None or world < 1:
             return self, None
         stages = self.strategy_options.pp_stages or world
         if world % stages or (isinstance(self.micro_batch, int) and self.global_batch is not None):

@@ -52,13 +52,14 @@ def full_weights(ckpt: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Every weight of the model, full and fp32, keyed by the model's state_dict names."""
     strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
     model = _meta_model(cfg)
-    if strategy in reshard.TORCH_DCP:
+    fmt = reshard.checkpoint_format(strategy)
+    if fmt == reshard.TORCH_DCP:
         found = _dcp_weights(ckpt, model)
-    elif strategy in reshard.ZERO:
+    elif fmt == reshard.ZERO:
         found = _zero_weights(ckpt)
-    elif strategy == "zero0":
+    elif fmt == "deepspeed_stage0":
         found = _zero0_weights(ckpt)
-    elif strategy == "pipeline":
+    elif fmt == "pipeline_stages":
         found = _pipeline_weights(ckpt, cfg, model)
     else:
         raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its model at the end")

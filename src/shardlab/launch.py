@@ -22,7 +22,8 @@ from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from .errors import UserError
 from .optim import resolve_precision
-from .strategies import strategy_class, uses_deepspeed
+from .strategies import strategy_class
+from .strategies.spec import spec
 from .strategies.deepspeed_zero import sanitize_cuda_arch_list
 
 
@@ -47,7 +48,8 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     from .models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
-    if cfg.strategy == "pipeline":
+    s = spec(cfg.strategy)
+    if s.engine == "pipelining":
         _check_pipeline(cfg, world, hf_config, device_type)
     dp_world = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
     if cfg.micro_batch == "auto":
@@ -62,18 +64,18 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     from .reshard import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
-    if cfg.deepspeed_config and not uses_deepspeed(cfg.strategy):
+    if cfg.deepspeed_config and s.engine != "deepspeed":
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
         from .strategies.deepspeed_zero import resolved_ds_config
 
         micro, accum, _ = cfg.resolve_batch(dp_world)
         resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
-    if cfg.nan_policy == "skip" and cfg.strategy == "zero0":
+    if cfg.nan_policy == "skip" and s.zero_stage == 0:
         raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
-    if cfg.compile and not strategy_class(cfg.strategy).supports_compile:
+    if cfg.compile and not s.supports_compile:
         raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
-    if cfg.strategy == "infinity":  # NVMe path missing, not writable or too small: before any run dir exists
+    if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
         from transformers import AutoModelForCausalLM
 
         from .strategies.deepspeed_zero import check_nvme_path
@@ -227,7 +229,7 @@ def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
 
 def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
     """RunConfig.with_pipeline_microbatches for this machine's world size, said once (rank 0 / the launching process)."""
-    if cfg.strategy != "pipeline" or cfg.grad_accum is not None:
+    if spec(cfg.strategy).engine != "pipelining" or cfg.grad_accum is not None:
         return cfg
     world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
     cfg, note = cfg.with_pipeline_microbatches(world)

@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import RunConfig
 from .errors import UserError
+from .strategies.spec import spec
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def arithmetic(cfg: RunConfig) -> str:
     """What the optimizer computes, in words, for the logs and summary.json."""
     base = {"adamw": "exact fp32 AdamW",
             "adamw8bit": "8-bit AdamW (torchao AdamW8bit: block-wise quantised moments, not bit-exact AdamW)"}[cfg.optimizer]
-    if cfg.strategy_options.zenflow and cfg.strategy in ("zero1_offload", "zero2_offload"):
+    if cfg.strategy_options.zenflow and spec(cfg.strategy).supports_zenflow:
         base = "ZenFlow AdamW (DeepSpeed: important gradient columns every step on the GPU, the rest later on the CPU; not bit-exact AdamW)"
     if cfg.optimizer_in_backward:
         base += ", stepped in backward per parameter (no global-norm clipping)"
@@ -139,7 +140,7 @@ def check_optimizer_options(cfg: RunConfig, strategy: str, world: int, accum: in
         return
     if not supports_in_backward:
         raise UserError(f"--optimizer-in-backward is not supported with strategy {strategy!r}", "use --strategy dp (one rank) or fsdp")
-    if strategy == "dp" and world > 1:
+    if spec(strategy).engine == "ddp" and world > 1:
         # DDP all-reduces after the gradient hooks fire: a step there would use this rank's gradient only.
         raise UserError("--optimizer-in-backward with dp needs one rank (DDP reduces gradients after the hooks run)",
                         "use --strategy fsdp for several ranks")

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from .errors import UserError
+from .strategies.spec import find
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -212,7 +213,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         "process (python, torch, CUDA libs)": float(PROCESS_RSS_BYTES * gpus_per_node),
     }
     return StrategyPlan(
-        strategy="pipeline", gpu=gpu, gpu_peak=float(worst["peak"]), peak_moment=worst["moment"],
+        strategy=find(engine="pipelining"), gpu=gpu, gpu_peak=float(worst["peak"]), peak_moment=worst["moment"],
         cpu_per_node=sum(cpu_detail.values()), cpu_detail=cpu_detail, nvme_per_node=0.0,
         model_state_bytes_per_param=16.0 * n_w / arch.n_params, paper_bytes_per_param=None,
         deepspeed_gpu=None, deepspeed_cpu=None, notes=[where] + notes, stages=per_device,

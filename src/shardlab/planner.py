@@ -51,16 +51,18 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
-from .config import STRATEGIES, RunConfig
+from .config import RunConfig
 from .errors import UserError
 from .loss import resolve_loss_kernel
+from .strategies.spec import all_specs, find, names, spec, speed_order
+from .strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 
 # torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
 # a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
 CPU_ADAMW_TEMP_TENSORS = 2
 
-# Every strategy; `pipeline` is modelled per stage in plan_pipeline.py.
-PLANNED_STRATEGIES = STRATEGIES
+# Every strategy (names(), read when planning: a strategy registered later is planned too); the
+# pipeline engine is modelled per stage in plan_pipeline.py.
 
 GiB = 2**30
 
@@ -83,26 +85,10 @@ PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
 # zero0/zero1/zero1_offload/ao_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
 # reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; ao_offload after the
 # measured zero2_offload until benchmarks/gpu_big_model.sh has compared them; NVMe slowest).
-SPEED_ORDER = (
-    "dp",
-    "zero0",
-    "zero1",
-    "zero2",
-    "fsdp",
-    "zero3",
-    "zero2_offload",
-    "ao_offload",
-    "zero1_offload",
-    "fsdp_offload",
-    "zero3_offload",
-    "infinity",
-)
-MEASURED_SPEED = {"dp", "zero2", "fsdp", "zero3", "zero2_offload"}
+# Each strategy's rank is its spec's speed_rank (strategies/specs/); these are read from there.
+SPEED_ORDER = speed_order()
+MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}
 
-STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_offload": 1, "zero2_offload": 2, "zero3_offload": 3, "infinity": 3}
-# ZeRO-Infinity keeps fp32 master + m + v (12 B) and the 16-bit params (2 B) on NVMe
-# (same constant as strategies/deepspeed_zero.NVME_BYTES_PER_PARAM; not imported to keep plan light).
-NVME_BYTES_PER_PARAM = 14
 # DeepSpeed's default AIO swap buffers for ZeRO-Infinity (deepspeed/runtime/swap_tensor/constants.py &
 # zero/offload_config.py): offload_param buffer_count 5 x buffer_size 1e8 elements (16-bit); the
 # optimizer swapper keeps buffer_count 4 x (largest sub-group, 1e9 elements by default, capped at the
@@ -408,12 +394,14 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
 def paper_bytes_per_param(strategy: str, d: int) -> Fraction | None:
     """ZeRO paper (Rajbhandari et al. 2020, Fig. 1, K = 12 for mixed-precision Adam): bytes per
     parameter per GPU: baseline 16, P_os 4 + 12/N, P_os+g 2 + 14/N, P_os+g+p 16/N."""
-    if strategy in ("dp", "zero0"):
+    s = spec(strategy)
+    if not s.sharded and not s.offloads:  # dp, zero0: nothing sharded
         return Fraction(16)
-    stage = STAGE.get(strategy)
-    if strategy.endswith("_offload") or strategy == "infinity" or strategy.startswith("fsdp"):
-        return {"fsdp": Fraction(16, d)}.get(strategy)
-    return {1: Fraction(4) + Fraction(12, d), 2: Fraction(2) + Fraction(14, d), 3: Fraction(16, d)}[stage]
+    if s.offloads:  # the paper's figure has no offload
+        return None
+    if s.engine == "fsdp2":
+        return Fraction(16, d)
+    return {1: Fraction(4) + Fraction(12, d), 2: Fraction(2) + Fraction(14, d), 3: Fraction(16, d)}[s.zero_stage]
 
 
 def deepspeed_estimates(arch: Arch, gpus_per_node: int, nodes: int) -> dict[str, dict[str, int]]:
@@ -428,14 +416,21 @@ def deepspeed_estimates(arch: Arch, gpus_per_node: int, nodes: int) -> dict[str,
     n, ll = arch.n_params, arch.largest_layer_params
     out = {}
     cpu, gpu = z2(n, gpus_per_node, nodes, cpu_offload=False)
-    out["zero2"] = {"gpu": gpu, "cpu": cpu}
+    out[_ds_name(2, None)] = {"gpu": gpu, "cpu": cpu}
     cpu, gpu = z2(n, gpus_per_node, nodes, cpu_offload=True)
-    out["zero2_offload"] = {"gpu": gpu, "cpu": cpu}
+    out[_ds_name(2, "cpu")] = {"gpu": gpu, "cpu": cpu}
     cpu, gpu, _ = z3(n, ll, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True)
-    out["zero3"] = {"gpu": gpu, "cpu": cpu}
+    out[_ds_name(3, None)] = {"gpu": gpu, "cpu": cpu}
     cpu, gpu, _ = z3(n, ll, gpus_per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
-    out["zero3_offload"] = {"gpu": gpu, "cpu": cpu}
+    out[_ds_name(3, "cpu")] = {"gpu": gpu, "cpu": cpu}
     return out
+
+
+def _ds_name(stage: int, offload: str | None) -> str:
+    """The DeepSpeed strategy of a ZeRO stage whose optimizer states live at `offload` (None: on the GPU);
+    at stage 3 the parameters go with them."""
+    params = offload if stage == 3 else None
+    return find(engine="deepspeed", zero_stage=stage, offload_optimizer=offload, offload_params=params)
 
 
 def _ds_zero2_formula(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, additional_buffer_factor=1.5):
@@ -505,25 +500,26 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     adam = F(8)
     torch_adam = F(2) + F(2 * 4, 256) if optimizer == "adamw8bit" else adam
     torch_grads = F(0) if in_backward else F(4)
-    if strategy == "dp":
+    s = spec(strategy)
+    if s.engine == "ddp":
         return F(4), torch_grads, torch_adam, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
-    if strategy == "ao_offload":  # torchao CPUOffloadOptimizer: device gradients freed once copied to the host
+    if s.engine == "torchao":  # torchao CPUOffloadOptimizer: device gradients freed once copied to the host
         return F(4), F(0), F(0), "fp32 weights on the GPU; AdamW states, step and host copies on the CPU"
-    if strategy.startswith("fsdp"):
-        if strategy == "fsdp_offload":
+    if s.engine == "fsdp2":
+        if s.offload_params == "cpu":
             return F(0), F(0), F(0), "fp32 params, grads, AdamW states sharded, kept on the CPU"
         return F(4, d), torch_grads / d, torch_adam / d, "fp32 params, grads, AdamW states sharded across GPUs"
-    stage = STAGE[strategy]
+    stage = s.zero_stage
     opt = master + adam
-    if strategy == "zero0":
+    if stage == 0:
         return lo, lo, opt, "nothing sharded"
-    if strategy in ("zero1", "zero2", "zero3"):
+    if s.offload_optimizer is None:
         params = lo if stage < 3 else lo / d
         grads = lo if stage == 1 else lo / d
         return params, grads, opt / d, f"ZeRO-{stage} on the GPUs"
-    if strategy in ("zero1_offload", "zero2_offload"):
+    if s.offload_params is None:
         return lo, F(0), F(0), "optimizer states and gradient partitions on the CPU"
-    if strategy == "zero3_offload":
+    if s.offload_params == "cpu":
         return F(0), F(0), F(0), "parameters, gradients and optimizer states on the CPU"
     return F(0), F(0), F(0), "parameters and optimizer states on NVMe"  # infinity: gradient partitions on the CPU
 
@@ -566,7 +562,9 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
     lo = 4 if precision == "fp32" else 2
     pin = cfg.strategy_options.pin_memory and device == "cuda"
     out: dict[str, float] = {}
-    if strategy in ("zero1_offload", "zero2_offload"):
+    s = spec(strategy)
+    ds = s.engine == "deepspeed"
+    if ds and s.offload_optimizer == "cpu" and s.offload_params is None:
         parts = [math.ceil(g / d) for g in _ds_groups(arch, cfg.weight_decay)]
         largest = max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params)
         out["fp32 master partition (one flat buffer per param group)"] = sum(pinned_bytes(4 * k, pin) for k in parts)
@@ -576,25 +574,25 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
         if accum > 1:  # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps
             out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
-    elif strategy in ("zero3_offload", "infinity"):
+    elif ds and s.offload_params is not None:
         part = math.ceil(n / d)
         subs = [DS_SUB_GROUP_SIZE] * (part // DS_SUB_GROUP_SIZE) + ([part % DS_SUB_GROUP_SIZE] if part % DS_SUB_GROUP_SIZE else [])
         out["fp32 gradient buffer per sub-group"] = sum(pinned_bytes(4 * k, pin) for k in subs)
         out["16-bit gradient partition flat buffer"] = pinned_bytes(lo * part, pin)
-        if strategy == "zero3_offload":
+        if s.offload_params == "cpu":
             out["fp32 master partition"] = 4.0 * part  # a clone, never pinned
             out["AdamW m, v (CPU Adam)"] = 8.0 * part
             # param_groups_fp16_flat_cpu_memory is pinned whatever pin_memory says (on a GPU)
             out["16-bit param partition (flat, always pinned)"] = sum(
                 pinned_bytes(lo * math.ceil(g / d), device == "cuda") for g in _ds_groups(arch, cfg.weight_decay))
-    elif strategy == "ao_offload":
+    elif s.engine == "torchao":
         # torchao CPUOffloadOptimizer: a pinned fp32 host copy of every weight and of every gradient, beside
         # fp32 AdamW m and v (optim/cpu_offload.py allocates them per parameter)
         sizes = [k for k, _ in arch.param_sizes] or [n]
         out["fp32 params copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
         out["fp32 grads copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
         out["AdamW m, v"] = 8.0 * n
-    elif strategy == "fsdp_offload":
+    elif s.engine == "fsdp2" and s.offload_params == "cpu":
         shards = [math.ceil(k / d) for k, _ in arch.param_sizes] or [math.ceil(n / d)]
         out["fp32 param shards (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in shards)
         # reduce-scattered gradients come to the CPU with .to('cpu', non_blocking=pin): pinned per parameter
@@ -612,11 +610,12 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int) -> tuple[str, 
     model is a hub id or a checkpoint whose names differ (Arch.meta_build), then in fp32."""
     n = arch.n_params
     lo = 4 if precision == "fp32" else 2
-    if strategy in STAGE and STAGE[strategy] < 3:
+    s = spec(strategy)
+    if s.engine == "deepspeed" and s.zero_stage < 3:
         return f"model built in {'fp32' if lo == 4 else '16-bit'} on the CPU (load time)", float(lo * n)
-    if strategy in STAGE:
+    if s.engine == "deepspeed":
         return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
-    if strategy.startswith("fsdp") and arch.meta_build:
+    if s.engine == "fsdp2" and arch.meta_build:
         return "model built on meta, shards materialised (load time)", 0.0
     return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 
@@ -627,7 +626,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     """One strategy's prediction. ``device='cpu'`` predicts a CPU run's allocations instead (CPU activation
     layout, torch's AdamW temporaries), which ``shardlab train --device cpu`` records and
     ``--micro-batch auto`` caps by a host-RAM budget."""
-    if strategy == "pipeline":
+    s = spec(strategy)
+    if s.engine == "pipelining":
         from .plan_pipeline import pipeline_strategy_plan
 
         return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
@@ -638,7 +638,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     lo = 2 if mixed else 4
     P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
-    if strategy == "dp":
+    if s.engine == "ddp":
         mode = "autocast" if mixed else "fp32"
     else:
         mode = "lp" if mixed else "fp32"
@@ -648,53 +648,53 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
-    stage = STAGE.get(strategy)
-    if device == "cpu" and strategy in ("dp", "fsdp") and cfg.optimizer == "adamw":
+    stage = s.zero_stage
+    if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
         # quotient, freed before the next one.
         temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
-            d if strategy.startswith("fsdp") else 1)
-    if strategy == "dp":
+            d if s.engine == "fsdp2" else 1)
+    if s.engine == "ddp":
         if mixed:
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
         if d > 1:
             persistent_temp["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
-    elif strategy.startswith("fsdp"):
+    elif s.engine == "fsdp2":
         # unsharded 16-bit (or fp32) copies: the root unit (embeddings, final norm, head) stays
         # unsharded through forward and backward; during backward one block's params, its
         # unsharded 16-bit grads and their fp32 copy for reduce_dtype=fp32 (+ the prefetched next block)
         temp["unsharded root params"] = float(lo * arch.root_params)
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
-    else:
-        from .strategies.deepspeed_zero import offload_kind, overlap_comm, sized_buckets
+    else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
+        from .strategies.deepspeed_zero import overlap_comm, sized_buckets
 
-        buckets = sized_buckets(opts, n, arch.hidden, offload_kind(strategy))  # what the engine gets (offload: model-sized)
+        buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer)  # what the engine gets (offload: model-sized)
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
         if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
             rb = min(rb, n)
-        overlap = overlap_comm(opts, d, offload_kind(strategy))
+        overlap = overlap_comm(opts, d, s.offload_optimizer)
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
         elif stage in (1, 2):
             if opts.contiguous_gradients:
                 k = 2 if overlap else 1
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
-            if strategy in ("zero1", "zero2"):
+            if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
             if d > 1:
                 notes.append(f"allgather_bucket_size {ab:,} is used in place (all_gather_into_tensor), no extra buffer counted")
         else:  # stage 3
             if opts.contiguous_gradients:
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
-            if strategy == "zero3":
+            if stage == 3 and not s.offloads:
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":
                 gather = min(gather, n)
             label = "ZeRO-3 gathered params (largest layer + prefetch bucket)"
-            if d > 1 or strategy in ("zero3_offload", "infinity"):
+            if d > 1 or (stage == 3 and s.offload_params is not None):
                 # Gathered copies are allocations of their own here (one GPU without parameter offload showed no
                 # such extra: its cells are within -6.2%..+3.6% with the allowance above). DeepSpeed keeps a gathered
                 # parameter whose next use lies within stage3_max_reuse_distance parameters of the module trace
@@ -708,7 +708,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             temp[label] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
     grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
-    if stage == 3 and strategy == "zero3":
+    if stage == 3 and not s.offloads:
         grads_live_fb = True  # the flat buffer is persistent; counted in persistent_temp, grads are views of it
         grads_counted_in_buffer = True
     else:
@@ -738,7 +738,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     states = host_states(strategy, arch, cfg, precision, d, accum, device)
     build_label, build = host_build(strategy, arch, precision, d)
     nvme = 0.0
-    if strategy == "infinity":
+    if s.offload_params == "nvme":
         nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
         states["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS)
     baseline = GPU_PROCESS_RSS_BYTES if device == "cuda" else PROCESS_RSS_BYTES
@@ -748,7 +748,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     cpu_total = gpus_per_node * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
     ms_bpp = float(P + G + O)
     paper = paper_bytes_per_param(strategy, d)
-    est = ds_est.get(strategy) or ({} if strategy != "infinity" else ds_est.get("zero3_offload", {}))
+    # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in
+    est = ds_est.get(strategy) or ({} if s.offload_params != "nvme" else ds_est.get(_ds_name(3, "cpu"), {}))
     return StrategyPlan(
         strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
         cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
@@ -810,9 +811,10 @@ def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free
         return False, f"GPU needs {need / GiB:.1f} GiB (peak {sp.gpu_peak / GiB:.1f} + fragmentation) of {_usable(gpu_memory) / GiB:.1f} usable"
     if host_ram is not None and sp.cpu_per_node > host_ram:
         return False, f"CPU needs {sp.cpu_per_node / GiB:.1f} GiB of {host_ram / GiB:.1f} GiB host RAM"
-    if sp.strategy == "infinity" and nvme_free is not None and sp.nvme_per_node > nvme_free:
+    nvme = spec(sp.strategy).offload_params == "nvme"
+    if nvme and nvme_free is not None and sp.nvme_per_node > nvme_free:
         return False, f"NVMe needs {sp.nvme_per_node / GiB:.1f} GiB of {nvme_free / GiB:.1f} GiB free"
-    if sp.strategy == "infinity" and nvme_free is None:
+    if nvme and nvme_free is None:
         return True, f"GPU peak {sp.gpu_peak / GiB:.1f} GiB; needs {sp.nvme_per_node / GiB:.1f} GiB NVMe (free space not given)"
     return True, f"GPU peak {sp.gpu_peak / GiB:.1f} GiB, headroom {(_usable(gpu_memory) - need) / GiB:.1f} GiB"
 
@@ -841,7 +843,7 @@ def _gpus_per_node(cfg: RunConfig) -> int:
 
 def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     """Ranks that see different data (the batch triple's world): all but a pipeline's stages."""
-    if strategy == "pipeline":
+    if spec(strategy).engine == "pipelining":
         return max(1, world // (cfg.strategy_options.pp_stages or world))
     return world
 
@@ -871,8 +873,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UserError(f"{name} must be a positive number of GB, got {value}", f"pass e.g. {name} 80")
     for s in strategies or ():
-        if s not in STRATEGIES:
-            raise UserError(f"unknown strategy {s!r}", f"choose from {', '.join(STRATEGIES)}")
+        if s not in names():
+            raise UserError(f"unknown strategy {s!r}", f"choose from {', '.join(names())}")
     if cfg.deepspeed_config:
         notes_ds = "a user DeepSpeed JSON is not read by plan: buckets are shardlab's strategy_options"
     else:
@@ -912,13 +914,12 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
     nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None
-    names = strategies or PLANNED_STRATEGIES
     out: dict[str, StrategyPlan] = {}
-    for s in names:
-        if s == "ao_offload" and d > 1 and not strategies:  # torchao's offload is for one process (strategies/ao_offload.py)
-            plan_notes.append("ao_offload left out: it runs on one GPU only")
+    for s in strategies or names():
+        if spec(s).single_process and d > 1 and not strategies:  # e.g. torchao's offload (strategies/ao_offload.py)
+            plan_notes.append(f"{s} left out: it runs on one GPU only")
             continue
-        if s == "pipeline":  # as `train --strategy pipeline` runs it: without --microbatches, its default
+        if spec(s).engine == "pipelining":  # as `train --strategy pipeline` runs it: without --microbatches, its default
             s_micro, s_accum, _ = cfg.model_copy(update={"strategy": s}).with_pipeline_microbatches(d)[0].resolve_batch(_dp_size(s, cfg, d))
         else:
             s_micro, s_accum = micro, accum
@@ -929,7 +930,7 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
 
             if not isinstance(err, PipelineNotApplicable) or strategies:
                 raise
-            plan_notes.append(f"pipeline left out: {err.message}")
+            plan_notes.append(f"{s} left out: {err.message}")
             continue
         sp.fits, sp.why = _fits(sp, gpu_memory, host_ram, nvme_free)
         sp.headroom = _usable(gpu_memory) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
@@ -1035,7 +1036,7 @@ def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
     what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
     what the strategy offloads (already host memory, per node)."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
-    baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if sp.strategy in STAGE else 0)
+    baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
     return nproc * (sp.gpu_peak + baseline) + offloaded
 
 
@@ -1060,12 +1061,12 @@ def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precis
 
 
 def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_per_node: int) -> tuple[str | None, str, str | None]:
-    order = [s for s in SPEED_ORDER if s in out]
+    order = [s for s in speed_order() if s in out]
     fitting = [s for s in order if out[s].fits]
     if fitting:
         best = fitting[0]
         faster = [f"{s}: {_limit(out[s])}" for s in order[: order.index(best)]]
-        measured = "measured" if best in MEASURED_SPEED else "placed by reasoning, not measured"
+        measured = "measured" if spec(best).speed_measured else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
         reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order from benchmarks/results/h100-foundation.md, {measured}){why_not}"
         nxt = fitting[1] if len(fitting) > 1 else None
@@ -1077,7 +1078,10 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
         hints.append(f"--micro-batch {best_micro.max_micro_batch} with {best_micro.strategy} (raise --grad-accum to keep the global batch)")
     if not cfg.gradient_checkpointing:
         hints.append("--gradient-checkpointing")
-    sharded = min((out[s] for s in ("zero3", "fsdp") if s in out), key=lambda sp: sp.gpu_peak, default=None)
+    # the strategies that shard every model state across the GPUs and keep them there (zero3, fsdp)
+    everything = {"params", "grads", "optimizer"}
+    sharded = min((sp for s, sp in out.items() if spec(s).sharded == everything and not spec(s).offloads),
+                  key=lambda sp: sp.gpu_peak, default=None)
     if sharded is not None:
         hints.append(f"more GPUs: ZeRO-3/FSDP shard the {sharded.model_state_bytes_per_param:.1f} B/param of model states")
     host_bound = [s for s, sp in out.items() if _limit(sp) == "host RAM"]
@@ -1123,7 +1127,7 @@ def render(p: Plan, console=None) -> None:
             g(sp.nvme_per_node) if sp.nvme_per_node else "-",
         )
     console.print(t)
-    pipe = p.strategies.get("pipeline")
+    pipe = next((sp for s, sp in p.strategies.items() if spec(s).engine == "pipelining"), None)
     if pipe is not None and pipe.stages:
         pt = Table(title=f"pipeline per GPU ({pipe.notes[0]})")
         for col in ("GPU", "stages", "blocks", "params", "in flight (peak)", "receive buffers", "logits kept", "peak", "at"):

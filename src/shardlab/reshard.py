@@ -31,9 +31,19 @@ from typing import Any
 import torch
 
 from .errors import UserError
+from .strategies.spec import lookup
 
-TORCH_DCP = {"dp", "fsdp", "fsdp_offload"}
-ZERO = {"zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload"}
+# Checkpoint formats (StrategySpec.checkpoint_format) this module converts between.
+TORCH_DCP = "torch_dcp"
+ZERO = "deepspeed_zero"
+
+
+def checkpoint_format(strategy: str | None) -> str | None:
+    """How `strategy`'s checkpoints are laid out; None for a name no strategy has (an old checkpoint's)."""
+    found = lookup(strategy)
+    return found.checkpoint_format if found is not None else None
+
+
 UNIVERSAL_DIR = "universal"
 DS_TAG = "deepspeed"  # strategies/deepspeed_zero.CKPT_TAG
 
@@ -73,13 +83,14 @@ def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 
 def loads_natively(saved: dict[str, Any], now: dict[str, Any]) -> bool:
-    if saved["strategy"] in TORCH_DCP and now["strategy"] in TORCH_DCP:
+    if checkpoint_format(saved["strategy"]) == checkpoint_format(now["strategy"]) == TORCH_DCP:
         return True
     return saved["strategy"] == now["strategy"] and saved["world_size"] == now["world_size"] and saved.get("pp_stages") == now.get("pp_stages")
 
 
 def supported(src: str, dst: str) -> bool:
-    return (src in TORCH_DCP and dst in TORCH_DCP) or (src in ZERO and (dst in ZERO or dst in TORCH_DCP))
+    src, dst = checkpoint_format(src), checkpoint_format(dst)
+    return (src == TORCH_DCP and dst == TORCH_DCP) or (src == ZERO and dst in (ZERO, TORCH_DCP))
 
 
 def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -110,7 +121,7 @@ def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) 
     check_pair(saved, now)
     dst = now["strategy"]
     universal = ensure_universal(directory, strategy.env)
-    if dst in ZERO:
+    if checkpoint_format(dst) == ZERO:
         strategy.load_checkpoint(directory, tag=UNIVERSAL_DIR, universal=True)
     else:
         strategy.load_full_state(read_universal(universal))

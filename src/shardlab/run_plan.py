@@ -103,7 +103,8 @@ def _pipeline_fields(sp) -> dict[str, Any]:
 def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     """What the plan says would fit instead, fastest change first: one line."""
     from .autobatch import micro_candidates
-    from .planner import SPEED_ORDER, plan
+    from .planner import plan
+    from .strategies.spec import speed_order
 
     sp = p.strategies[cfg.strategy]
     out = []
@@ -119,7 +120,7 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
         ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
         if ck.strategies[cfg.strategy].fits:
             out.append("--gradient-checkpointing")
-    others = tuple(s for s in SPEED_ORDER if s != cfg.strategy)
+    others = tuple(s for s in speed_order() if s != cfg.strategy)
     alt = plan(cfg, gpu_memory_gb=gpu_memory, strategies=others)
     fitting = [s for s in others if alt.strategies[s].fits]
     if fitting:
@@ -167,7 +168,7 @@ def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float |
 
 def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc: int, avail: float) -> list[str]:
     """What the plan says fits this node's host RAM instead: unpinned buffers, then the fastest other strategy."""
-    from .planner import SPEED_ORDER
+    from .strategies.spec import spec, speed_order
 
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": record.get("precision") or cfg.precision})
     gpu_memory = record.get("gpu_memory_gib")
@@ -177,8 +178,8 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
         need, _ = _host_need(unpinned, device_type, nproc, gpu_memory)
         if need < record["cpu_gib"] and need <= avail:
             out.append(f"--no-pin-memory ({need:.1f} GiB: the pinned allocator rounds each buffer up to a power of two)")
-    for s in SPEED_ORDER:
-        if s == cfg.strategy or (device_type == "cpu" and s == "infinity"):
+    for s in speed_order():
+        if s == cfg.strategy or (device_type == "cpu" and spec(s).offload_params == "nvme"):
             continue
         try:
             need, gpu_fits = _host_need(run_cfg.model_copy(update={"strategy": s}), device_type, nproc, gpu_memory)

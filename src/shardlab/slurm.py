@@ -25,6 +25,7 @@ from .config import RunConfig, dump_config
 from .distributed import NODE_AGENT_ENV
 from .errors import UserError
 from .preemption import REQUEUE_EXIT
+from .strategies.spec import spec
 
 SCRIPT_NAME = "job.sbatch"
 
@@ -122,7 +123,7 @@ def render(cfg: RunConfig, opts: SlurmOptions, snapshot: Path) -> str:
              "# config copied next to it, not what is on disk when the job starts.",
              "# Every node needs these on a shared filesystem:",
              *(f"#   {path}" for path in shared_paths(cfg, snapshot)),
-             *([f"# NVMe swap ({cfg.strategy_options.nvme_path}) is per node: local disk is right"] if cfg.strategy == "infinity" else []),
+             *([f"# NVMe swap ({cfg.strategy_options.nvme_path}) is per node: local disk is right"] if spec(cfg.strategy).offload_params == "nvme" else []),
              "set -u", *opts.setup, "",
              f"export PYTHONPATH={q(str(snapshot / 'code'))}${{PYTHONPATH:+:$PYTHONPATH}}",
              f"export {NODE_AGENT_ENV}=slurm  # each srun task launches its node's workers (see shardlab/nodes.py)",

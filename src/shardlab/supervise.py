@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import say
+from .strategies.spec import find, lookup
 
 # Set in the supervised child: the file it writes its plan record into (run_plan.py), read after a kill.
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
@@ -110,10 +111,11 @@ def note_for_kill(output_dir: str | Path, plan: dict[str, Any] | None, oom_kills
 def fix_for_kill(strategy: str | None) -> str:
     """What lowers a run's host memory, for a strategy."""
     fixes = ["a smaller --micro-batch (with a larger --grad-accum for the same global batch)"]
-    if strategy and ("offload" in strategy or strategy == "infinity"):
+    s = lookup(strategy)
+    if s is not None and s.offloads:
         fixes.append("--no-pin-memory")
-        if strategy != "infinity":
-            fixes.append("--strategy infinity (optimizer states on NVMe instead of host RAM)")
+        if "nvme" not in (s.offload_params, s.offload_optimizer):
+            fixes.append(f"--strategy {find(engine='deepspeed', offload_optimizer='nvme')} (optimizer states on NVMe instead of host RAM)")
     fixes.append("a node or job with more host RAM (e.g. sbatch --mem)")
     return ", ".join(fixes[:-1]) + " or " + fixes[-1]
 

@@ -44,6 +44,7 @@ from .preemption import Preempted, StopSignals
 from .profiling import StepProfiler
 from .sampling import SeekableDistributedSampler
 from .strategies import strategy_class
+from .strategies.spec import StrategySpec, lookup, spec
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Trainer:
         evl = None
         if splits.eval is not None and len(splits.eval) > 0:
             es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
-            whole_steps = strategy_class(self.cfg.strategy).eval_whole_steps
+            whole_steps = spec(self.cfg.strategy).eval_whole_steps
             eval_batch = self.micro * (self.accum if whole_steps else 1)
             evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps,
                              generator=torch.Generator().manual_seed(self.cfg.seed))  # fmt: skip
@@ -624,12 +625,10 @@ def _progress(env: DistEnv, total: int, done: int):
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
 
 
-NEXT = {"dp": "zero2", "zero0": "zero2", "zero1": "zero2", "zero2": "zero3", "zero3": "zero3_offload", "fsdp": "fsdp_offload",
-        "zero1_offload": "zero2_offload", "zero2_offload": "zero3_offload", "zero3_offload": "infinity", "fsdp_offload": "zero3_offload", "infinity": "more GPUs"}
-
-
 def next_strategy(name: str) -> str:
-    return NEXT.get(name, "zero3")
+    """What an out-of-memory run of `name` should try next (its spec's oom_next)."""
+    found = lookup(name)
+    return found.oom_next if found is not None else StrategySpec.oom_next
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import RunConfig, config_from_dict, read_yaml
 from ..errors import UserError
+from ..strategies.spec import DEFAULT_STRATEGY, spec
 
 EQUAL_KEYS = ("precision", "global_batch", "micro_batch", "seq_len", "tokens", "steps")
 
@@ -155,7 +156,7 @@ def resolved_batch(config: dict[str, Any]) -> tuple[int, int, int]:
     """(micro, accum, global) as the run will resolve them (data-parallel world = gpus x nodes)."""
     cfg = config_from_dict(config)
     world = (cfg.gpus or 1) * cfg.nodes
-    if cfg.strategy == "pipeline":
+    if spec(cfg.strategy).engine == "pipelining":
         cfg = cfg.with_pipeline_microbatches(world)[0]  # what the run will use without --microbatches
         world = max(1, world // (cfg.strategy_options.pp_stages or world))
     return cfg.resolve_batch(world)
@@ -320,7 +321,7 @@ def _label(cells: list[Cell], explicit: dict[str, str], idents: list[str]) -> No
                       if k in cell.axis_keys and k not in ("model", "strategy") and f.get(k) is not None and common.get(k) != repr(f.get(k))]
         else:
             parts = [str(f.get("model"))] if "model" in varying else []
-            parts.append(str(f.get("strategy", "dp")))
+            parts.append(str(f.get("strategy", DEFAULT_STRATEGY)))
             parts += [_label_part(k, f.get(k)) for k in varying
                       if k not in ("model", "strategy") and f.get(k) is not None and common.get(k) != repr(f.get(k))]
         label = "-".join(parts)

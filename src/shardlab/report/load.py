@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
+from ..strategies.spec import DEFAULT_STRATEGY
 
 BENCH_FILE = "bench.json"
 
@@ -139,7 +140,7 @@ class Cell:
 
     @property
     def strategy(self) -> str:
-        return self.first("strategy") or self.setting("strategy", "dp")
+        return self.first("strategy") or self.setting("strategy", DEFAULT_STRATEGY)
 
     @property
     def model(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..strategies.spec import lookup
 from .load import Cell, Run, Spread, spread
 
 FOOTING = ("precision", "global_batch", "seq_len", "tokens")
@@ -195,7 +196,7 @@ def strategy_tables(cells: list[Cell]) -> list[Table]:
     for group in _groups(members, lambda c: (c.model, c.world)).values():
         if len(group) < 2:
             continue
-        dps = [c for c in group if c.strategy == "dp" and c.ok]
+        dps = [c for c in group if _engine(c.strategy) == "ddp" and c.ok]
         rows = []
         for c in group:
             row = _basic_row(c)
@@ -252,7 +253,7 @@ PIN_COLUMNS = [
 
 
 def pin_tables(cells: list[Cell]) -> list[Table]:
-    members = [c for c in cells if c.in_part("pin-memory") and (c.strategy.endswith("_offload") or c.strategy == "infinity")]
+    members = [c for c in cells if c.in_part("pin-memory") and _offloads(c.strategy)]
     # batch keys left out: a failed run's config is unresolved; footing differences are flagged instead
     groups = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
     rows = []
@@ -293,12 +294,25 @@ OFFLOAD_COLUMNS = [
 ]
 
 
+def _engine(strategy: str) -> str | None:
+    s = lookup(strategy)
+    return s.engine if s is not None else None
+
+
+def _offloads(strategy: str) -> bool:
+    s = lookup(strategy)
+    return s is not None and s.offloads
+
+
 def _stage(strategy: str) -> str | None:
-    if strategy.startswith("zero") and strategy[4:5].isdigit():
-        return strategy[4]
-    if strategy.startswith("fsdp"):
-        return "fsdp"
-    return None
+    """The offload table's row group: the ZeRO stage ("0".."3") of a DeepSpeed run whose states stay in host RAM or
+    on the GPU, "FSDP" for FSDP2; None for the rest (NVMe swap, dp, torchao, pipeline)."""
+    s = lookup(strategy)
+    if s is None:
+        return None
+    if s.engine == "deepspeed" and "nvme" not in (s.offload_params, s.offload_optimizer):
+        return str(s.zero_stage)
+    return "FSDP" if s.engine == "fsdp2" else None
 
 
 def offload_tables(cells: list[Cell]) -> list[Table]:
@@ -311,8 +325,8 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
     savings_known = False
     for group in _groups(members, key).values():
         for stage in sorted({_stage(c.strategy) for c in group}):
-            plain = [c for c in group if _stage(c.strategy) == stage and not c.strategy.endswith("_offload")]
-            off = [c for c in group if _stage(c.strategy) == stage and c.strategy.endswith("_offload")]
+            plain = [c for c in group if _stage(c.strategy) == stage and not _offloads(c.strategy)]
+            off = [c for c in group if _stage(c.strategy) == stage and _offloads(c.strategy)]
             if not plain and not off:
                 continue
             ref = plain[0] if plain else None

@@ -1,41 +1,35 @@
-"""Registry of strategies: the short names users type -> the class that implements them.
+"""Strategies: the short names users type -> their spec (spec.py) and the class that implements them.
 
-One file per engine (ddp.py, deepspeed_zero.py, fsdp.py), as Lightning Fabric does.
+One file per engine (ddp.py, deepspeed_zero.py, fsdp.py, ...), as Lightning Fabric does; each name's
+facts are declared once in specs/. This package imports no torch until a class is asked for.
 """
 
 from __future__ import annotations
 
-from ..config import STRATEGIES
-from ..errors import UserError
-from .base import Strategy
+from typing import TYPE_CHECKING
+
+from . import spec as registry  # the module: `shardlab.strategies.spec` must stay the module, not its function
+from .spec import names
+
+if TYPE_CHECKING:
+    from .base import Strategy
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    if name == "dp":
-        from .ddp import DDPStrategy
-
-        return DDPStrategy
-    if name.startswith("zero") or name == "infinity":
-        from .deepspeed_zero import DeepSpeedStrategy
-
-        return DeepSpeedStrategy
-    if name == "ao_offload":
-        from .ao_offload import AOOffloadStrategy
-
-        return AOOffloadStrategy
-    if name == "pipeline":
-        from .pipeline import PipelineStrategy
-
-        return PipelineStrategy
-    if name.startswith("fsdp"):
-        from .fsdp import FSDPStrategy
-
-        return FSDPStrategy
-    raise UserError(f"unknown strategy {name!r}", f"choose one of {', '.join(STRATEGIES)}")
+    return registry.spec(name).load()
 
 
 def uses_deepspeed(name: str) -> bool:
-    return name.startswith("zero") or name == "infinity"
+    return registry.spec(name).engine == "deepspeed"
 
 
-__all__ = ["Strategy", "strategy_class", "uses_deepspeed", "STRATEGIES"]
+def __getattr__(attr: str):
+    # `from shardlab.strategies import Strategy` keeps working without importing torch for everyone else.
+    if attr == "Strategy":
+        from .base import Strategy
+
+        return Strategy
+    raise AttributeError(attr)
+
+
+__all__ = ["Strategy", "strategy_class", "uses_deepspeed", "names", "registry"]

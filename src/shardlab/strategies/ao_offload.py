@@ -23,8 +23,6 @@ from .ddp import DDPStrategy
 
 
 class AOOffloadStrategy(DDPStrategy):
-    name = "ao_offload"
-    supports_8bit = supports_in_backward = False  # the CPU step is torch's exact AdamW
 
     @classmethod
     def cpu_optimizer(cls, cfg) -> bool:

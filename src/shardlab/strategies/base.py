@@ -20,23 +20,20 @@ from .. import loss, optim
 from ..config import RunConfig
 from ..distributed import DistEnv
 from ..optim import Precision
+from .spec import StrategySpec, spec
 
 
 class Strategy(ABC):
-    name: str = "base"
-    supports_compile: bool = True
-    uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
-    own_loss: bool = False  # the strategy computes the loss itself (pipeline's last stage): no loss_kernel
-    eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
-    # Optimizer options beyond exact AdamW (optim.check_optimizer_options) this engine can run.
-    supports_8bit: bool = False
-    supports_in_backward: bool = False
+    # The capability flags (supports_compile, uses_autocast, own_loss, eval_whole_steps, supports_8bit,
+    # supports_in_backward) are the run's StrategySpec's (strategies/specs/): one class serves several names.
     # Optimizer steps not applied: non-finite gradients, or fp16 loss-scale overflows (counted apart too).
     skipped_steps: int = 0
     overflow_steps: int = 0
     last_step_skipped: bool = False
 
     def __init__(self, cfg: RunConfig, env: DistEnv, precision: Precision, grad_accum: int, micro_batch: int):
+        self.spec: StrategySpec = spec(cfg.strategy)
+        self.name = self.spec.name
         self.cfg = cfg
         self.env = env
         self.precision = precision
@@ -44,7 +41,7 @@ class Strategy(ABC):
         self.micro_batch = micro_batch
         self.model: nn.Module | None = None  # what the loop calls forward on
         # None: the HF model computes its own loss from `labels`; else a fused loss on its logits.
-        self.loss_fn = None if self.own_loss else loss.build(cfg.loss_kernel, env.device.type)
+        self.loss_fn = None if self.spec.own_loss else loss.build(cfg.loss_kernel, env.device.type)
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
         self.bound_cores: list[int] = []
         if self.cpu_optimizer(cfg) and cfg.strategy_options.bind_cores:
@@ -79,7 +76,8 @@ class Strategy(ABC):
     @classmethod
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
-        optim.check_optimizer_options(cfg, cfg.strategy, world, accum, cls.supports_8bit, cls.supports_in_backward, device_type)
+        s = spec(cfg.strategy)
+        optim.check_optimizer_options(cfg, cfg.strategy, world, accum, s.supports_8bit, s.supports_in_backward, device_type)
 
     @staticmethod
     def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -117,7 +115,7 @@ class Strategy(ABC):
 
     def autocast(self):
         """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
-        if self.uses_autocast and self.precision.is_mixed:
+        if self.spec.uses_autocast and self.precision.is_mixed:
             return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
         return contextlib.nullcontext()
 

@@ -17,7 +17,6 @@ from .torch_optim import TorchOptimizerStrategy
 
 
 class DDPStrategy(TorchOptimizerStrategy):
-    name = "dp"
     plain_tensor_params = True
 
     def setup(self, model: nn.Module, total_steps: int) -> None:

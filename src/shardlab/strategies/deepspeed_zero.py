@@ -20,17 +20,17 @@ from .. import optim
 from ..config import RunConfig
 from ..errors import UserError
 from .base import Strategy
+from .spec import all_specs, spec
+from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 
-STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_offload": 1, "zero2_offload": 2, "zero3_offload": 3, "infinity": 3}
+# Derived from the specs (strategies/specs/deepspeed_zero.py owns each name's stage).
+STAGE = {s.name: s.zero_stage for s in all_specs() if s.engine == "deepspeed"}
 CKPT_TAG = "deepspeed"
-# ZeRO-Infinity keeps fp32 master + Adam m and v (12 B) and a 16-bit param copy (2 B) per parameter on NVMe.
-NVME_BYTES_PER_PARAM = 14
 
 
 def offload_kind(strategy: str) -> str | None:
-    if strategy == "infinity":
-        return "nvme"
-    return "cpu" if strategy.endswith("_offload") else None
+    """Where `strategy` keeps its optimizer states instead of the GPU: "cpu", "nvme" or None."""
+    return spec(strategy).offload_optimizer
 
 
 def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str | None) -> dict[str, int]:
@@ -417,13 +417,6 @@ def _one_name_per_zero_key(ds: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepSpeedStrategy(Strategy):
-    supports_compile = False  # DeepSpeed's engine.compile exists but is not measured here yet
-    uses_autocast = False  # the engine casts the module to bf16/fp16 itself
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.name = self.cfg.strategy
-
     @classmethod
     def cpu_optimizer(cls, cfg: RunConfig) -> bool:
         return offload_kind(cfg.strategy) is not None
@@ -432,10 +425,10 @@ class DeepSpeedStrategy(Strategy):
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         super().check_options(cfg, world, accum, device_type)
         opts = cfg.strategy_options
-        if opts.offload_ratio < 1.0 and cfg.strategy != "zero3_offload":
+        if opts.offload_ratio < 1.0 and spec(cfg.strategy).offload_params != "cpu":
             raise UserError(f"offload_ratio {opts.offload_ratio} (partial offload) needs strategy zero3_offload, not {cfg.strategy!r}",
                             "use --strategy zero3_offload, or drop --offload-ratio")
-        if opts.zenflow and cfg.strategy not in ("zero1_offload", "zero2_offload"):
+        if opts.zenflow and not spec(cfg.strategy).supports_zenflow:
             raise UserError(f"--zenflow needs strategy zero1_offload or zero2_offload, not {cfg.strategy!r}", "use --strategy zero2_offload")
         if opts.zenflow and device_type != "cuda":
             raise UserError("--zenflow needs a CUDA GPU (its important-column step runs there)", "drop --zenflow on CPU")

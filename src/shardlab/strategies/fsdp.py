@@ -1,4 +1,5 @@
-"""`fsdp`, `fsdp_offload`: PyTorch FSDP2 (`fully_shard`), the PyTorch-native peer of ZeRO-3.
+"""`fsdp`, and `fsdp_offload` (its spec: specs/fsdp_offload.py): PyTorch FSDP2 (`fully_shard`), the
+PyTorch-native peer of ZeRO-3. The offload fields of the run's spec choose CPUOffloadPolicy.
 
 Each transformer block is its own FSDP unit (so only one block's full weights live at a
 time), then the root; parameters become DTensors sharded on dim 0 across the mesh.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
 
 
@@ -25,12 +27,6 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class FSDPStrategy(TorchOptimizerStrategy):
-    uses_autocast = False  # MixedPrecisionPolicy already computes in low precision
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.name = self.cfg.strategy
-
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
         directories whose keys match): no rank ever holds the whole fp32 model. Else the ordinary build."""
@@ -62,7 +58,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     @classmethod
     def cpu_optimizer(cls, cfg) -> bool:
-        return cfg.strategy == "fsdp_offload"
+        return spec(cfg.strategy).offload_params == "cpu"
 
     def transfer_bytes_per_param(self) -> tuple[float, float]:
         # CPUOffloadPolicy copies the fp32 shard to the GPU at every unshard (forward, and backward again after a
@@ -78,18 +74,18 @@ class FSDPStrategy(TorchOptimizerStrategy):
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.cfg.strategy_options.fsdp_reshard_after_forward}
         if self.precision.is_mixed:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
-        if self.cfg.strategy == "fsdp_offload":
+        if self.cpu_optimizer(self.cfg):
             # Pinning needs an accelerator; on a CPU-only run the "offload" is a no-op move anyway.
             pin = self.cfg.strategy_options.pin_memory and self.env.device.type == "cuda"
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         on_meta = any(p.is_meta for p in model.parameters())
-        if self.cfg.strategy != "fsdp_offload" and not on_meta:
+        if not self.cpu_optimizer(self.cfg) and not on_meta:
             model = model.to(self.env.device)
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
-            self._materialise(model, torch.device("cpu") if self.cfg.strategy == "fsdp_offload" else self.env.device)
+            self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model
         self.model = torch.compile(model) if self.cfg.compile else model
         offload = self.cpu_optimizer(self.cfg)
@@ -109,5 +105,5 @@ class FSDPStrategy(TorchOptimizerStrategy):
         return sd if self.env.is_main else None
 
     def memory_note(self) -> str:
-        where = "CPU" if self.cfg.strategy == "fsdp_offload" else "GPU"
+        where = "CPU" if self.cpu_optimizer(self.cfg) else "GPU"
         return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}"

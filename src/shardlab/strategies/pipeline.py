@@ -288,11 +288,6 @@ def step_keeps_outputs() -> bool:
 
 
 class PipelineStrategy(TorchOptimizerStrategy):
-    name = "pipeline"
-    supports_compile = False
-    own_loss = True  # transformers' loss on the last stage, applied per micro-batch by the schedule
-    eval_whole_steps = True  # the schedule splits every batch, eval ones too, into its micro-batches
-    supports_8bit = supports_in_backward = False  # per-stage checkpoints and schedules: exact AdamW only, for now
 
     @staticmethod
     def data_parallel_size(cfg, world_size: int) -> int:  # pipeline replicas

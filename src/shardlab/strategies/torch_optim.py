@@ -33,8 +33,6 @@ def _check_checkpointable(cfg) -> None:
 class TorchOptimizerStrategy(Strategy):
     # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (optim.fused_clipped_step).
     plain_tensor_params = False
-    supports_8bit = True
-    supports_in_backward = True
 
     @classmethod
     def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:

@@ -1,0 +1,12 @@
+"""`fsdp_offload`: FSDP2 with CPUOffloadPolicy. The engine is fsdp's (strategies/fsdp.py reads the offload
+fields of this spec), so the name needs nothing but this declaration."""
+
+from ..spec import StrategySpec, register
+
+register(StrategySpec(
+    name="fsdp_offload", engine="fsdp2", order=10, impl=".fsdp:FSDPStrategy",
+    help="FSDP2 + CPUOffloadPolicy: sharded states kept on the CPU, optimizer step on the CPU",
+    sharded=frozenset({"params", "grads", "optimizer"}), offload_params="cpu", offload_optimizer="cpu",
+    checkpoint_format="torch_dcp", uses_autocast=False, supports_8bit=True, supports_in_backward=True,
+    speed_rank=9, oom_next="zero3_offload",
+))

@@ -1,0 +1,126 @@
+"""The strategy registry (strategies/spec.py): every name has a spec and a class, the facts moved into the specs
+are the ones main had, nothing outside strategies/ compares strategy names, and a new spec needs no other edit."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardlab.strategies import spec as registry
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
+
+# Regression oracles, copied from main before the registry existed (config.STRATEGIES, planner.SPEED_ORDER and
+# MEASURED_SPEED, trainer.NEXT with its default "zero3", deepspeed_zero.STAGE).
+MAIN_STRATEGIES = ("dp", "zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload",
+                   "infinity", "fsdp", "fsdp_offload", "ao_offload", "pipeline")
+MAIN_SPEED_ORDER = ("dp", "zero0", "zero1", "zero2", "fsdp", "zero3", "zero2_offload", "ao_offload", "zero1_offload",
+                    "fsdp_offload", "zero3_offload", "infinity")
+MAIN_MEASURED_SPEED = {"dp", "zero2", "fsdp", "zero3", "zero2_offload"}
+MAIN_NEXT = {"dp": "zero2", "zero0": "zero2", "zero1": "zero2", "zero2": "zero3", "zero3": "zero3_offload",
+             "fsdp": "fsdp_offload", "zero1_offload": "zero2_offload", "zero2_offload": "zero3_offload",
+             "zero3_offload": "infinity", "fsdp_offload": "zero3_offload", "infinity": "more GPUs"}
+MAIN_STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_offload": 1, "zero2_offload": 2, "zero3_offload": 3,
+              "infinity": 3}
+
+NAME_RE = re.compile(r'"(dp|zero[0-3]?|zero[23]_offload|zero1_offload|infinity|fsdp|fsdp_offload|ao_offload|pipeline)"'
+                     r'|startswith\("(zero|fsdp)')
+# Literals the pattern matches that are not strategy names: (file, text on the line), each with its reason.
+NOT_STRATEGY_NAMES = {
+    ("cli.py", '"pipeline": cmd_pipeline'),  # the `shardlab pipeline` subcommand
+    ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
+    ("reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
+    ("trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
+    ("planner.py", "MEASURED_H100 = {"),  # measurements keyed by the strategy each run used (data, not a test)
+}
+
+
+def test_names_keep_mains_order():
+    from shardlab.config import STRATEGIES
+
+    assert registry.names() == STRATEGIES == MAIN_STRATEGIES
+
+
+@pytest.mark.parametrize("name", MAIN_STRATEGIES)
+def test_every_name_has_a_spec_and_a_loadable_class(name):
+    pytest.importorskip("torch")
+    s = registry.spec(name)
+    assert s.name == name and s.help and s.engine in ("ddp", "deepspeed", "fsdp2", "torchao", "pipelining")
+    if s.engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    if s.engine == "torchao":
+        pytest.importorskip("torchao")
+    from shardlab.strategies import strategy_class
+    from shardlab.strategies.base import Strategy
+
+    assert issubclass(strategy_class(name), Strategy)
+
+
+def test_speed_order_and_oom_suggestions_are_mains():
+    from shardlab.planner import MEASURED_SPEED, SPEED_ORDER
+    from shardlab.trainer import next_strategy
+
+    assert registry.speed_order() == SPEED_ORDER == MAIN_SPEED_ORDER
+    assert MEASURED_SPEED == MAIN_MEASURED_SPEED
+    for name in MAIN_STRATEGIES:
+        assert next_strategy(name) == MAIN_NEXT.get(name, "zero3"), name
+    assert next_strategy("no-such-strategy") == "zero3"
+
+
+def test_stage_has_one_owner():
+    pytest.importorskip("deepspeed")
+    from shardlab.strategies.deepspeed_zero import STAGE
+
+    assert STAGE == MAIN_STAGE == {s.name: s.zero_stage for s in registry.all_specs() if s.zero_stage is not None}
+
+
+def test_unknown_name_is_a_one_line_user_error():
+    from shardlab.errors import UserError
+
+    with pytest.raises(UserError, match="unknown strategy 'zero4'") as err:
+        registry.spec("zero4")
+    assert "\n" not in str(err.value) and "dp, zero0" in str(err.value)
+
+
+def test_no_strategy_name_comparisons_outside_strategies():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("strategies/"):
+            continue
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if NAME_RE.search(line) and not any(rel == f and text in line for f, text in NOT_STRATEGY_NAMES):
+                found.append(f"{rel}:{no}: {line.strip()}")
+    assert not found, "read the strategy's spec instead of its name:\n" + "\n".join(found)
+
+
+@pytest.fixture
+def fake_strategy():
+    """A strategy registered at runtime, as a new spec module would: a zero2 twin under a new name."""
+    fake = replace(registry.spec("zero2"), name="zero2_twin", order=99, speed_rank=None, help="test only")
+    registry.register(fake)
+    yield fake
+    registry.unregister(fake.name)
+
+
+def test_a_registered_spec_is_picked_up_without_other_edits(fake_strategy):
+    from shardlab.config import RunConfig
+    from shardlab.planner import plan
+
+    assert RunConfig(strategy="zero2_twin").strategy == "zero2_twin"  # config validation reads the registry
+    assert registry.names()[-1] == "zero2_twin"
+    p = plan(RunConfig(model="tiny-gpt2", gpus=2), gpu_memory_gb=80)
+    assert "zero2_twin" in p.strategies  # the planner's list too, modelled from the spec's fields
+    twin, zero2 = p.strategies["zero2_twin"], p.strategies["zero2"]
+    assert (twin.gpu_peak, twin.cpu_per_node) == (zero2.gpu_peak, zero2.cpu_per_node)
+
+
+def test_unregistered_spec_is_gone(fake_strategy):
+    registry.unregister(fake_strategy.name)
+    from shardlab.config import RunConfig
+
+    with pytest.raises(ValueError, match="unknown strategy"):
+        RunConfig(strategy="zero2_twin")

@@ -299,13 +299,13 @@ class PipelineStrategy(TorchOptimizerStrategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         opts, env = self.cfg.strategy_options, self.env
-        # The trainer's layout, from the same config (checked by the launcher's preflight).
-        self.parallel = ParallelLayout.from_config(self.cfg, env.world_size, microbatches=self.grad_accum)
+        _, _, blocks, _, _ = _model_parts(model)
+        # The trainer's layout, from the same config (checked by the launcher's preflight), this schedule's M.
+        self.parallel = ParallelLayout.from_config(self.cfg, env.world_size, layers=len(blocks), microbatches=self.grad_accum)
         self.n_ranks = self.parallel.stages  # ranks per pipeline
         self._make_groups()
         self.chunks = self.parallel.chunks
         n_stages = self.parallel.virtual_stages
-        _, _, blocks, _, _ = _model_parts(model)
         bounds = split_blocks(model.config, len(blocks), self.cfg.seq_len, n_stages)
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device

@@ -158,7 +158,7 @@ def resolved_batch(config: dict[str, Any]) -> tuple[int, int, int]:
     world = (cfg.gpus or 1) * cfg.nodes
     if cfg.strategy == "pipeline":
         cfg = cfg.with_pipeline_microbatches(world)[0]  # what the run will use without --microbatches
-    return cfg.resolve_batch(data_parallel_size(cfg, world))  # a pipeline's stages share one batch
+    return cfg.resolve_batch(data_parallel_size(cfg, world))
 
 
 def footing(config: dict[str, Any]) -> dict[str, Any]:

@@ -211,13 +211,12 @@ def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
     from shardlab import launch
     from shardlab.config import RunConfig
     from shardlab.errors import UserError
-    from shardlab.models import build_hf_config
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", precision="fp16")
     with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
-        launch._check_pipeline(cfg, 2, build_hf_config(cfg), "cuda")
-    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), 2, build_hf_config(cfg), "cuda")
+        launch._check_pipeline(cfg, "cuda")
+    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), "cuda")
 
 
 @pytest.mark.slow

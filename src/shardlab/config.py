@@ -258,7 +258,9 @@ class RunConfig(_Strict):
         Returns the config to run and the line to log (None when nothing was chosen)."""
         if spec(self.strategy).engine != "pipelining" or self.grad_accum is not None or world < 1:
             return self, None
-        stages = self.strategy_options.pp_stages or world
+        from .layout import pipeline_stages
+
+        stages = pipeline_stages(self, world)
         if world % stages or (isinstance(self.micro_batch, int) and self.global_batch is not None):
             return self, None  # the layout check reports the first; the triple derives M in the second
         options = (2 * stages, stages)

@@ -21,6 +21,7 @@ from .compile_stats import mark_start, use_persistent_cache
 from .config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from .errors import UserError
+from .layout import ParallelLayout, model_layers
 from .optim import resolve_precision
 from .strategies import strategy_class
 from .strategies.spec import spec
@@ -50,8 +51,9 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     s = spec(cfg.strategy)
     if s.engine == "pipelining":
-        _check_pipeline(cfg, world, hf_config, device_type)
-    dp_world = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
+        _check_pipeline(cfg, device_type)
+    # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
+    dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
     if cfg.micro_batch == "auto":
         from .autobatch import check_auto
 
@@ -86,28 +88,12 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     return device_type, nproc
 
 
-def _check_pipeline(cfg: RunConfig, world: int, hf, device_type: str) -> None:
-    opts = cfg.strategy_options
+def _check_pipeline(cfg: RunConfig, device_type: str) -> None:
+    """What a pipeline cannot run besides its shape (ParallelLayout.from_config refuses that)."""
     if resolve_precision(cfg.precision, device_type).name == "fp16":
         # A GradScaler per stage would decide on overflow from its own stage's gradients only.
         raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
                         "use --precision bf16 (or fp32)")
-    stages = opts.pp_stages or world
-    if world % stages:
-        raise UserError(
-            f"{world} processes cannot form pipelines of {stages} stages (the world size must be a multiple of --stages)",
-            f"use --stages dividing {world}, or --gpus a multiple of {stages}",
-        )
-    layers = getattr(hf, "n_layer", None) or getattr(hf, "num_hidden_layers", None) or 0
-    virtual = stages * (opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1)
-    if layers and virtual > layers:
-        raise UserError(f"{virtual} pipeline stages but {cfg.model} has only {layers} layers", f"use at most {layers} stages (x chunks)")
-    accum = cfg.resolve_batch(world // stages)[1] if cfg.micro_batch != "auto" else cfg.grad_accum
-    if opts.pp_schedule == "1f1b" and accum is not None and accum < stages:  # torch's Schedule1F1B refuses it on every rank
-        raise UserError(f"1f1b needs at least one micro-batch per stage: {accum} micro-batch(es) for {stages} stages",
-                        f"use --microbatches {2 * stages} (or at least {stages}), or --schedule gpipe")
-    if opts.pp_schedule == "interleaved-1f1b" and accum is not None and accum % stages:
-        raise UserError(f"interleaved-1f1b needs the micro-batch count ({accum}) divisible by the stages ({stages})", f"use --microbatches {stages * max(1, accum // stages)}")
 
 
 def train(cfg: RunConfig, force: bool = False):

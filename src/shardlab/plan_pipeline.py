@@ -42,6 +42,7 @@ from .strategies.spec import find
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .layout import ParallelLayout
     from .planner import Arch, StrategyPlan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v
@@ -61,20 +62,17 @@ def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int,
     return split_blocks(shim, arch.layers, seq_len, n_stages)
 
 
-def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int, int]:
-    """(GPUs per pipeline P, chunks V, replicas) for ``world`` ranks, with the strategy's own errors."""
-    opts = cfg.strategy_options
-    ranks = opts.pp_stages or world
-    if world % ranks:
-        raise PipelineNotApplicable(
-            f"{world} GPUs cannot form pipelines of {ranks} stages (the world size must be a multiple of --stages)",
-            f"use --stages dividing {world}",
-        )
-    chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
-    if ranks * chunks > layers:
-        raise PipelineNotApplicable(f"{ranks * chunks} pipeline stages but {cfg.model} has only {layers} layers",
-                                    f"use at most {layers} stages (x chunks)")
-    return ranks, chunks, world // ranks
+def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: int, microbatches: int) -> "ParallelLayout":
+    """The layout `train --strategy pipeline` would run ``cfg`` in, its shape errors as PipelineNotApplicable (a full
+    plan leaves the pipeline out). Any M is priced: what torch's schedules refuse, `train` refuses."""
+    from .layout import LayoutError, ParallelLayout
+    from .strategies.spec import find
+
+    try:
+        return ParallelLayout.from_config(cfg, gpus_per_node * nodes, nodes, layers, microbatches=microbatches, check_schedule=False,
+                                          unit="GPUs", strategy=find(engine="pipelining"))  # a full plan prices the pipeline row of any config
+    except LayoutError as err:
+        raise PipelineNotApplicable(err.message, err.hint) from None
 
 
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
@@ -96,9 +94,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     if parts is None:
         raise PipelineNotApplicable(f"pipeline parallelism in shardlab supports GPT-2, BLOOM and Llama-style models, not {arch.family}",
                                     "use another strategy")
-    world = gpus_per_node * nodes
-    P, V, replicas = pipeline_shape(cfg, world, arch.layers)
-    n_stages, M = P * V, accum
+    layout = pipeline_layout(cfg, gpus_per_node, nodes, arch.layers, accum)
+    P, V, replicas = layout.stages, layout.chunks, layout.replicas
+    n_stages, M = layout.virtual_stages, layout.microbatches
     schedule = cfg.strategy_options.pp_schedule
     bounds = pipeline_split(arch, cfg.seq_len, n_stages)
     b, s, h, vocab = micro, cfg.seq_len, arch.hidden, arch.vocab

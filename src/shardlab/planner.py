@@ -842,10 +842,11 @@ def _gpus_per_node(cfg: RunConfig) -> int:
 
 
 def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
-    """Ranks that see different data (the batch triple's world): all but a pipeline's stages."""
-    if spec(strategy).engine == "pipelining":
-        return max(1, world // (cfg.strategy_options.pp_stages or world))
-    return world
+    """Ranks that see different data (the batch triple's world): all but a pipeline's stages. Not refused here: the
+    pipeline row's shape is (plan_pipeline.pipeline_layout), so that a full plan can leave it out."""
+    from .layout import data_parallel_size
+
+    return data_parallel_size(cfg, world, strategy)
 
 
 def _arch(cfg: RunConfig) -> Arch:

@@ -39,6 +39,7 @@ from .data.blocks import IGNORE
 from .distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, shutdown_distributed
 from .early_stopping import EvalTracker
 from .errors import OutOfMemory, UserError
+from .layout import ParallelLayout
 from .optim import Precision, resolve_precision
 from .preemption import Preempted, StopSignals
 from .profiling import StepProfiler
@@ -196,9 +197,10 @@ class Trainer:
         self.device_type = pick_device_type(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device_type)
         self.env = init_distributed(self.device_type, cfg.dist_timeout_s)
-        # Ranks that see different data: all of them, except pipeline stages, which share theirs.
-        self.dp_size = strategy_class(cfg.strategy).data_parallel_size(cfg, self.env.world_size)
-        self.dp_rank = self.env.rank * self.dp_size // self.env.world_size
+        # Ranks that see different data: all of them, except pipeline stages, which share theirs. The launcher's
+        # preflight built (and checked) this same layout from the same config.
+        self.parallel = ParallelLayout.from_config(cfg, self.env.world_size)
+        self.dp_size, self.dp_rank = self.parallel.dp_size, self.parallel.dp_rank(self.env.rank)
         self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.dp_size)
         self.run_dir = Path(cfg.output_dir)
         self.step_losses: list[float] = []

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..config import RunConfig, config_from_dict, read_yaml
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY, spec
+from ..layout import data_parallel_size
 
 EQUAL_KEYS = ("precision", "global_batch", "micro_batch", "seq_len", "tokens", "steps")
 
@@ -153,13 +154,12 @@ class Overrides:
 
 
 def resolved_batch(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(micro, accum, global) as the run will resolve them (data-parallel world = gpus x nodes)."""
+    """(micro, accum, global) as the run will resolve them on gpus x nodes ranks (layout.py: a pipeline's stages share one batch)."""
     cfg = config_from_dict(config)
     world = (cfg.gpus or 1) * cfg.nodes
     if spec(cfg.strategy).engine == "pipelining":
         cfg = cfg.with_pipeline_microbatches(world)[0]  # what the run will use without --microbatches
-        world = max(1, world // (cfg.strategy_options.pp_stages or world))
-    return cfg.resolve_batch(world)
+    return cfg.resolve_batch(data_parallel_size(cfg, world))
 
 
 def footing(config: dict[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,9 @@ class Strategy(ABC):
     @staticmethod
     def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
         """How many ranks see different data (the batch triple's world size); pipeline stages share data."""
-        return world_size
+        from ..layout import data_parallel_size
+
+        return data_parallel_size(cfg, world_size)
 
     # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------
     def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:

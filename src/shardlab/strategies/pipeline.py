@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import metrics
 from ..errors import UserError
+from ..layout import ParallelLayout
 from .torch_optim import TorchOptimizerStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -289,25 +290,22 @@ def step_keeps_outputs() -> bool:
 
 class PipelineStrategy(TorchOptimizerStrategy):
 
-    @staticmethod
-    def data_parallel_size(cfg, world_size: int) -> int:  # pipeline replicas
-        stages = cfg.strategy_options.pp_stages or world_size
-        return max(1, world_size // stages)
-
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         opts, env = self.cfg.strategy_options, self.env
-        self.n_ranks = opts.pp_stages or env.world_size  # ranks per pipeline
-        self._make_groups()
-        self.chunks = opts.pp_chunks if opts.pp_schedule == "interleaved-1f1b" else 1
-        n_stages = self.n_ranks * self.chunks
         _, _, blocks, _, _ = _model_parts(model)
+        # The trainer's layout, from the same config (checked by the launcher's preflight), this schedule's M.
+        self.parallel = ParallelLayout.from_config(self.cfg, env.world_size, layers=len(blocks), microbatches=self.grad_accum)
+        self.n_ranks = self.parallel.stages  # ranks per pipeline
+        self._make_groups()
+        self.chunks = self.parallel.chunks
+        n_stages = self.parallel.virtual_stages
         bounds = split_blocks(model.config, len(blocks), self.cfg.seq_len, n_stages)
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device
         # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).
-        my_stages = [s for s in range(n_stages) if s % self.n_ranks == self.pp_rank]
+        my_stages = self.parallel.stages_of(env.rank)
         self.stage_modules = []
         pp_stages = []
         for s in my_stages:
@@ -344,17 +342,17 @@ class PipelineStrategy(TorchOptimizerStrategy):
             self._tie_group = groups[self.dp_rank]
 
     def _make_groups(self) -> None:
-        """Ranks [d*P, (d+1)*P) form pipeline replica d; rank d*P+p holds pipeline position p."""
-        world, P = self.env.world_size, self.n_ranks
-        self.pp_rank, self.dp_rank, self.dp_size = self.env.rank % P, self.env.rank // P, world // P
-        self._all_pp_ranks = [list(range(d * P, (d + 1) * P)) for d in range(self.dp_size)]
+        """One process group per pipeline replica and one per pipeline position (layout.py numbers the ranks)."""
+        layout, rank = self.parallel, self.env.rank
+        self.pp_rank, self.dp_rank, self.dp_size = layout.pp_rank(rank), layout.dp_rank(rank), layout.dp_size
+        self._all_pp_ranks = layout.pipeline_groups()
         self.pp_ranks = self._all_pp_ranks[self.dp_rank]
         if self.dp_size == 1:
             self.pp_group = self.dp_group = None  # the default group is the one pipeline
             return
         # torch.distributed requires every rank to create every group, in the same order.
         pp_groups = [dist.new_group(r) for r in self._all_pp_ranks]
-        dp_groups = [dist.new_group(list(range(p, world, P))) for p in range(P)]
+        dp_groups = [dist.new_group(r) for r in layout.dp_groups()]
         self.pp_group, self.dp_group = pp_groups[self.dp_rank], dp_groups[self.pp_rank]
 
     def _average_over_replicas(self) -> None:

@@ -20,6 +20,7 @@ import torch
 from shardlab import monitor
 from shardlab.report.load import Run
 from shardlab.report.tables import cpu_csv_stats, gpu_csv_stats
+from shardlab.summary import merge_monitor
 
 MB = 10**6
 
@@ -92,8 +93,10 @@ def test_run_monitor_streams_csv_and_merges_its_summary(tmp_path):
     (run_dir / "config.yaml").write_text("model: tiny-gpt2\n")  # what the trainer writes once its checks passed
     time.sleep(0.3)
     assert (run_dir / "cpu_memory.csv").is_file()  # streamed while the run goes on, start-up samples included
-    (run_dir / "summary.json").write_text(json.dumps({"steps": 3}))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 3}))  # what the trainer's rank 0 wrote
     result = mon.finish()
+    assert json.loads((run_dir / "summary.json").read_text()) == {"steps": 3}  # the monitor writes no summary itself
+    merge_monitor(run_dir, None, result)  # the launcher's one merge, once the run ended well
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3
     assert summary["cpu_monitor"] == result["cpu_monitor"] and summary["cpu_monitor"]["available"]

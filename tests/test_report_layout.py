@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardlab.monitor import stats
 from shardlab.report import build
 from shardlab.report import plots as plots_mod
 from shardlab.report.load import Spread
@@ -31,8 +32,13 @@ def _run_dir(path: Path, *, strategy: str, gpu: bool, plan: dict | None, rss_mb:
         rows = ["timestamp,index,name,memory.used [MiB],memory.total [MiB],utilization.gpu [%]"]
         rows += [f"2026/11/21 10:00:0{i}.000,0,NVIDIA H100 80GB HBM3,{u},81559,90" for i, u in enumerate([512, 20_000, 24_576])]
         (path / "gpu_memory.csv").write_text("\n".join(rows) + "\n")
+        used = stats([512.0, 20_000.0, 24_576.0])  # what the run's monitor put into summary.json for that CSV
+        summary["gpu_monitor"] = {"available": True, "samples": 3, "memory_used_mib": used, "utilization_pct": stats([90.0] * 3),
+                                  "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_used_mib": used}]}
     if plan is not None:
         summary["plan"] = plan
+    summary["cpu_monitor"] = {"available": True, "samples": len(rss_mb), "max_processes": 3, "real_mb": stats(rss_mb),
+                              "virtual_mb": stats([2 * mb for mb in rss_mb]), "cpu_pct": stats([100.0] * (len(rss_mb) - 1))}
     (path / "summary.json").write_text(json.dumps(summary))
     (path / "config.yaml").write_text(yaml.safe_dump({"model": "gpt2-medium", "strategy": strategy, "gpus": 2, "seq_len": 1024}))
     (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.1 * s}) + "\n" for s in range(1, 21)))

@@ -26,7 +26,6 @@ Library use (``shardlab bench`` can call it per cell): ``cfg, result = resolve_a
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 from .config import RunConfig, dump_config
 from .errors import OutOfMemory, UserError
+from .summary import RunSummary
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
 TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
@@ -163,7 +163,7 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
         return Trial(micro, ok=False, seconds=seconds, message=f"the trial did not finish in {timeout:.0f} s")
     if proc.returncode == 0:
         if device_type == "cuda":
-            peak = json.loads((out / "summary.json").read_text()).get("gpu_mem_peak_gib")
+            peak = RunSummary.read(out).gpu_mem_peak_gib
         else:
             peak = usage.ru_maxrss * 1024 / 2**30 * nproc  # ru_maxrss is in KiB on Linux
         return Trial(micro, ok=True, peak_gib=peak, seconds=seconds)

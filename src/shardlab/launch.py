@@ -153,8 +153,14 @@ def train(cfg: RunConfig, force: bool = False):
 
         note, _ = note_for_kill(cfg.output_dir, plan, kills_before, cfg.strategy)  # the monitor has closed its CSV
         raise WorkerFailed(err.exitcode, f"{err}; {note}") from None
-    if result is not None and watched.result:
-        result.summary.update(watched.result)
+    if watched.result and cfg.node_rank == 0 and _rank_zero():
+        # The run ended well (a failure raised above), so summary.json is this run's: the trainer's, in memory when it ran
+        # in this process, else the one its rank 0 just wrote. merge_monitor adds the monitor's figures and writes it once.
+        from .summary import merge_monitor
+
+        merged = merge_monitor(cfg.output_dir, result.summary if result is not None else None, watched.result)
+        if result is not None and merged is not None:
+            result.summary = merged.to_dict()
     return result
 
 

@@ -15,14 +15,13 @@ The samplers start in the process that launches the workers (``launch.train``), 
 contains every rank from start-up to exit; start-up and shutdown samples are kept, as in the
 tutorials' CSVs. Samples are held in memory until this run has written its ``config.yaml``
 (a run that fails on bad input leaves nothing behind), then streamed to the CSVs. When the run
-ends the launcher adds ``gpu_monitor`` and ``cpu_monitor`` (peak / mean / min) to ``summary.json``.
+ends the launcher adds ``gpu_monitor`` and ``cpu_monitor`` (peak / mean / min) to ``summary.json`` (summary.merge_monitor).
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import os
 import statistics
 import threading
@@ -350,14 +349,13 @@ def _tree_root(in_launched_job: bool) -> tuple[int, str]:
 
 
 class RunMonitor:
-    """Context manager: samplers for one run, then their summaries merged into summary.json."""
+    """Context manager: samplers for one run, then their summaries (merged into summary.json by the launcher)."""
 
     def __init__(self, run_dir: str | Path, *, device_type: str, n_gpus: int | None, interval: float = DEFAULT_INTERVAL_S,
                  in_launched_job: bool = False, node_rank: int = 0, nvml_factory: Callable[[], Any] = Nvml):
         self.run_dir = Path(run_dir)
         self.t_start = time.time()
         suffix = "" if node_rank == 0 else f".node{node_rank}"
-        self.is_summary_writer = node_rank == 0
         root, scope = _tree_root(in_launched_job)
         self.scope = scope
         self.cpu = ProcessTreeSampler(self.run_dir / CPU_CSV.replace(".csv", f"{suffix}.csv"), interval, self._ready, root)
@@ -388,21 +386,14 @@ class RunMonitor:
         return {"gpu_monitor": gpu, "cpu_monitor": cpu}
 
     def finish(self) -> dict[str, Any] | None:
-        """Stop sampling; merge the summaries into summary.json when this run wrote one. Returns them."""
+        """Stop sampling; return the summaries (None when nothing was recorded). The launcher merges them into
+        summary.json (summary.merge_monitor) once the run has ended well; the monitor writes no summary itself."""
         wrote = self.cpu.stop()
         if self.gpu is not None:
             wrote = self.gpu.stop() or wrote
         if not wrote:
             return None
-        result = self.summaries()
-        summary_path = self.run_dir / "summary.json"
-        if self.is_summary_writer and summary_path.is_file() and summary_path.stat().st_mtime >= self.t_start - 1.0:
-            summary = json.loads(summary_path.read_text())
-            summary.update(result)
-            tmp = summary_path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(summary, indent=1))
-            tmp.replace(summary_path)
-        return result
+        return self.summaries()
 
 
 def describe(result: dict[str, Any]) -> str:

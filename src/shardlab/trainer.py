@@ -46,6 +46,7 @@ from .profiling import StepProfiler
 from .sampling import SeekableDistributedSampler
 from .strategies import strategy_class
 from .strategies.spec import StrategySpec, lookup, spec
+from .summary import RunSummary
 
 
 @dataclass
@@ -357,7 +358,7 @@ class Trainer:
         if env.is_main:
             if samples_before is not None:
                 self._write_samples(samples_before, summary)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            RunSummary.from_dict(summary).write(self.run_dir)  # the launcher adds the monitor's figures (summary.merge_monitor)
         return RunResult(self.run_dir, summary, self.step_losses)
 
     def oom_error(self) -> OutOfMemory:

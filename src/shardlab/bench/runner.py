@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from ..config import dump_config, read_yaml
+from ..summary import RunSummary
 from .matrix import Cell, footing
 
 BENCH_FILE = "bench.json"
@@ -118,18 +119,17 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 
 def _brief(run_dir: Path) -> str:
-    try:
-        s = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+    s = RunSummary.read_or_none(run_dir)
+    if s is None:
         return ""
-    parts = [f"{s.get('useful_tokens_per_s', 0):,.0f} useful tok/s"]
-    if s.get("gpu_mem_peak_gib") is not None:
-        parts.append(f"peak {s['gpu_mem_peak_gib']:.1f} GiB")
-    cpu = (s.get("cpu_monitor") or {}).get("real_mb") or {}
-    if cpu.get("peak"):
-        parts.append(f"tree RSS {cpu['peak'] / 1e3:.2f} GB")
-    if s.get("final_train_loss") is not None:
-        parts.append(f"loss {s['final_train_loss']:.3f}")
+    parts = [f"{s.useful_tokens_per_s or 0:,.0f} useful tok/s"]
+    if s.gpu_mem_peak_gib is not None:
+        parts.append(f"peak {s.gpu_mem_peak_gib:.1f} GiB")
+    cpu = s.cpu_monitor.real_mb if s.cpu_monitor is not None else None
+    if cpu is not None and cpu.peak:
+        parts.append(f"tree RSS {cpu.peak / 1e3:.2f} GB")
+    if s.final_train_loss is not None:
+        parts.append(f"loss {s.final_train_loss:.3f}")
     return ", ".join(parts)
 
 

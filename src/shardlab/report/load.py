@@ -19,6 +19,7 @@ import yaml
 
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY
+from ..summary import RunSummary
 
 BENCH_FILE = "bench.json"
 
@@ -30,6 +31,12 @@ class Run:
     path: Path
     summary: dict[str, Any]
     config: dict[str, Any]
+    record: RunSummary | None = None  # summary, typed (read_run gives it; built from `summary` when not)
+
+    @cached_property
+    def typed(self) -> RunSummary:
+        """The summary as a RunSummary: the monitor's statistics and other typed fields."""
+        return self.record if self.record is not None else RunSummary.from_dict(self.summary)
 
     @cached_property
     def env(self) -> dict[str, Any]:
@@ -115,7 +122,7 @@ class Cell:
         for r in self.runs:
             try:
                 out.append(getter(r))
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):  # a figure the run lacks
                 out.append(None)
         return out
 
@@ -185,10 +192,10 @@ def read_run(path: Path) -> Run | None:
     if not summary_path.is_file():
         return None
     try:
-        summary = json.loads(summary_path.read_text())
-    except ValueError:
+        summary = RunSummary.read(path)
+    except (OSError, ValueError):
         return None
-    return Run(path, summary, _read_config(path / "config.yaml"))
+    return Run(path, summary.to_dict(), _read_config(path / "config.yaml"), summary)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .load import Cell
-from .tables import Table, cpu, gpu_csv_stats, med, nvml, tokens, torch_peak
+from .tables import Table, cpu, gpu_monitor_stats, med, nvml, tokens, torch_peak
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
 
@@ -160,7 +160,7 @@ def _timeline_figure(data: list[tuple[str, list[float], list[float]]], xlabel: s
 
 
 def gpu_timeline_plot(cells: list[Cell]) -> Plot | None:
-    data = [(c.label, *_gpu_timeline(c)) for c in cells if c.ok and any(gpu_csv_stats(r) for r in c.runs)]
+    data = [(c.label, *_gpu_timeline(c)) for c in cells if c.ok and any(gpu_monitor_stats(r) for r in c.runs)]
     data = [d for d in data if d[1]]
     if not data:
         return None

@@ -111,12 +111,34 @@ def torch_peak(c: Cell) -> Spread | None:
     return c.stat("gpu_mem_peak_gib")
 
 
+def gpu_monitor_stats(run: Run) -> dict[str, float] | None:
+    """The run monitor's NVML figures (summary.json gpu_monitor) in GiB, as gpu_csv_stats computes them from the CSV."""
+    g = run.typed.gpu_monitor
+    if g is None or not g.sampled:
+        return None
+    used, util = g.memory_used_mib, g.utilization_pct
+    return {"peak": used.peak / 1024, "mean": used.mean / 1024, "min": used.min / 1024,
+            "util_mean": util.mean if util is not None else None, "gpus": len(g.gpus or []), "samples": g.samples}
+
+
+def cpu_monitor_stats(run: Run) -> dict[str, float] | None:
+    """The run monitor's process-tree figures (summary.json cpu_monitor) in GB, as cpu_csv_stats computes them."""
+    m = run.typed.cpu_monitor
+    if m is None or not m.sampled:
+        return None
+    real, virt, pct = m.real_mb, m.virtual_mb, m.cpu_pct
+    return {"real_peak": real.peak / 1e3, "real_mean": real.mean / 1e3,
+            "virtual_peak": virt.peak / 1e3 if virt is not None and virt.peak is not None else 0.0,
+            "cpu_mean": pct.mean if pct is not None else None, "cpu_peak": pct.peak if pct is not None else None,
+            "samples": m.samples}
+
+
 def nvml(c: Cell, what: str) -> Spread | None:
-    return c.stat(lambda r: (gpu_csv_stats(r) or {})[what])
+    return c.stat(lambda r: (gpu_monitor_stats(r) or {})[what])
 
 
 def cpu(c: Cell, what: str) -> Spread | None:
-    return c.stat(lambda r: (cpu_csv_stats(r) or {})[what])
+    return c.stat(lambda r: (cpu_monitor_stats(r) or {})[what])
 
 
 def med(s: Spread | None) -> float | None:
@@ -441,14 +463,14 @@ def memory_tables(cells: list[Cell]) -> list[Table]:
     for c in cells:
         if not c.ok:
             continue
-        if any(gpu_csv_stats(r) for r in c.runs):
+        if any(gpu_monitor_stats(r) for r in c.runs):
             gpu_rows.append({"label": c.label, "gpus": c.world, "nvml_peak_gib": nvml(c, "peak"), "nvml_mean_gib": nvml(c, "mean"),
                              "nvml_min_gib": nvml(c, "min"), "util_mean": nvml(c, "util_mean"), "gpu_peak_gib": torch_peak(c),
                              "gpu_reserved_gib": c.stat("gpu_mem_peak_reserved_gib"), "status": _status(c)})
-        cpu_rows.append({"label": c.label, "processes": c.stat(lambda r: (r.summary.get("cpu_monitor") or {})["max_processes"]),
+        cpu_rows.append({"label": c.label, "processes": c.stat(lambda r: r.typed.cpu_monitor.max_processes),
                          "cpu_rss_peak_gb": cpu(c, "real_peak"), "cpu_rss_mean_gb": cpu(c, "real_mean"),
                          "virtual_peak_gb": cpu(c, "virtual_peak"), "cpu_pct_mean": cpu(c, "cpu_mean"), "cpu_pct_peak": cpu(c, "cpu_peak"),
-                         "rank_rss_gb": c.stat(lambda r: r.summary["cpu_rss_max_rank_gib"] * 2**30 / 1e9), "status": _status(c)})
+                         "rank_rss_gb": c.stat(lambda r: r.typed.cpu_rss_max_rank_gib * 2**30 / 1e9), "status": _status(c)})
     tables = []
     gpu_notes = ["From each run's gpu_memory.csv (NVML, nvidia-smi's columns): memory.used over the whole run, start-up included; "
                  "peak = the busiest GPU, mean = mean over GPUs, min = the lowest sample."]
@@ -621,5 +643,5 @@ def build_tables(cells: list[Cell]) -> list[Table]:
     return kept
 
 
-__all__ = ["Table", "Column", "build_tables", "FOOTING", "WEAK_FOOTING", "differences", "gpu_csv_stats", "cpu_csv_stats",
+__all__ = ["Table", "Column", "build_tables", "FOOTING", "WEAK_FOOTING", "differences", "gpu_monitor_stats", "cpu_monitor_stats", "gpu_csv_stats", "cpu_csv_stats",
            "spread", "FLAG"]

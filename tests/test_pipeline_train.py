@@ -245,3 +245,51 @@ def test_pipeline_vs_zero_page_from_run_dirs(shared_runs, tmp_path):
     assert "Not finished (no summary.json)" in text  # the unfinished directory is named, not silently dropped
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["strategy"] for r in rows] == ["pipeline", "dp"]
+
+
+# ---- checkpoints: the stages' tensors under the unsplit model's names (DCP, the layout dp writes) ----------------
+
+
+@pytest.mark.parametrize("preset,blocks", [("tiny-gpt2", "transformer.h"), ("tiny-bloom", "transformer.h"), ("tiny-llama", "model.layers")])
+def test_stage_names_map_to_the_models_own_names(preset, blocks):
+    """Each rank's stages (built as the strategy builds them: rank r holds stages r, r+2, ...) name their tensors
+    '0.blocks.0...' etc.; hf_names maps them back by identity. Over the ranks every state_dict name of the HF
+    model is covered once by some stage tensor, with its shape; block indices are the model's, not the stage's;
+    the last stage's tied LM head carries the embedding's name first (what dp keys its optimizer state by)."""
+    from torch import nn
+
+    from shardlab.config import RunConfig
+    from shardlab.models import build_model
+    from shardlab.strategies.pipeline import _model_parts, _Stage, hf_names
+
+    model = build_model(RunConfig(model=preset, dropout=0.0))
+    n_layers = len(_model_parts(model)[2])
+    full = model.state_dict(keep_vars=True)
+    first_names = list(dict(model.named_parameters()))  # what DCP's get_state_dict keys a dp optimizer state by
+    for n_ranks, chunks in ((2, 1), (1, 1), (2, n_layers // 2)):
+        n_stages = n_ranks * chunks
+        bounds = [(s * n_layers // n_stages, (s + 1) * n_layers // n_stages) for s in range(n_stages)]
+        covered: dict[str, torch.Size] = {}
+        for rank in range(n_ranks):
+            mine = [s for s in range(n_stages) if s % n_ranks == rank]
+            stages = nn.ModuleList(_Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1) for s in mine)
+            names = hf_names(model, stages)
+            local = stages.state_dict()
+            assert names.keys() == local.keys()
+            for name, hf in names.items():
+                assert hf and all(full[h] is full[hf[0]] for h in hf), (name, hf)
+                assert local[name].shape == full[hf[0]].shape
+                if name in dict(stages.named_parameters()):
+                    assert hf[0] in first_names, (name, hf)  # a parameter's first name is the canonical one
+                covered.update((h, local[name].shape) for h in hf)
+                for pos, s in enumerate(mine):  # '<pos>.blocks.<i>.' is block bounds[s][0] + i of the model
+                    prefix = f"{pos}.blocks."
+                    if name.startswith(prefix):
+                        i = int(name.removeprefix(prefix).split(".")[0])
+                        assert hf[0].startswith(f"{blocks}.{bounds[s][0] + i}."), (name, hf)
+                        assert hf[0].removeprefix(f"{blocks}.{bounds[s][0] + i}.") == name.removeprefix(f"{prefix}{i}.")
+        assert covered == {k: v.shape for k, v in full.items()}
+        if n_ranks == 2 and chunks == 1:
+            head = {n: hf for n, hf in names.items() if n.startswith("0.head.lm_head.")}  # rank 1's names: the last stage
+            tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            assert head["0.head.lm_head.weight"] == ([first_names[0], "lm_head.weight"] if tied else ["lm_head.weight"])

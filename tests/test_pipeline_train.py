@@ -45,7 +45,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("pipeline")
 
 
-DP_GPT2 = ["--model", "tiny-gpt2", "--strategy", "dp", *ARGS]
+DP_GPT2 = ["--model", "tiny-gpt2", "--strategy", "dp", *ARGS, "--save-every", "5"]  # its step 5 resumes as a pipeline
 
 
 def pp_gpt2(schedule: str) -> list[str]:
@@ -80,6 +80,55 @@ def test_pipeline_resume_reproduces_the_run(root, shared_runs, train_cli):
     original = first.losses
     assert [r["step"] for r in run.rows] == list(range(6, 11))
     assert run.losses == pytest.approx(original[5:], rel=1e-5)
+
+
+# ---- resume across strategies: a pipeline checkpoint is a dp checkpoint (DCP, the model's own names) -------------
+
+
+def max_rel_diff(losses, ref) -> float:
+    assert len(losses) == len(ref)
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+
+
+RESUMED_AS = {  # the same global batch (4) as the pipeline's 2 micro-batches of 2
+    "dp-1rank": ["--strategy", "dp"],
+    "fsdp-2rank": ["--strategy", "fsdp", "--gpus", "2", "--grad-accum", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RESUMED_AS))
+def test_pipeline_checkpoint_resumes_as_dp_and_fsdp(root, shared_runs, dp_gpt2, train_cli, name):
+    """The 2-stage pipeline's step-5 checkpoint, resumed as dp on 1 rank and fsdp on 2 (no conversion: the same DCP
+    layout), continues the pipeline run: steps 6-10 within 1e-4 relative of the uninterrupted pipeline run's, and of
+    the uninterrupted dp run's (pipeline and dp agree that closely on fp32 CPU)."""
+    first = shared_runs.get(pp_gpt2("1f1b"), name="pp-1f1b").check()
+    run = train_cli(["--model", "tiny-gpt2", *ARGS, *RESUMED_AS[name], "--no-export",
+                     "--resume", str(first.out / "checkpoints" / "step-0000005")], root / f"{name}-from-pp")  # fmt: skip
+    run.check()
+    assert "resumed from" in run.stdout
+    assert [r["step"] for r in run.rows] == list(range(6, 11))
+    print(f"{name} from pipeline step 5: max rel diff {max_rel_diff(run.losses, first.losses[5:]):.2e} vs the pipeline run, "
+          f"{max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp")  # fmt: skip
+    assert run.losses == pytest.approx(first.losses[5:], rel=1e-4)
+    assert run.losses == pytest.approx(dp_gpt2.losses[5:], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_dp_checkpoint_resumes_as_pipeline(root, shared_runs, dp_gpt2, train_cli):
+    """dp's step-5 checkpoint, resumed as a 2-stage pipeline on 2 ranks: each stage reads its tensors by their names
+    in the whole model (the tied embedding too, on the first and the last stage); steps 6-10 within 1e-4 relative of
+    the uninterrupted dp and pipeline runs."""
+    straight = shared_runs.get(pp_gpt2("1f1b"), name="pp-1f1b").check()
+    dp_gpt2.check()
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", "1f1b", *ARGS, "--no-export",
+                     "--resume", str(dp_gpt2.out / "checkpoints" / "step-0000005")], root / "pp-from-dp")  # fmt: skip
+    run.check()
+    assert [r["step"] for r in run.rows] == list(range(6, 11))
+    print(f"pipeline from dp step 5: max rel diff {max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp, "
+          f"{max_rel_diff(run.losses, straight.losses[5:]):.2e} vs the pipeline run")  # fmt: skip
+    assert run.losses == pytest.approx(dp_gpt2.losses[5:], rel=1e-4)
+    assert run.losses == pytest.approx(straight.losses[5:], rel=1e-4)
 
 
 @pytest.mark.slow

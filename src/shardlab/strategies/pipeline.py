@@ -11,6 +11,10 @@ over `grad_accum` micro-batches, so `--microbatches M` is the gradient accumulat
 Tied input/output embeddings (GPT-2, BLOOM, SmolLM2, Llama 3.2, Qwen2.5-0.5B) live on two ranks here; their gradients are summed between
 the first and the last stage before the optimizer step, which keeps the two copies identical, exactly as
 a tied weight would be (the same thing Megatron-LM does for its embedding group).
+
+Checkpoints are dp's: torch.distributed.checkpoint, every stage's tensors and AdamW state under the names
+they have in the unsplit HF model (`hf_names`), so a pipeline checkpoint resumes as dp or fsdp, as a pipeline
+of another split, and exports like dp's; a dp or fsdp checkpoint resumes as a pipeline.
 """
 
 from __future__ import annotations

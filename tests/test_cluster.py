@@ -367,7 +367,7 @@ def test_export_cli_equals_the_end_of_run_export(elastic, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["pipeline", "zero0"])
 def test_export_of_pipeline_and_zero0_checkpoints_equals_their_run_export(single_runs, tmp_path, strategy):
-    """Layouts whose shards are not plain names (pipeline stages; DeepSpeed stage 0's module file): the offline
+    """A DCP checkpoint written by pipeline stages (each under the whole model's names) and DeepSpeed stage 0's module file: the offline
     export of the last checkpoint equals, tensor for tensor, the model the run itself exported at its end."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -136,9 +136,11 @@ def layout(strategy: str, world: int, glob: int = 8, weight_decay: float = 0.0) 
 @pytest.mark.parametrize("src,dst,ok", [
     (("zero2", 2), ("zero3", 1), True), (("zero3", 4), ("zero1_offload", 2), True), (("zero2", 2), ("fsdp", 4), True),
     (("zero3", 2), ("dp", 1), True), (("dp", 2), ("fsdp", 1), True), (("fsdp", 4), ("dp", 2), True), (("zero2", 2), ("zero2", 2), True),
-    (("pipeline", 2), ("pipeline", 2), True), (("zero0", 2), ("zero0", 2), True),
+    (("pipeline", 2), ("pipeline", 2), True), (("zero0", 2), ("zero0", 2), True), (("pipeline", 2), ("dp", 2), True),
+    (("pipeline", 4), ("fsdp", 1), True), (("dp", 1), ("pipeline", 2), True), (("fsdp", 2), ("pipeline", 4), True),
     (("dp", 2), ("zero2", 2), False), (("fsdp", 2), ("zero3", 2), False), (("zero0", 2), ("zero0", 1), False),
-    (("zero2", 2), ("zero0", 2), False), (("pipeline", 2), ("dp", 2), False), (("infinity", 1), ("zero3", 1), False),
+    (("zero2", 2), ("zero0", 2), False), (("pipeline", 2), ("zero2", 2), False), (("zero2", 2), ("pipeline", 2), False),
+    (("infinity", 1), ("zero3", 1), False),
 ])  # fmt: skip
 def test_elastic_pairs(src, dst, ok):
     from shardlab.reshard import check_pair

@@ -45,7 +45,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("pipeline")
 
 
-DP_GPT2 = ["--model", "tiny-gpt2", "--strategy", "dp", *ARGS]
+DP_GPT2 = ["--model", "tiny-gpt2", "--strategy", "dp", *ARGS, "--save-every", "5"]  # its step 5 resumes as a pipeline
 
 
 def pp_gpt2(schedule: str) -> list[str]:
@@ -80,6 +80,55 @@ def test_pipeline_resume_reproduces_the_run(root, shared_runs, train_cli):
     original = first.losses
     assert [r["step"] for r in run.rows] == list(range(6, 11))
     assert run.losses == pytest.approx(original[5:], rel=1e-5)
+
+
+# ---- resume across strategies: a pipeline checkpoint is a dp checkpoint (DCP, the model's own names) -------------
+
+
+def max_rel_diff(losses, ref) -> float:
+    assert len(losses) == len(ref)
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+
+
+RESUMED_AS = {  # the same global batch (4) as the pipeline's 2 micro-batches of 2
+    "dp-1rank": ["--strategy", "dp"],
+    "fsdp-2rank": ["--strategy", "fsdp", "--gpus", "2", "--grad-accum", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RESUMED_AS))
+def test_pipeline_checkpoint_resumes_as_dp_and_fsdp(root, shared_runs, dp_gpt2, train_cli, name):
+    """The 2-stage pipeline's step-5 checkpoint, resumed as dp on 1 rank and fsdp on 2 (no conversion: the same DCP
+    layout), continues the pipeline run: steps 6-10 within 1e-4 relative of the uninterrupted pipeline run's, and of
+    the uninterrupted dp run's (pipeline and dp agree that closely on fp32 CPU)."""
+    first = shared_runs.get(pp_gpt2("1f1b"), name="pp-1f1b").check()
+    run = train_cli(["--model", "tiny-gpt2", *ARGS, *RESUMED_AS[name], "--no-export",
+                     "--resume", str(first.out / "checkpoints" / "step-0000005")], root / f"{name}-from-pp")  # fmt: skip
+    run.check()
+    assert "resumed from" in run.stdout
+    assert [r["step"] for r in run.rows] == list(range(6, 11))
+    print(f"{name} from pipeline step 5: max rel diff {max_rel_diff(run.losses, first.losses[5:]):.2e} vs the pipeline run, "
+          f"{max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp")  # fmt: skip
+    assert run.losses == pytest.approx(first.losses[5:], rel=1e-4)
+    assert run.losses == pytest.approx(dp_gpt2.losses[5:], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_dp_checkpoint_resumes_as_pipeline(root, shared_runs, dp_gpt2, train_cli):
+    """dp's step-5 checkpoint, resumed as a 2-stage pipeline on 2 ranks: each stage reads its tensors by their names
+    in the whole model (the tied embedding too, on the first and the last stage); steps 6-10 within 1e-4 relative of
+    the uninterrupted dp and pipeline runs."""
+    straight = shared_runs.get(pp_gpt2("1f1b"), name="pp-1f1b").check()
+    dp_gpt2.check()
+    run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", "1f1b", *ARGS, "--no-export",
+                     "--resume", str(dp_gpt2.out / "checkpoints" / "step-0000005")], root / "pp-from-dp")  # fmt: skip
+    run.check()
+    assert [r["step"] for r in run.rows] == list(range(6, 11))
+    print(f"pipeline from dp step 5: max rel diff {max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp, "
+          f"{max_rel_diff(run.losses, straight.losses[5:]):.2e} vs the pipeline run")  # fmt: skip
+    assert run.losses == pytest.approx(dp_gpt2.losses[5:], rel=1e-4)
+    assert run.losses == pytest.approx(straight.losses[5:], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -244,3 +293,51 @@ def test_pipeline_vs_zero_page_from_run_dirs(shared_runs, tmp_path):
     assert "Not finished (no summary.json)" in text  # the unfinished directory is named, not silently dropped
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["strategy"] for r in rows] == ["pipeline", "dp"]
+
+
+# ---- checkpoints: the stages' tensors under the unsplit model's names (DCP, the layout dp writes) ----------------
+
+
+@pytest.mark.parametrize("preset,blocks", [("tiny-gpt2", "transformer.h"), ("tiny-bloom", "transformer.h"), ("tiny-llama", "model.layers")])
+def test_stage_names_map_to_the_models_own_names(preset, blocks):
+    """Each rank's stages (built as the strategy builds them: rank r holds stages r, r+2, ...) name their tensors
+    '0.blocks.0...' etc.; hf_names maps them back by identity. Over the ranks every state_dict name of the HF
+    model is covered once by some stage tensor, with its shape; block indices are the model's, not the stage's;
+    the last stage's tied LM head carries the embedding's name first (what dp keys its optimizer state by)."""
+    from torch import nn
+
+    from shardlab.config import RunConfig
+    from shardlab.models import build_model
+    from shardlab.strategies.pipeline import _model_parts, _Stage, hf_names
+
+    model = build_model(RunConfig(model=preset, dropout=0.0))
+    n_layers = len(_model_parts(model)[2])
+    full = model.state_dict(keep_vars=True)
+    first_names = list(dict(model.named_parameters()))  # what DCP's get_state_dict keys a dp optimizer state by
+    for n_ranks, chunks in ((2, 1), (1, 1), (2, n_layers // 2)):
+        n_stages = n_ranks * chunks
+        bounds = [(s * n_layers // n_stages, (s + 1) * n_layers // n_stages) for s in range(n_stages)]
+        covered: dict[str, torch.Size] = {}
+        for rank in range(n_ranks):
+            mine = [s for s in range(n_stages) if s % n_ranks == rank]
+            stages = nn.ModuleList(_Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1) for s in mine)
+            names = hf_names(model, stages)
+            local = stages.state_dict()
+            assert names.keys() == local.keys()
+            for name, hf in names.items():
+                assert hf and all(full[h] is full[hf[0]] for h in hf), (name, hf)
+                assert local[name].shape == full[hf[0]].shape
+                if name in dict(stages.named_parameters()):
+                    assert hf[0] in first_names, (name, hf)  # a parameter's first name is the canonical one
+                covered.update((h, local[name].shape) for h in hf)
+                for pos, s in enumerate(mine):  # '<pos>.blocks.<i>.' is block bounds[s][0] + i of the model
+                    prefix = f"{pos}.blocks."
+                    if name.startswith(prefix):
+                        i = int(name.removeprefix(prefix).split(".")[0])
+                        assert hf[0].startswith(f"{blocks}.{bounds[s][0] + i}."), (name, hf)
+                        assert hf[0].removeprefix(f"{blocks}.{bounds[s][0] + i}.") == name.removeprefix(f"{prefix}{i}.")
+        assert covered == {k: v.shape for k, v in full.items()}
+        if n_ranks == 2 and chunks == 1:
+            head = {n: hf for n, hf in names.items() if n.startswith("0.head.lm_head.")}  # rank 1's names: the last stage
+            tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            assert head["0.head.lm_head.weight"] == ([first_names[0], "lm_head.weight"] if tied else ["lm_head.weight"])

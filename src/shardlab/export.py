@@ -1,10 +1,10 @@
 """`shardlab export CKPT OUT`: any shardlab checkpoint, of any strategy, as a Hugging Face model + tokenizer.
 
 Runs in one process without GPUs or a process group: the shards are read offline.
-    dp, fsdp, fsdp_offload   torch.distributed.checkpoint read without a process group
+    dp, fsdp, fsdp_offload,  torch.distributed.checkpoint read without a process group (a pipeline's stages are
+    pipeline                 saved under the whole model's names, so one reader serves all of them)
     zero1/2/3 (+ _offload)   DeepSpeed's universal checkpoint (reshard.py) -> full fp32 weights
     zero0                    the full module DeepSpeed stores in its model-states file
-    pipeline                 each stage file mapped back to the model's names through the recorded split
 The directory is written like the end-of-run export (checkpoint.save_hf: tmp dir, then rename).
 """
 
@@ -59,8 +59,6 @@ def full_weights(ckpt: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
         found = _zero_weights(ckpt)
     elif fmt == "deepspeed_stage0":
         found = _zero0_weights(ckpt)
-    elif fmt == "pipeline_stages":
-        found = _pipeline_weights(ckpt, cfg, model)
     else:
         raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its model at the end")
     return _complete(found, model)
@@ -120,29 +118,6 @@ def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{str(ckpt)!r} holds no DeepSpeed model states", "pass a checkpoint written by strategy zero0")
     state = reshard.load_deepspeed_file(files[0])
     return {k: v for k, v in state["module"].items()}
-
-
-def _pipeline_weights(ckpt: Path, cfg: RunConfig, model) -> dict[str, torch.Tensor]:
-    """Rebuild the split on the meta model; each stage's parameter names map back by identity."""
-    from .strategies.pipeline import _Stage
-
-    files = sorted(ckpt.glob("pipeline_rank*.pt"), key=lambda p: int(p.stem.removeprefix("pipeline_rank")))
-    if not files:
-        raise UserError(f"{str(ckpt)!r} holds no pipeline stage files", "pass a checkpoint written by strategy pipeline")
-    layout = checkpoint.read_state(ckpt).get("layout") or {}
-    n_ranks = cfg.strategy_options.pp_stages or layout.get("world_size") or len(files)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    out: dict[str, torch.Tensor] = {}
-    for rank, file in enumerate(files[:n_ranks]):  # replica 0 holds every stage once
-        saved = torch.load(file, map_location="cpu", weights_only=True)
-        bounds = [tuple(b) for b in saved["bounds"]]
-        mine = [s for s in range(len(bounds)) if s % n_ranks == rank]
-        for s, stage_sd in zip(mine, saved["stages"]):
-            stage = _Stage(model, *bounds[s], first=s == 0, last=s == len(bounds) - 1)
-            for local, p in stage.named_parameters(remove_duplicate=False):
-                if local in stage_sd:
-                    out.setdefault(names[id(p)], stage_sd[local])
-    return out
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:

@@ -2,8 +2,10 @@
 
 Supported pairs (anything else is a UserError naming them):
 
-    dp, fsdp, fsdp_offload      -> dp, fsdp, fsdp_offload, any number of ranks
-        natively: both write torch.distributed.checkpoint (DCP), which reshards on load.
+    dp, fsdp, fsdp_offload,     -> dp, fsdp, fsdp_offload, pipeline; any number of ranks (and of stages)
+    pipeline                       natively: all write torch.distributed.checkpoint (DCP) under the HF model's
+                                   parameter names (a pipeline stage maps its names back to the model's), and
+                                   DCP reshards on load: each rank reads only the tensors it holds.
     zero1/2/3 (+ _offload)      -> zero1/2/3 (+ _offload), any number of ranks
         through DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal), made once
         per checkpoint into its `universal/` folder and loaded with DeepSpeed's `load_universal`.
@@ -11,8 +13,8 @@ Supported pairs (anything else is a UserError naming them):
         the universal checkpoint's full fp32 weights and Adam moments, by parameter name.
 
 Not supported (resume them with the strategy and number of ranks they were written with):
-dp/fsdp -> ZeRO (DeepSpeed can only load its own universal format), zero0 and infinity (no
-partitioned optimizer files / NVMe swap state), pipeline (its per-stage files follow its split).
+dp/fsdp/pipeline -> ZeRO (DeepSpeed can only load its own universal format), zero0 and infinity (no
+partitioned optimizer files / NVMe swap state), ZeRO -> pipeline (not tested).
 
 What carries over: weights, AdamW moments and step, the lr schedule, the data position (a step
 counts `global_batch` samples whatever the layout, so the global batch must stay the same).
@@ -48,8 +50,8 @@ UNIVERSAL_DIR = "universal"
 DS_TAG = "deepspeed"  # strategies/deepspeed_zero.CKPT_TAG
 
 SUPPORTED = (
-    "dp/fsdp/fsdp_offload -> dp/fsdp/fsdp_offload; zero1/2/3(_offload) -> zero1/2/3(_offload), dp, fsdp, fsdp_offload; "
-    "each on any number of ranks with the same global batch"
+    "dp/fsdp/fsdp_offload/pipeline -> dp/fsdp/fsdp_offload/pipeline; zero1/2/3(_offload) -> zero1/2/3(_offload), dp, fsdp, "
+    "fsdp_offload; each on any number of ranks (and pipeline stages) with the same global batch"
 )
 
 
@@ -89,8 +91,9 @@ def loads_natively(saved: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def supported(src: str, dst: str) -> bool:
+    to_pipeline = getattr(lookup(dst), "engine", None) == "pipelining"  # its stages take no universal checkpoint (untested)
     src, dst = checkpoint_format(src), checkpoint_format(dst)
-    return (src == TORCH_DCP and dst == TORCH_DCP) or (src == ZERO and dst in (ZERO, TORCH_DCP))
+    return (src == TORCH_DCP and dst == TORCH_DCP) or (src == ZERO and (dst == ZERO or (dst == TORCH_DCP and not to_pipeline)))
 
 
 def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:

@@ -11,6 +11,10 @@ over `grad_accum` micro-batches, so `--microbatches M` is the gradient accumulat
 Tied input/output embeddings (GPT-2, BLOOM, SmolLM2, Llama 3.2, Qwen2.5-0.5B) live on two ranks here; their gradients are summed between
 the first and the last stage before the optimizer step, which keeps the two copies identical, exactly as
 a tied weight would be (the same thing Megatron-LM does for its embedding group).
+
+Checkpoints are dp's: torch.distributed.checkpoint, every stage's tensors and AdamW state under the names
+they have in the unsplit HF model (`hf_names`), so a pipeline checkpoint resumes as dp or fsdp, as a pipeline
+of another split, and exports like dp's; a dp or fsdp checkpoint resumes as a pipeline.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import nn
 from .. import metrics
 from ..errors import UserError
 from ..layout import ParallelLayout
-from .torch_optim import TorchOptimizerStrategy
+from .torch_optim import TorchOptimizerStrategy, _check_checkpointable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -270,6 +274,28 @@ class StageTimer:
         self._marks.clear()
 
 
+# ---- names: a stage's tensors under the unsplit model's names ------------------------------------------
+
+
+def hf_names(model: nn.Module, stages: nn.Module) -> dict[str, list[str]]:
+    """Each state_dict name of `stages` (a rank's stage modules, built from `model`'s own submodules) -> the
+    names the same tensor has in the HF `model`'s state_dict, the first one first (the one named_parameters()
+    keeps for a tied weight, and DCP's get_state_dict keys its optimizer state by). E.g. for GPT-2 split 1 + 1
+    blocks over 2 stages: '1.blocks.0.attn.c_attn.weight' -> ['transformer.h.1.attn.c_attn.weight'], and the
+    last stage's '0.head.lm_head.weight' -> ['transformer.wte.weight', 'lm_head.weight'].
+
+    By identity, not by string rules: the stages hold `model`'s very Parameter objects (module.to keeps them)."""
+    aliases: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(t), []).append(name)
+    out = {}
+    for name, t in stages.state_dict(keep_vars=True).items():
+        if id(t) not in aliases:
+            raise RuntimeError(f"pipeline stage tensor {name!r} is not a tensor of the model")
+        out[name] = aliases[id(t)]
+    return out
+
+
 # ---- the strategy --------------------------------------------------------------------------------------
 
 
@@ -481,27 +507,70 @@ class PipelineStrategy(TorchOptimizerStrategy):
                     "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
         }}
 
-    # ---- state -------------------------------------------------------------------------------------
-    def save_checkpoint(self, directory: Path) -> None:
-        state = {
-            "stages": [m.state_dict() for m in self.stage_modules],
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "bounds": self.bounds,
-        }
-        torch.save(state, directory / f"pipeline_rank{self.env.rank}.pt")
+    # ---- state: DCP under the unsplit model's names (the layout dp and fsdp write) ------------------------
+    @functools.cached_property
+    def _fqns(self) -> dict[str, list[str]]:
+        return hf_names(self.full_model, self.model)
 
-    def load_checkpoint(self, directory: Path) -> None:
-        path = directory / f"pipeline_rank{self.env.rank}.pt"
-        if not path.is_file():
-            raise UserError(f"no pipeline checkpoint for rank {self.env.rank} in {str(directory)!r}", "resume with the same --stages")
-        state = torch.load(path, map_location=self.env.device, weights_only=True)
-        if [tuple(b) for b in state["bounds"]] != [tuple(b) for b in self.bounds]:
-            raise UserError("the checkpoint was written with another pipeline split", "resume with the same --stages and --chunks")
-        for m, sd in zip(self.stage_modules, state["stages"]):
-            m.load_state_dict(sd)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+    def _dcp_state(self) -> dict:
+        """This rank's model and optimizer state keyed as dp keys the whole model's: each stage's tensors under
+        every name they have in the HF model (a tied embedding under both), the optimizer state under the
+        parameter's first name, and parameter groups that list every stage's parameters (identical on every
+        rank, so DCP writes them once and dp/fsdp match them to their own groups). Collective."""
+        _check_checkpointable(self.cfg)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        fqns = self._fqns
+        model = {hf: t for name, t in model_sd.items() for hf in fqns[name]}
+        state = {fqns[name][0]: s for name, s in optim_sd["state"].items()}
+        groups = [{**g, "params": [fqns[n][0] for n in g["params"]]} for g in optim_sd["param_groups"]]
+        # Every rank's group members, merged by group (weight decay tells optim.param_groups' groups apart)
+        # and ordered as in the whole model.
+        everyone: list[list] = [None] * self.env.world_size  # type: ignore[list-item]
+        dist.all_gather_object(everyone, [(g["weight_decay"], g["params"]) for g in groups])
+        order = {n: i for i, n in enumerate(self.full_model.state_dict(keep_vars=True))}
+        for g in groups:
+            members = {n for rank in everyone for wd, names in rank if wd == g["weight_decay"] for n in names}
+            g["params"] = sorted(members, key=order.__getitem__)
+        return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    def _dcp_load(self, path: Path) -> None:
+        """Read only this rank's tensors, by their names in the whole model, from a pipeline checkpoint of any
+        split or a dp/fsdp one; a tied weight under whichever of its names the checkpoint stores."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # also creates the optimizer state it fills
+        fqns = self._fqns
+
+        def stored_name(name: str, keys) -> str:
+            found = next((hf for hf in fqns[name] if all(k.format(hf) in stored for k in keys)), None)
+            if found is None:
+                raise UserError(f"the checkpoint lacks {fqns[name][0]!r} of this model (or its optimizer state)",
+                                "resume with the model and optimizer the checkpoint was written with")
+            return found
+
+        model_keys = {n: stored_name(n, ["model.{}"]) for n in model_sd}
+        state_keys = {n: stored_name(n, [f"optimizer.state.{{}}.{k}" for k in s]) for n, s in optim_sd["state"].items()}
+        request = {
+            "model": {model_keys[n]: t for n, t in model_sd.items()},
+            "optimizer": {"state": {state_keys[n]: s for n, s in optim_sd["state"].items()},
+                          "param_groups": [dict(g) for g in optim_sd["param_groups"]]},  # replaced by the stored groups
+        }
+        dcp.load(request, checkpoint_id=str(path))
+        groups = []
+        for mine in optim_sd["param_groups"]:  # the stored group that holds this group's parameters gives its settings
+            first = fqns[mine["params"][0]][0]
+            found = next((g for g in request["optimizer"]["param_groups"] if first in g["params"]), None)
+            if found is None:
+                raise UserError(f"the checkpoint's optimizer groups do not hold {first!r}", "resume with the settings the checkpoint was written with")
+            groups.append({**found, "params": mine["params"]})
+        set_state_dict(self.model, self.optimizer,
+                       model_state_dict={n: request["model"][model_keys[n]] for n in model_sd},
+                       optim_state_dict={"state": {n: request["optimizer"]["state"][state_keys[n]] for n in optim_sd["state"]},
+                                         "param_groups": groups})  # fmt: skip
 
     def full_state_dict(self):
         """Each rank contributes the original-name weights it owns; rank 0 assembles them."""

@@ -31,13 +31,13 @@ Engine = Literal["ddp", "deepspeed", "fsdp2", "torchao", "pipelining"]
 State = Literal["params", "grads", "optimizer"]
 Place = Literal["cpu", "nvme"]
 # How a run's checkpoints are laid out (reshard.py and export.py read weights by it):
-#   torch_dcp         torch.distributed.checkpoint (dp, FSDP2): reshardable to any world size
+#   torch_dcp         torch.distributed.checkpoint under the HF model's names (dp, FSDP2, pipeline): reshardable
+#                     to any world size, number of pipeline stages or other torch_dcp strategy
 #   deepspeed_zero    DeepSpeed ZeRO 1-3 partitions: convertible to a universal checkpoint
 #   deepspeed_stage0  DeepSpeed stage 0: whole fp32 states in one file, no partitions
 #   deepspeed_nvme    DeepSpeed with states swapped to NVMe: not resharded nor exported
-#   pipeline_stages   one directory per pipeline stage
 #   None              the strategy saves no checkpoints
-CheckpointFormat = Literal["torch_dcp", "deepspeed_zero", "deepspeed_stage0", "deepspeed_nvme", "pipeline_stages"]
+CheckpointFormat = Literal["torch_dcp", "deepspeed_zero", "deepspeed_stage0", "deepspeed_nvme"]
 
 # What a fresh config runs when no strategy is given.
 DEFAULT_STRATEGY = "dp"

@@ -1,9 +1,10 @@
 """What the PyTorch-native strategies (dp, fsdp, pipeline) share: torch's AdamW, the lr schedule,
-GradScaler for fp16, the clip-then-step sequence, and (dp, fsdp) one checkpoint format.
+GradScaler for fp16, the clip-then-step sequence, and one checkpoint format.
 
-dp and fsdp write torch.distributed.checkpoint (DCP) directories keyed by parameter name: every
-rank writes its own shards (replicated tensors once), and DCP reshards on load, so a checkpoint of
-either strategy resumes under the other and on another number of ranks without conversion."""
+dp, fsdp and pipeline write torch.distributed.checkpoint (DCP) directories keyed by the HF model's
+parameter names: every rank writes its own shards or stages (replicated tensors once), and DCP reshards
+on load, so a checkpoint of any of them resumes under the others and on another number of ranks or
+pipeline stages without conversion."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class TorchOptimizerStrategy(Strategy):
     def current_lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])  # torchao's optimizers keep lr as a tensor
 
-    # ---- checkpoints (dp, fsdp; the pipeline keeps its per-stage files) --------------------------------
+    # ---- checkpoints (dp, fsdp; the pipeline maps its stages' names to the model's, strategies/pipeline.py) ----
     def _dcp_state(self) -> dict[str, Any]:
         _check_checkpointable(self.cfg)  # again here: a preemption signal can ask for a checkpoint too
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -109,16 +110,20 @@ class TorchOptimizerStrategy(Strategy):
         if self.env.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}, directory / EXTRA_FILE)
 
-    def load_checkpoint(self, directory: Path) -> None:
+    def _dcp_load(self, path: Path) -> None:
+        """Model and optimizer state from the DCP directory `path` into this rank's modules."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        if not (directory / CKPT_DIR).is_dir():
-            raise UserError(f"{str(directory)!r} has no {CKPT_DIR}/ (a checkpoint of another strategy, or of a shardlab before dp and fsdp shared one format)",
-                            "resume it with the strategy and shardlab version that wrote it")  # fmt: skip
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory / CKPT_DIR))
+        dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def load_checkpoint(self, directory: Path) -> None:
+        if not (directory / CKPT_DIR).is_dir():
+            raise UserError(f"{str(directory)!r} has no {CKPT_DIR}/ (a checkpoint of another strategy, or of a shardlab before dp, fsdp and pipeline shared one format)",
+                            "resume it with the strategy and shardlab version that wrote it")  # fmt: skip
+        self._dcp_load(directory / CKPT_DIR)
         extra = torch.load(directory / EXTRA_FILE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])

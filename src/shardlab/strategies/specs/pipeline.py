@@ -5,9 +5,9 @@ from ..spec import StrategySpec, register
 register(StrategySpec(
     name="pipeline", engine="pipelining", order=12, impl=".pipeline:PipelineStrategy",
     help="torch.distributed.pipelining (GPipe, 1F1B): each GPU holds a contiguous slice of blocks",
-    checkpoint_format="pipeline_stages", supports_compile=False,
+    checkpoint_format="torch_dcp", supports_compile=False,
     own_loss=True,  # transformers' loss on the last stage, applied per micro-batch by the schedule
     eval_whole_steps=True,  # the schedule splits every batch, eval ones too, into its micro-batches
-    supports_8bit=False, supports_in_backward=False,  # per-stage checkpoints and schedules: exact AdamW only, for now
+    supports_8bit=False, supports_in_backward=False,  # schedules step one torch AdamW per stage: exact AdamW only, for now
     speed_rank=None,  # not ranked in the recommendation: its speed is not measured
 ))

@@ -32,7 +32,7 @@ from torch import nn
 from .. import metrics
 from ..errors import UserError
 from ..layout import ParallelLayout
-from .torch_optim import TorchOptimizerStrategy, _check_checkpointable
+from .torch_optim import TorchOptimizerStrategy, check_checkpointable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -517,7 +517,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         every name they have in the HF model (a tied embedding under both), the optimizer state under the
         parameter's first name, and parameter groups that list every stage's parameters (identical on every
         rank, so DCP writes them once and dp/fsdp match them to their own groups). Collective."""
-        _check_checkpointable(self.cfg)
+        check_checkpointable(self.cfg)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

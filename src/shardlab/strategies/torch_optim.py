@@ -23,7 +23,7 @@ CKPT_DIR = "torch_dcp"
 EXTRA_FILE = "torch_extra.pt"  # scheduler and GradScaler: plain state dicts, identical on every rank
 
 
-def _check_checkpointable(cfg) -> None:
+def check_checkpointable(cfg) -> None:
     if cfg.optimizer_in_backward or cfg.optimizer == "adamw8bit":
         # DCP's optimizer-state helpers know torch optimizers over the model's parameters: not one optimizer
         # per parameter (in backward), nor torchao's quantised state tensors.
@@ -39,7 +39,7 @@ class TorchOptimizerStrategy(Strategy):
     def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
         super().check_options(cfg, world, accum, device_type)
         if cfg.save_every or cfg.save_each_epoch or cfg.resume:
-            _check_checkpointable(cfg)
+            check_checkpointable(cfg)
 
     def _build_optimizer(self, module: nn.Module, device_type: str, total_steps: int, cpu_fused: bool = False) -> None:
         self.optimizer = optim.build(module, self.cfg, device_type, cpu_fused)
@@ -97,7 +97,7 @@ class TorchOptimizerStrategy(Strategy):
 
     # ---- checkpoints (dp, fsdp; the pipeline maps its stages' names to the model's, strategies/pipeline.py) ----
     def _dcp_state(self) -> dict[str, Any]:
-        _check_checkpointable(self.cfg)  # again here: a preemption signal can ask for a checkpoint too
+        check_checkpointable(self.cfg)  # again here: a preemption signal can ask for a checkpoint too
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)

@@ -205,8 +205,6 @@ class RunConfig(_Strict):
         if self.curriculum and (self.early_stopping_patience or self.save_best):
             raise ValueError("early_stopping_patience and save_best compare eval losses of one eval split; a curriculum's "
                              "stages each have their own (run the stages as separate runs)")
-        if self.epochs is not None and self.max_steps is not None:
-            pass  # max_steps caps epochs; both are allowed
         return self
 
     # ---- derived -------------------------------------------------------------------------------

@@ -76,7 +76,6 @@ class Cell:
     parts: list[str] = field(default_factory=list)  # "suite/part" names this cell belongs to
     differs: list[str] = field(default_factory=list)
     repeats: int = 1
-    named_keys: set[str] = field(default_factory=set)  # keys an explicitly labelled cell sets (its label names them)
     axis_keys: set[str] = field(default_factory=set)  # keys the matrix's axes set on this cell
     suite: str = ""  # the first suite that asked for this cell (labels are made per suite)
 
@@ -124,15 +123,6 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise UserError(f"cannot set {dotted!r}: {key!r} is not a mapping", "check the key path in the suite")
     node[keys[-1]] = value
-
-
-def _get_dotted(data: dict[str, Any], dotted: str, default: Any = None) -> Any:
-    node: Any = data
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return default
-        node = node[key]
-    return node
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +214,6 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     cell.parts.append(f"{suite.name}/{part.name}")
                     if label:
                         explicit[ident] = label
-                        cell.named_keys |= set(_flat(_merge({}, sets)))
                     part_cells.append((cell, {**point, **sets}))
             _check_footing(suite.name, part, set(axes), part_cells)
     out = list(cells.values())

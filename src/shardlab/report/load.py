@@ -74,9 +74,6 @@ class Spread:
     high: float
     n: int
 
-    def as_dict(self) -> dict[str, float]:
-        return {"median": self.median, "min": self.low, "max": self.high, "n": self.n}
-
 
 def spread(values: list[float | None]) -> Spread | None:
     vals = [float(v) for v in values if v is not None]

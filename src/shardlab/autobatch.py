@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +38,7 @@ from typing import Any
 
 from .config import RunConfig, dump_config
 from .errors import OutOfMemory, UserError
+from .procgroup import run_group
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
 TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
@@ -123,15 +122,6 @@ def trial_config(cfg: RunConfig, micro: int, out_dir: Path, steps: int = TRIAL_S
     })
 
 
-def _kill_group(pid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, workdir: Path,
                      steps: int = TRIAL_STEPS, timeout: float = TRIAL_TIMEOUT_S) -> Trial:
     """Run ``shardlab train`` on the shortened config in a fresh process; classify how it ended.
@@ -145,31 +135,22 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
     log_out, log_err = workdir / f"micro-{micro}.out", workdir / f"micro-{micro}.err"
     t0 = time.perf_counter()
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file)], stdout=fo, stderr=fe,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        timer = threading.Timer(timeout, _kill_group, (proc.pid,))  # its spawned workers too
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # not proc.wait(): wait4 also returns this child's peak RSS
-        except BaseException:  # interrupted: do not leave the run behind
-            _kill_group(proc.pid)
-            raise
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        # SIGKILL at the timeout (grace 0), its spawned workers too; wait4 gives this child's peak RSS
+        run = run_group([sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file)], stdout=fo, stderr=fe,
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout)
     seconds = time.perf_counter() - t0
     stderr = log_err.read_text()
     if seconds >= timeout:
         return Trial(micro, ok=False, seconds=seconds, message=f"the trial did not finish in {timeout:.0f} s")
-    if proc.returncode == 0:
+    if run.code == 0:
         if device_type == "cuda":
             peak = json.loads((out / "summary.json").read_text()).get("gpu_mem_peak_gib")
         else:
-            peak = usage.ru_maxrss * 1024 / 2**30 * nproc  # ru_maxrss is in KiB on Linux
+            peak = run.usage.ru_maxrss * 1024 / 2**30 * nproc  # ru_maxrss is in KiB on Linux
         return Trial(micro, ok=True, peak_gib=peak, seconds=seconds)
     err = [line for line in stderr.splitlines() if line.strip()]
     last = next((line for line in reversed(err) if "error" in line.lower()), err[-1] if err else "")
-    oom = proc.returncode == OutOfMemory.exit_code or any(m.lower() in stderr.lower() for m in OOM_MARKERS)
+    oom = run.code == OutOfMemory.exit_code or any(m.lower() in stderr.lower() for m in OOM_MARKERS)
     return Trial(micro, ok=False, oom=oom, seconds=seconds, message=last.strip()[-400:])
 
 

@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import RunConfig, config_from_dict, read_yaml
+from ..dotted import set_dotted
 from ..errors import UserError
 
 EQUAL_KEYS = ("precision", "global_batch", "micro_batch", "seq_len", "tokens", "steps")
@@ -115,20 +116,10 @@ def load_suite(name_or_path: str) -> Suite:
 # Expansion
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    keys = dotted.split(".")
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise UserError(f"cannot set {dotted!r}: {key!r} is not a mapping", "check the key path in the suite")
-    node[keys[-1]] = value
-
-
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in overrides.items():
-        _set_dotted(out, k, copy.deepcopy(v))
+        set_dotted(out, k, copy.deepcopy(v), hint="check the key path in the suite")
     return out
 
 

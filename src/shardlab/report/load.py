@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..dotted import get_dotted
 from ..errors import UserError
 
 BENCH_FILE = "bench.json"
@@ -127,12 +128,7 @@ class Cell:
 
     # ---- what the run was ----------------------------------------------------------------------
     def setting(self, dotted: str, default: Any = None) -> Any:
-        node: Any = self.config
-        for key in dotted.split("."):
-            if not isinstance(node, dict) or key not in node:
-                return default
-            node = node[key]
-        return node
+        return get_dotted(self.config, dotted, default)
 
     @property
     def strategy(self) -> str:

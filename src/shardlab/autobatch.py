@@ -157,6 +157,59 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
 # ---- the search -------------------------------------------------------------------------------------------
 
 
+def largest_that_fits(n: int, fits: Callable[[int], bool], start: int = 0) -> int:
+    """The largest index below ``n`` for which ``fits`` holds, or -1: the one "largest micro batch that
+    fits" search, over indices into a caller's ascending candidates. ``fits`` is asked at most once per
+    index; it may raise (the trials' search stops that way).
+
+    From ``start``, up while it fits (doubling the step, the largest index included), or down while it
+    does not (doubling), then bisection between the largest that fitted and the smallest that did not.
+    Used for the plan's predictions (planner: ``auto``'s start, each strategy's max micro batch;
+    run_plan: the advice) and for the trial runs (``search_micro_batch``). For a ``fits`` that holds up to
+    some index and not above it (as memory does) the answer is that index, whatever ``start``; the plan's
+    two former searches galloped from 1 too but did not try the largest candidate when a doubling passed
+    it (`_largest_micro` even stopped at a power of two below a ``max_search`` that was not one), the
+    advice's scanned down one by one: the same answers, with fewer predictions.
+    """
+    known: dict[int, bool] = {}
+
+    def ok(i: int) -> bool:
+        if i not in known:
+            known[i] = fits(i)
+        return known[i]
+
+    if n <= 0:
+        return -1
+    i, step = min(max(start, 0), n - 1), 1
+    if ok(i):
+        lo, hi = i, n  # largest index that fitted, smallest index known not to (n: none)
+        while hi == n:
+            nxt = min(lo + step, n - 1)
+            if nxt == lo:
+                break
+            if ok(nxt):
+                lo, step = nxt, step * 2
+            else:
+                hi = nxt
+    else:
+        hi = i
+        while True:
+            if hi == 0:
+                return -1
+            nxt = max(hi - step, 0)
+            if ok(nxt):
+                lo = nxt
+                break
+            hi, step = nxt, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def search_micro_batch(start: int, candidates: Sequence[int], trial: Callable[[int], Trial], *,
                        step_up: bool = True) -> tuple[int, list[Trial]]:
     """The largest candidate that runs, searched from ``start`` (the plan's value).
@@ -182,39 +235,13 @@ def search_micro_batch(start: int, candidates: Sequence[int], trial: Callable[[i
         return tried[i].ok
 
     i = max([j for j, c in enumerate(cands) if c <= start], default=0)
-    step = 1
-    if runs(i):
-        lo, hi = i, len(cands)  # largest index that ran, smallest index known not to (len: none)
-        while step_up and hi == len(cands):
-            nxt = min(lo + step, len(cands) - 1)
-            if nxt == lo:
-                break
-            if runs(nxt):
-                lo, step = nxt, step * 2
-            else:
-                hi = nxt
-    else:
-        hi = i
-        while True:
-            if hi == 0:
-                first = tried[0]
-                raise UserError(
-                    f"even micro batch {cands[0]} does not fit ({first.message or first.result})",
-                    "use --gradient-checkpointing, a strategy that shards more (zero3, fsdp, an offload) or more GPUs",
-                )
-            nxt = max(hi - step, 0)
-            if runs(nxt):
-                lo = nxt
-                break
-            hi, step = nxt, step * 2
-    if not step_up:
-        hi = min(hi, i + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if runs(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = largest_that_fits(len(cands) if step_up else i + 1, runs, i)  # without step_up nothing above the start
+    if lo < 0:
+        first = tried[0]
+        raise UserError(
+            f"even micro batch {cands[0]} does not fit ({first.message or first.result})",
+            "use --gradient-checkpointing, a strategy that shards more (zero3, fsdp, an offload) or more GPUs",
+        )
     return cands[lo], list(tried.values())
 
 

@@ -952,7 +952,7 @@ def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_
                 fits: Callable[[StrategyPlan], bool], device: str, upper: int) -> tuple[int, str]:
     """Largest allowed micro batch (autobatch.micro_candidates: divisors of a given global batch) whose
     prediction ``fits``, the accumulation following the batch triple; 0 when even the smallest does not."""
-    from .autobatch import micro_candidates, with_micro_batch
+    from .autobatch import largest_that_fits, micro_candidates, with_micro_batch
 
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     cands = micro_candidates(cfg, dp, upper)
@@ -962,16 +962,9 @@ def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_
         m, a, _ = c.resolve_batch(dp)
         return fits(_strategy_plan(strategy, arch, c, m, a, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est, device))
 
-    if not cands or not ok(0):
+    lo = largest_that_fits(len(cands), ok)  # predicted peaks grow with the micro batch
+    if lo < 0:
         return 0, f"not even micro batch 1 is predicted to fit {strategy}"
-    lo, hi = 0, len(cands)  # ok(lo); predicted peaks grow with the micro batch: bisect (galloping first)
-    step = 1
-    while lo + step < hi and ok(lo + step):
-        lo, step = lo + step, step * 2
-    hi = min(hi, lo + step)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return cands[lo], f"the largest predicted to fit {strategy}"
 
 
@@ -1041,22 +1034,14 @@ def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
 
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
                    gpu_memory: float, ds_est, max_search: int) -> int:
-    """Largest micro batch whose predicted GPU need fits (peak is increasing in the micro batch): 0 if none."""
-    def ok(m: int) -> bool:
-        sp = _strategy_plan(strategy, arch, cfg, m, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+    """Largest micro batch up to ``max_search`` whose predicted GPU need fits (peak is increasing in the micro batch): 0 if none."""
+    from .autobatch import largest_that_fits
+
+    def ok(i: int) -> bool:  # index i: micro batch i + 1
+        sp = _strategy_plan(strategy, arch, cfg, i + 1, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
         return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory)
 
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= max_search and ok(hi):
-        lo, hi = hi, hi * 2
-    if hi > max_search:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return largest_that_fits(max_search, ok) + 1
 
 
 def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_per_node: int) -> tuple[str | None, str, str | None]:

@@ -23,7 +23,7 @@ REAP_WAIT_S = 5.0  # after SIGKILL: how long to wait for the group's leader to b
 class GroupRun:
     code: int  # exit status as Popen gives it (negative: ended by that signal)
     timed_out: bool  # the timeout went off and ended the group
-    usage: resource.struct_rusage  # wait4's: ru_maxrss is the largest resident set of the leader and the children it done
+    usage: resource.struct_rusage  # wait4's: ru_maxrss is the largest resident set of the leader and the children it reaped
 
 
 def _signal_group(pid: int, sig: int) -> bool:

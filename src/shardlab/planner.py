@@ -174,8 +174,9 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
                         persistence_threshold: int = 100_000) -> Arch:
     """Count parameters on the meta device and read the shape of ``hf_config``."""
     import torch
-    from torch import nn
     from transformers import AutoModelForCausalLM
+
+    from .models import transformer_blocks
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
@@ -192,13 +193,9 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         if p.numel() <= persistence_threshold:
             persistent += p.numel()
     largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    blocks: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if blocks is None or sum(p.numel() for p in module.parameters()) > sum(p.numel() for p in blocks.parameters()):
-                blocks = module
-    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) if blocks is not None else 0
-    in_blocks = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
+    blocks = transformer_blocks(model)
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    in_blocks = sum(p.numel() for p in {id(p): p for b in blocks for p in b.parameters()}.values())  # a shared one once
     family = _family(hf_config)
     c = hf_config
     hidden = int(getattr(c, "hidden_size", None) or getattr(c, "n_embd"))

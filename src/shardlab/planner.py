@@ -39,8 +39,8 @@ How
   backward / optimizer step (all gradients, step temporaries, no activations).
 
 Nothing here is fitted to measurements except the two allowances named below, whose source
-files are given. ``PLAN_VS_MEASURED`` at the bottom documents the current error against the
-H100 runs in ``benchmarks/results/``.
+files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
+the H100 runs in ``benchmarks/results/`` (their figures: tests/data/h100_foundation_peaks.json).
 """
 
 from __future__ import annotations
@@ -1141,15 +1141,13 @@ def render(p: Plan, console=None) -> None:
         console.print(f"[bold red]Nothing fits:[/bold red] {p.reason}. Next: {p.next_option}.")
 
 
-# Predicted vs measured, documented (not fitted): see tests/test_plan.py::test_h100_foundation_errors.
-# Source: benchmarks/results/h100-foundation-run2/foundation.json (run 3 for dp; same numbers), gpt2-medium,
-# seq 1024, micro 8, bf16, 1 x H100, max_memory_allocated GiB; the loss computed inside the model (loss_kernel=hf).
-MEASURED_H100 = {"dp": 25.483, "zero2": 20.220, "zero3": 21.813, "zero2_offload": 16.350, "fsdp": 19.657}
+# Predicted vs measured, documented (not fitted): tests/test_plan.py::test_h100_foundation_errors, against
+# tests/data/h100_foundation_peaks.json (test data: the library does not use it).
 # dp --compile, micro 16, with shardlab's compiled loss (benchmarks/results/2026-11-21-h100-session3/
 # foundation-compile-call2/foundation.json): not modelled; the eager prediction for the same run is in
-# tests/test_plan.py::test_compile_is_flagged_not_modelled.
+# tests/test_plan.py::test_compile_is_flagged_not_modelled. Kept here: the plan's --compile note quotes it.
 MEASURED_H100_COMPILE = {"measured": 23.744, "eager_prediction": 40.1}
 
 
 __all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "render", "activation_bytes", "arch_from_hf_config",
-           "paper_bytes_per_param", "model_state_bytes_per_param", "deepspeed_estimates", "SPEED_ORDER", "MEASURED_H100"]
+           "paper_bytes_per_param", "model_state_bytes_per_param", "deepspeed_estimates", "SPEED_ORDER"]

@@ -102,13 +102,15 @@ def _pipeline_fields(sp) -> dict[str, Any]:
 
 def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     """What the plan says would fit instead, fastest change first: one line."""
-    from .autobatch import largest_that_fits, micro_candidates
+    from .autobatch import micro_candidates
     from .planner import SPEED_ORDER, plan
 
     sp = p.strategies[cfg.strategy]
     out = []
     per_rank = p.micro_batch * p.grad_accum
     if 0 < sp.max_micro_batch < p.micro_batch:
+        from .autobatch import largest_that_fits
+
         # divisors of the per-rank batch, from the largest; with accumulation the gradients live through forward too
         cands = micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)
 

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from shardlab.distributed import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")
 
@@ -26,12 +28,6 @@ def missing_reason() -> str | None:
     if missing:
         return f"SLURM/munge not installed ({', '.join(missing)} missing): `make setup` as root installs slurmctld slurmd munge (apt-get)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """ClusterName=shardlabtest
@@ -82,7 +78,7 @@ class LocalSlurm:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         cpus = int(subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout.split("CPUs=")[1].split()[0])
-        self.conf.write_text(CONF.format(root=r, ctld_port=_free_port(), d_port=_free_port(), hostname=socket.gethostname(), cpus=cpus))
+        self.conf.write_text(CONF.format(root=r, ctld_port=free_port(), d_port=free_port(), hostname=socket.gethostname(), cpus=cpus))
         log = open(r / "log" / "daemons.out", "ab")  # noqa: SIM115 - kept open for the daemons' lifetime
         munge = ["munged", "-F", "--force", f"--socket={r}/munge/munge.socket", f"--key-file={key}", f"--pid-file={r}/munge/munged.pid",
                  f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed"]  # fmt: skip

@@ -34,7 +34,6 @@ NOT_STRATEGY_NAMES = {
     ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
     ("reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
     ("trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
-    ("planner.py", "MEASURED_H100 = {"),  # measurements keyed by the strategy each run used (data, not a test)
 }
 
 

@@ -27,10 +27,8 @@ Library use (``shardlab bench`` can call it per cell): ``cfg, result = resolve_a
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +37,7 @@ from typing import Any
 
 from .config import RunConfig, dump_config
 from .errors import OutOfMemory, UserError
+from .procgroup import run_group
 from .summary import RunSummary
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
@@ -123,15 +122,6 @@ def trial_config(cfg: RunConfig, micro: int, out_dir: Path, steps: int = TRIAL_S
     })
 
 
-def _kill_group(pid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, workdir: Path,
                      steps: int = TRIAL_STEPS, timeout: float = TRIAL_TIMEOUT_S) -> Trial:
     """Run ``shardlab train`` on the shortened config in a fresh process; classify how it ended.
@@ -145,35 +135,79 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
     log_out, log_err = workdir / f"micro-{micro}.out", workdir / f"micro-{micro}.err"
     t0 = time.perf_counter()
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file)], stdout=fo, stderr=fe,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        timer = threading.Timer(timeout, _kill_group, (proc.pid,))  # its spawned workers too
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # not proc.wait(): wait4 also returns this child's peak RSS
-        except BaseException:  # interrupted: do not leave the run behind
-            _kill_group(proc.pid)
-            raise
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        # SIGKILL at the timeout (grace 0), its spawned workers too; wait4 gives this child's peak RSS
+        run = run_group([sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file)], stdout=fo, stderr=fe,
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout)
     seconds = time.perf_counter() - t0
     stderr = log_err.read_text()
     if seconds >= timeout:
         return Trial(micro, ok=False, seconds=seconds, message=f"the trial did not finish in {timeout:.0f} s")
-    if proc.returncode == 0:
+    if run.code == 0:
         if device_type == "cuda":
             peak = RunSummary.read(out).gpu_mem_peak_gib
         else:
-            peak = usage.ru_maxrss * 1024 / 2**30 * nproc  # ru_maxrss is in KiB on Linux
+            peak = run.usage.ru_maxrss * 1024 / 2**30 * nproc  # ru_maxrss is in KiB on Linux
         return Trial(micro, ok=True, peak_gib=peak, seconds=seconds)
     err = [line for line in stderr.splitlines() if line.strip()]
     last = next((line for line in reversed(err) if "error" in line.lower()), err[-1] if err else "")
-    oom = proc.returncode == OutOfMemory.exit_code or any(m.lower() in stderr.lower() for m in OOM_MARKERS)
+    oom = run.code == OutOfMemory.exit_code or any(m.lower() in stderr.lower() for m in OOM_MARKERS)
     return Trial(micro, ok=False, oom=oom, seconds=seconds, message=last.strip()[-400:])
 
 
 # ---- the search -------------------------------------------------------------------------------------------
+
+
+def largest_that_fits(n: int, fits: Callable[[int], bool], start: int = 0) -> int:
+    """The largest index below ``n`` for which ``fits`` holds, or -1: the one "largest micro batch that
+    fits" search, over indices into a caller's ascending candidates. ``fits`` is asked at most once per
+    index; it may raise (the trials' search stops that way).
+
+    From ``start``, up while it fits (doubling the step, the largest index included), or down while it
+    does not (doubling), then bisection between the largest that fitted and the smallest that did not.
+    Used for the plan's predictions (planner: ``auto``'s start, each strategy's max micro batch;
+    run_plan: the advice) and for the trial runs (``search_micro_batch``). For a ``fits`` that holds up to
+    some index and not above it (as memory does) the answer is that index, whatever ``start``; the plan's
+    two former searches galloped from 1 too but did not try the largest candidate when a doubling passed
+    it (`_largest_micro` even stopped at a power of two below a ``max_search`` that was not one), the
+    advice's scanned down one by one: the same answers, with fewer predictions.
+    """
+    known: dict[int, bool] = {}
+
+    def ok(i: int) -> bool:
+        if i not in known:
+            known[i] = fits(i)
+        return known[i]
+
+    if n <= 0:
+        return -1
+    i, step = min(max(start, 0), n - 1), 1
+    if ok(i):
+        lo, hi = i, n  # largest index that fitted, smallest index known not to (n: none)
+        while hi == n:
+            nxt = min(lo + step, n - 1)
+            if nxt == lo:
+                break
+            if ok(nxt):
+                lo, step = nxt, step * 2
+            else:
+                hi = nxt
+    else:
+        hi = i
+        while True:
+            if hi == 0:
+                return -1
+            nxt = max(hi - step, 0)
+            if ok(nxt):
+                lo = nxt
+                break
+            hi, step = nxt, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def search_micro_batch(start: int, candidates: Sequence[int], trial: Callable[[int], Trial], *,
@@ -201,39 +235,13 @@ def search_micro_batch(start: int, candidates: Sequence[int], trial: Callable[[i
         return tried[i].ok
 
     i = max([j for j, c in enumerate(cands) if c <= start], default=0)
-    step = 1
-    if runs(i):
-        lo, hi = i, len(cands)  # largest index that ran, smallest index known not to (len: none)
-        while step_up and hi == len(cands):
-            nxt = min(lo + step, len(cands) - 1)
-            if nxt == lo:
-                break
-            if runs(nxt):
-                lo, step = nxt, step * 2
-            else:
-                hi = nxt
-    else:
-        hi = i
-        while True:
-            if hi == 0:
-                first = tried[0]
-                raise UserError(
-                    f"even micro batch {cands[0]} does not fit ({first.message or first.result})",
-                    "use --gradient-checkpointing, a strategy that shards more (zero3, fsdp, an offload) or more GPUs",
-                )
-            nxt = max(hi - step, 0)
-            if runs(nxt):
-                lo = nxt
-                break
-            hi, step = nxt, step * 2
-    if not step_up:
-        hi = min(hi, i + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if runs(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = largest_that_fits(len(cands) if step_up else i + 1, runs, i)  # without step_up nothing above the start
+    if lo < 0:
+        first = tried[0]
+        raise UserError(
+            f"even micro batch {cands[0]} does not fit ({first.message or first.result})",
+            "use --gradient-checkpointing, a strategy that shards more (zero3, fsdp, an offload) or more GPUs",
+        )
     return cands[lo], list(tried.values())
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .dotted import set_dotted
 from .errors import UserError
 
 from .strategies.spec import DEFAULT_STRATEGY, names, spec
@@ -194,8 +195,6 @@ class RunConfig(_Strict):
         if self.curriculum and (self.early_stopping_patience or self.save_best):
             raise ValueError("early_stopping_patience and save_best compare eval losses of one eval split; a curriculum's "
                              "stages each have their own (run the stages as separate runs)")
-        if self.epochs is not None and self.max_steps is not None:
-            pass  # max_steps caps epochs; both are allowed
         return self
 
     # ---- derived -------------------------------------------------------------------------------
@@ -344,19 +343,6 @@ def _format_validation_error(err: ValidationError) -> UserError:
     )
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = data
-    for key in keys[:-1]:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise UserError(f"cannot set {dotted!r}: {key!r} is not a mapping", "check the key path")
-        node = child
-    node[keys[-1]] = value
-
-
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``5e-5`` as a float (YAML 1.1 demands ``5.0e-5``, a classic trap)."""
 
@@ -396,9 +382,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = read_yaml(path) if path else {}
     for key, value in (overrides or {}).items():
         if value is not None:
-            _set_dotted(data, key, value)
+            set_dotted(data, key, value)
     for key, value in (sets or {}).items():
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     return config_from_dict(data)
 
 

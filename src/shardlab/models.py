@@ -819,6 +819,20 @@ def load_local_weights(model: torch.nn.Module, cfg: RunConfig, load: Callable[[d
         del tensors
 
 
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`).
+
+    The one block finder: FSDP wraps each as a unit (strategies/fsdp.py), the planner sizes them
+    (planner.arch_from_hf_config). The pipeline needs more than the blocks (embeddings, final norm,
+    head, per family) and names them itself (strategies/pipeline._model_parts)."""
+    best: torch.nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+            if best is None or sum(p.numel() for p in module.parameters()) > sum(p.numel() for p in best.parameters()):
+                best = module
+    return list(best) if best is not None else []
+
+
 def is_checkpointing(model: torch.nn.Module) -> bool:
     """Whether activation (gradient) checkpointing is on, across transformers versions."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

@@ -52,9 +52,6 @@ def resolve_precision(requested: str, device_type: str, bf16_supported: bool | N
     return Precision(requested)
 
 
-NO_DECAY_HINTS = ("bias", "norm", "ln_", "ln_f")
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases, norms (and other 1-D tensors) are not decayed, as in GPT-2/nanoGPT.
 

@@ -86,7 +86,6 @@ class ForwardToWorkers:
     """
 
     def __init__(self) -> None:
-        self.received: int | None = None
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "ForwardToWorkers":
@@ -101,8 +100,6 @@ class ForwardToWorkers:
     def _handle(self, signum: int, frame) -> None:
         import psutil
 
-        if signum != SAVE_SIGNAL:
-            self.received = signum
         for child in psutil.Process().children(recursive=False):
             try:
                 child.send_signal(signum)

@@ -110,12 +110,19 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     out = []
     per_rank = p.micro_batch * p.grad_accum
     if 0 < sp.max_micro_batch < p.micro_batch:
-        # divisors of the per-rank batch, largest first; with accumulation the gradients live through forward too
-        for m in reversed(micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)):
-            smaller = cfg.model_copy(update={"micro_batch": m, "grad_accum": per_rank // m, "global_batch": None})
-            if plan(smaller, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits:
-                out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
-                break
+        from .autobatch import largest_that_fits
+
+        # divisors of the per-rank batch, from the largest; with accumulation the gradients live through forward too
+        cands = micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)
+
+        def fits(i: int) -> bool:
+            smaller = cfg.model_copy(update={"micro_batch": cands[i], "grad_accum": per_rank // cands[i], "global_batch": None})
+            return plan(smaller, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits
+
+        i = largest_that_fits(len(cands), fits, start=len(cands) - 1)
+        if i >= 0:
+            m = cands[i]
+            out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
     if not cfg.gradient_checkpointing:
         ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
         if ck.strategies[cfg.strategy].fits:

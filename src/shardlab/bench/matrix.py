@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import RunConfig, config_from_dict, read_yaml
+from ..dotted import set_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY, spec
 from ..layout import data_parallel_size
@@ -78,7 +79,6 @@ class Cell:
     parts: list[str] = field(default_factory=list)  # "suite/part" names this cell belongs to
     differs: list[str] = field(default_factory=list)
     repeats: int = 1
-    named_keys: set[str] = field(default_factory=set)  # keys an explicitly labelled cell sets (its label names them)
     axis_keys: set[str] = field(default_factory=set)  # keys the matrix's axes set on this cell
     suite: str = ""  # the first suite that asked for this cell (labels are made per suite)
 
@@ -118,29 +118,10 @@ def load_suite(name_or_path: str) -> Suite:
 # Expansion
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    keys = dotted.split(".")
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise UserError(f"cannot set {dotted!r}: {key!r} is not a mapping", "check the key path in the suite")
-    node[keys[-1]] = value
-
-
-def _get_dotted(data: dict[str, Any], dotted: str, default: Any = None) -> Any:
-    node: Any = data
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in overrides.items():
-        _set_dotted(out, k, copy.deepcopy(v))
+        set_dotted(out, k, copy.deepcopy(v), hint="check the key path in the suite")
     return out
 
 
@@ -225,7 +206,6 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     cell.parts.append(f"{suite.name}/{part.name}")
                     if label:
                         explicit[ident] = label
-                        cell.named_keys |= set(_flat(_merge({}, sets)))
                     part_cells.append((cell, {**point, **sets}))
             _check_footing(suite.name, part, set(axes), part_cells)
     out = list(cells.values())

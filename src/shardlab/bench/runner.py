@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import yaml
 
 from ..config import dump_config, read_yaml
+from ..procgroup import run_group
 from ..summary import RunSummary
 from .matrix import Cell, footing
 
@@ -82,16 +82,10 @@ def run_one(cell: Cell, repeat: int, bench_dir: Path, timeout: float, env: dict[
     record["command"] = " ".join(["shardlab", *cmd[3:]])
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        # Its own session, so a timeout can end the run with every rank it spawned, and nothing else.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        try:
-            code: int | str = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _end_group(proc)
-            code = "timeout"
-        except BaseException:
-            _end_group(proc)
-            raise
+        # Its own session, so a timeout can end the run with every rank it spawned, and nothing else:
+        # SIGTERM, 15 s for the ranks to stop, then SIGKILL.
+        run = run_group(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, grace=15)
+        code: int | str = "timeout" if run.timed_out else run.code
     record["wall_s"] = round(time.perf_counter() - t0, 2)
     record["exit_code"] = code
     ok = code == 0 and (run_dir / "summary.json").is_file()
@@ -103,19 +97,6 @@ def run_one(cell: Cell, repeat: int, bench_dir: Path, timeout: float, env: dict[
     else:
         record["reason"] = None
     return record
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _brief(run_dir: Path) -> str:

@@ -17,7 +17,6 @@ from ..config import DatasetConfig
 from ..errors import UserError
 from .sources import rows_column, rows_columns
 
-QA_FIELDS = ("question", "context", "answer")
 TOKENIZE_BATCH = 1000
 
 

@@ -25,7 +25,6 @@ SUPPORTED = ", ".join([*TEXT_SUFFIXES, *RECORD_SUFFIXES])
 # File-name words marking a held-out split in a directory (e.g. wiki.valid.txt, squad-dev.json).
 EVAL_WORDS = ("validation", "valid", "val", "dev", "eval")
 TEST_WORDS = ("test",)
-HUB_ALIASES = ("squad",)
 
 Rows = Any  # list[dict] | datasets.Dataset
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..dotted import get_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY
 from ..summary import RunSummary
@@ -82,9 +83,6 @@ class Spread:
     high: float
     n: int
 
-    def as_dict(self) -> dict[str, float]:
-        return {"median": self.median, "min": self.low, "max": self.high, "n": self.n}
-
 
 def spread(values: list[float | None]) -> Spread | None:
     vals = [float(v) for v in values if v is not None]
@@ -138,12 +136,7 @@ class Cell:
 
     # ---- what the run was ----------------------------------------------------------------------
     def setting(self, dotted: str, default: Any = None) -> Any:
-        node: Any = self.config
-        for key in dotted.split("."):
-            if not isinstance(node, dict) or key not in node:
-                return default
-            node = node[key]
-        return node
+        return get_dotted(self.config, dotted, default)
 
     @property
     def strategy(self) -> str:

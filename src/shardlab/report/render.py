@@ -57,10 +57,6 @@ def fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
-def _raw(value: Any) -> Any:
-    return value.median if isinstance(value, Spread) else value
-
-
 def table_dict(t: Table) -> dict[str, Any]:
     rows = []
     for r in t.rows:

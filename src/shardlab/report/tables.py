@@ -46,13 +46,6 @@ class Table:
 # figures of a run / a cell
 
 
-def _nested(run: Run, *keys: str) -> Any:
-    node: Any = run.summary
-    for k in keys:
-        node = node[k]
-    return node
-
-
 def _f(row: dict[str, str], *names: str) -> float | None:
     for n in names:
         if row.get(n) not in (None, ""):

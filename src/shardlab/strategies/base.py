@@ -183,6 +183,3 @@ class Strategy(ABC):
             out["cpu_threads"] = torch.get_num_threads()
             out["bound_cores"] = len(self.bound_cores)
         return out
-
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name, "memory": self.memory_note()}

@@ -16,16 +16,6 @@ from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`)."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if best is None or sum(p.numel() for p in module.parameters()) > sum(p.numel() for p in best.parameters()):
-                best = module
-    return list(best) if best is not None else []
-
-
 class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
@@ -69,6 +59,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from ..models import transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.cfg.strategy_options.fsdp_reshard_after_forward}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import monitor
+from shardlab.measure import monitor
 from shardlab.report.load import Run
 from shardlab.report.tables import cpu_csv_stats, gpu_csv_stats
 

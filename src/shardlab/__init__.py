@@ -23,14 +23,14 @@ from .errors import UserError  # noqa: E402,F401
 
 def train(cfg: RunConfig):
     """Train as `shardlab train` does: in this process (returns a RunResult) or across spawned workers."""
-    from .launch import train as _train  # torch and the engines load only when training
+    from .launch.launcher import train as _train  # torch and the engines load only when training
 
     return _train(cfg)
 
 
 def plan(cfg: RunConfig, **kwargs):
-    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planner.plan)."""
-    from .planner import plan as _plan
+    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planning.planner.plan)."""
+    from .planning.planner import plan as _plan
 
     return _plan(cfg, **kwargs)
 

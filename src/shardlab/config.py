@@ -99,7 +99,7 @@ class RunConfig(_Strict):
     seq_len: int = Field(128, gt=0)
     # batch triple: any two determine the third (with the data-parallel world size)
     micro_batch: int | Literal["auto"] | None = Field(
-        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.autobatch)"
+        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.planning.autobatch)"
     )
     grad_accum: int | None = Field(None, gt=0)
     global_batch: int | None = Field(None, gt=0)
@@ -129,7 +129,7 @@ class RunConfig(_Strict):
     compile: bool = False
     loss_kernel: Literal["auto", "compiled", "hf"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
-        "'auto' = compiled on CUDA, hf on CPU (shardlab.loss)")
+        "'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
     # strategy
     strategy: str = DEFAULT_STRATEGY
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
@@ -156,7 +156,7 @@ class RunConfig(_Strict):
     save_best: bool = Field(False, description="keep the checkpoint of the lowest eval loss (checkpoints/best) and export that step, not the last")
     samples: bool = Field(False, description="write samples.md: greedy completions of sample_prompts before and after training "
                           "(rank 0, on the CPU, from the model as loaded and from the exported one)")
-    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.generate.SAMPLE_PROMPTS)")
+    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.training.generate.SAMPLE_PROMPTS)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
     save_each_epoch: bool = Field(False, description="also checkpoint at the end of every epoch")
@@ -209,7 +209,7 @@ class RunConfig(_Strict):
         if micro == "auto":
             raise UserError(
                 "micro_batch 'auto' has no value until the search has run",
-                "`shardlab train` resolves it before the run (library: shardlab.autobatch.resolve_auto_micro_batch)",
+                "`shardlab train` resolves it before the run (library: shardlab.planning.autobatch.resolve_auto_micro_batch)",
             )
         if glob is not None and glob % dp_world:
             raise UserError(

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
-from .strategies.spec import lookup
+from ..errors import UserError
+from ..strategies.spec import lookup
 
 # Checkpoint formats (StrategySpec.checkpoint_format) this module converts between.
 TORCH_DCP = "torch_dcp"
@@ -105,7 +105,7 @@ def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 def check_resume(cfg, world_size: int, dp_size: int) -> None:
     """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
-    from .checkpoint import find_resume_dir, read_state
+    from .store import find_resume_dir, read_state
 
     if not cfg.resume:
         return

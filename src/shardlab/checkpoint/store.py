@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import faults
-from .errors import UserError
+from ..launch import faults
+from ..errors import UserError
 
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"

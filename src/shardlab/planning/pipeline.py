@@ -37,11 +37,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from .errors import UserError
-from .strategies.spec import find
+from ..errors import UserError
+from ..strategies.spec import find
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from ..config import RunConfig
     from .planner import Arch, StrategyPlan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v
@@ -53,7 +53,7 @@ class PipelineNotApplicable(UserError):
 
 def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int, int]]:
     """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
-    from .strategies.pipeline import split_blocks
+    from ..strategies.pipeline import split_blocks
 
     shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner._family tells Llama-style)
         hidden_size=arch.hidden, vocab_size=arch.vocab, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
@@ -79,7 +79,7 @@ def pipeline_shape(cfg: "RunConfig", world: int, layers: int) -> tuple[int, int,
 
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
-    from .pipesim.schedules import device_orders
+    from ..pipesim.schedules import device_orders
     from .planner import (
         CPU_ADAMW_TEMP_TENSORS,
         CUDA_CONTEXT_BYTES,
@@ -109,7 +109,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     sbh, bsv = float(s * b * h), float(b * s * vocab)
     last = n_stages - 1
 
-    from .strategies.pipeline import step_keeps_outputs
+    from ..strategies.pipeline import step_keeps_outputs
 
     keeps = step_keeps_outputs()  # the last stage's logits kept in output_chunks until the step ends
     saved, transient, buffers = [], [], []

@@ -30,7 +30,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
         directories whose keys match): no rank ever holds the whole fp32 model. Else the ordinary build."""
-        from ..models import build_model, meta_loadable
+        from ..training.models import build_model, meta_loadable
 
         if meta_loadable(self.cfg):
             return build_model(self.cfg, meta=True)
@@ -41,7 +41,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         (seeded as the ordinary build is), then a local directory's files loaded one at a time into them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from ..models import build_model, init_weights, load_local_weights, resolve_preset
+        from ..training.models import build_model, init_weights, load_local_weights, resolve_preset
 
         model.to_empty(device=device)
         torch.manual_seed(self.cfg.seed)

@@ -355,11 +355,11 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-class _YamlLoader(yaml.SafeLoader):
+class YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``5e-5`` as a float (YAML 1.1 demands ``5.0e-5``, a classic trap)."""
 
 
-_YamlLoader.add_implicit_resolver(
+YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
@@ -371,7 +371,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file {str(path)!r} not found", "check the path given to --config")
     try:
-        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(path.read_text(), Loader=YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         if mark is not None and "\\t" in str(getattr(exc, "problem", "")):  # YAML forbids tabs in indentation: name the cause
@@ -409,3 +409,17 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_set(values: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE ...` (train, plan, bench) as overrides, each value read as YAML like --config."""
+    out: dict[str, Any] = {}
+    for item in values:
+        if "=" not in item:
+            raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = yaml.load(raw, Loader=YamlLoader)  # noqa: S506 - SafeLoader subclass; reads 5e-5 as a float like --config does
+        except yaml.YAMLError:
+            raise UserError(f"--set {item!r}: {raw!r} is not a valid YAML value", "quote strings, e.g. --set 'key=\"a: b\"'") from None
+    return out

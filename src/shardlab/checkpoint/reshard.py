@@ -103,18 +103,6 @@ def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
         )
 
 
-def check_resume(cfg, world_size: int, dp_size: int) -> None:
-    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
-    from .store import find_resume_dir, read_state
-
-    if not cfg.resume:
-        return
-    found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
-    saved = read_state(found).get("layout") if found is not None else None
-    if saved:
-        micro, accum, glob = cfg.resolve_batch(dp_size)
-        check_pair(saved, layout(cfg, world_size, dp_size, micro, accum, glob))
-
 
 def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Collective: load a checkpoint written under another layout into `strategy`."""

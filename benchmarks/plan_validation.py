@@ -108,7 +108,7 @@ def run_train(args: list[str], timeout: float, threads: int | None = None) -> di
 def predicted_gib(model: str, strategy: str, seq: int, micro: int, device: str, gpu_gib: float) -> float:
     """What the scheduler packs by: the plan's own prediction (GiB per GPU)."""
     from shardlab.config import RunConfig
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     if device != "cuda":
         return 0.0

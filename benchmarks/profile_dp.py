@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where does shardlab's dp step lose time against the bare PyTorch loop? (issue 2, H100 gap)
 
-Two halves, both profiled with the same torch.profiler schedule (shardlab.profiling.StepProfiler:
+Two halves, both profiled with the same torch.profiler schedule (shardlab.measure.profiling.StepProfiler:
 skip the warm-up, record 4 steps):
 
   bare     the eager bf16 loop of bare_reference.py (GPT2Config, SDPA, fused AdamW over
@@ -32,7 +32,7 @@ def bare(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from shardlab.profiling import StepProfiler
+    from shardlab.measure.profiling import StepProfiler
 
     dev = torch.device(args.device)
     torch.manual_seed(0)

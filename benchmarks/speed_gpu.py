@@ -26,7 +26,7 @@ MODEL = {"bloom-sdpa": "bloom-560m", "bloom-eager": "bloom-560m"}
 EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, "dp-compile-again": 60, "fsdp-compile": 170,
               "zero1": 60, "zero2": 60, "zero3": 110}
 fg.CELLS.update({
-    "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.bloom_sdpa (what auto picks)
+    "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
     "dp-compile-again": fg.CELLS["dp-compile"],  # same configuration again: inductor's caches should be hit
     "fsdp-compile": ("fsdp", 16, ["--compile"], None),

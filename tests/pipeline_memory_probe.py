@@ -20,11 +20,11 @@ from allocations import peak_allocated
 from torch.profiler import ProfilerActivity, profile
 
 from shardlab.config import load_config
-from shardlab.distributed import init_distributed, shutdown_distributed
-from shardlab.models import build_model
-from shardlab.optim import Precision
+from shardlab.launch.distributed import init_distributed, shutdown_distributed
+from shardlab.training.models import build_model
+from shardlab.training.optim import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
-from shardlab.trainer import DevicePrefetcher, apply_dropout
+from shardlab.training.trainer import DevicePrefetcher, apply_dropout
 
 
 def held_bytes(strategy: PipelineStrategy) -> int:

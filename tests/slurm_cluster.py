@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from shardlab.distributed import free_port
+from shardlab.launch.distributed import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")

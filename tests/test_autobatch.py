@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from shardlab.autobatch import (
+from shardlab.planning.autobatch import (
     Trial,
     check_auto,
     micro_candidates,
@@ -113,7 +113,7 @@ def test_resolve_on_cpu_with_a_fake_trial(capsys):
     assert lines[-1].startswith("--micro-batch auto: 4 (plan: ") and "-> micro 4 x accum 6 = global batch 24" in lines[-1]
     assert "1.2 GiB host-RAM budget" in lines[0]
     # the plan's start is the largest allowed micro batch predicted within the budget
-    from shardlab.planner import predict_cpu_run
+    from shardlab.planning.planner import predict_cpu_run
 
     start = result.plan_start
     predicted = lambda m: predict_cpu_run(with_micro_batch(cfg, m).model_copy(update={"gpus": 1}), 1)[1]  # noqa: E731
@@ -173,7 +173,7 @@ def test_dry_run_shows_where_the_search_starts(capsys):
 
 
 def test_plan_with_micro_batch_auto():
-    from shardlab.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
+    from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch="auto", global_batch=64, precision="bf16", gpus=1, strategy="zero2")
     p = plan(cfg, gpu_memory_gb=80)

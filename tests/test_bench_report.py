@@ -303,7 +303,7 @@ def test_report_of_loose_run_dirs_flags_batch_and_token_differences(bench, tmp_p
 @pytest.mark.slow
 def test_planner_prediction_is_compared_with_the_measurement(bench, tmp_path):
     from shardlab.config import load_config
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     run = tmp_path / "zero2"
     shutil.copytree(bench.out / "runs/zero2/r1", run)

@@ -1,4 +1,4 @@
-"""BLOOM attention through SDPA with an ALiBi bias (shardlab.bloom_sdpa): chosen by auto, the same
+"""BLOOM attention through SDPA with an ALiBi bias (shardlab.training.bloom_sdpa): chosen by auto, the same
 training losses and gradients as transformers' eager BLOOM in fp32 on the CPU, and the seq² memory the
 planner counts for it (one shared bias instead of per-layer scores), measured with saved-tensor hooks."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardlab.config import RunConfig
-from shardlab.models import build_hf_config, build_model, resolve_attn_implementation
+from shardlab.training.models import build_hf_config, build_model, resolve_attn_implementation
 
 
 def _bloom(attn: str, **kw):
@@ -106,8 +106,8 @@ def test_planner_counts_the_sdpa_bloom_activations(dtype):
     measurements, on a wide small-vocab BLOOM whose layers dominate."""
     from transformers import AutoModelForCausalLM, BloomConfig
 
-    from shardlab.bloom_sdpa import use_sdpa_attention
-    from shardlab.planner import activation_bytes, arch_from_hf_config
+    from shardlab.training.bloom_sdpa import use_sdpa_attention
+    from shardlab.planning.planner import activation_bytes, arch_from_hf_config
     from tests.test_plan import _saved_bytes
 
     c = BloomConfig(n_layer=2, hidden_size=256, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
@@ -122,7 +122,7 @@ def test_planner_counts_the_sdpa_bloom_activations(dtype):
 
 
 def test_planned_attention_for_bloom_is_sdpa():
-    from shardlab.planner import _planned_attn
+    from shardlab.planning.planner import _planned_attn
 
     cfg = RunConfig(model="bloom-560m")
     assert _planned_attn(cfg, build_hf_config(cfg)) == "sdpa"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardlab.buildlocks import build_locks, clear_stale_build_locks, open_by_a_process
+from shardlab.launch.buildlocks import build_locks, clear_stale_build_locks, open_by_a_process
 
 
 def _lock(root: Path, op: str, age_s: float) -> Path:

@@ -118,7 +118,7 @@ def test_pipeline_microbatch_mistakes_are_one_line(tmp_path, capsys, monkeypatch
 
 def test_plan_pipeline_row_uses_the_default_microbatches():
     from shardlab.config import RunConfig
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     for strategy in ("dp", "pipeline"):  # the pipeline row of any plan is planned as `train --strategy pipeline` runs
         result = plan(RunConfig(model="tiny-gpt2", strategy=strategy, gpus=2, seq_len=64, micro_batch=2), gpu_memory_gb=16,
@@ -293,7 +293,7 @@ def finished_run(out: Path, with_checkpoint: bool = False) -> list[str]:
     for name in ("summary.json", "metrics.jsonl", "config.yaml", "env.json", "cpu_memory.csv"):
         (out / name).write_text("{}\n")
     if with_checkpoint:
-        from shardlab.checkpoint import TRAINER_STATE
+        from shardlab.checkpoint.store import TRAINER_STATE
 
         (out / "checkpoints" / "step-0000002").mkdir(parents=True)
         (out / "checkpoints" / "step-0000002" / TRAINER_STATE).write_text("{}")
@@ -317,7 +317,7 @@ def test_reusing_a_finished_runs_dir_is_refused(tmp_path, capsys, monkeypatch):
 
 def test_stale_run_files_decides_what_a_new_run_may_delete(tmp_path, monkeypatch):
     from shardlab.config import RunConfig
-    from shardlab.launch import stale_run_files
+    from shardlab.launch.launcher import stale_run_files
 
     monkeypatch.delenv("RANK", raising=False)
     out = tmp_path / "run"

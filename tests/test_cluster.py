@@ -24,7 +24,7 @@ import psutil
 import pytest
 from slurm_cluster import LocalSlurm, missing_reason
 
-from shardlab.distributed import free_port
+from shardlab.launch.distributed import free_port
 
 BASE = ["--model", "tiny-gpt2", "--dataset", "offline", "--device", "cpu", "--seq-len", "64", "--precision", "fp32",
         "--log-every", "1", "--lr", "1e-3", "--lr-schedule", "constant", "--seed", "7", "--set", "dataset.eval_samples=1",
@@ -332,8 +332,8 @@ def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_pa
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.export import export_checkpoint
-    from shardlab.models import load_tokenizer
+    from shardlab.checkpoint.export import export_checkpoint
+    from shardlab.training.models import load_tokenizer
 
     run = ref0 if strategy == "dp" else elastic
     ckpt = run / "checkpoints" / f"step-{step:07d}"
@@ -357,7 +357,7 @@ def test_export_cli_equals_the_end_of_run_export(elastic, tmp_path):
     mine, end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(elastic / "model" / "model.safetensors")
     assert mine.keys() == end.keys() and all((mine[k] == end[k]).all() for k in mine)
     from shardlab.errors import UserError
-    from shardlab.export import export_checkpoint
+    from shardlab.checkpoint.export import export_checkpoint
 
     with pytest.raises(UserError, match="exists and is not empty"):
         export_checkpoint(elastic, tmp_path / "cli")
@@ -372,7 +372,7 @@ def test_export_of_pipeline_and_zero0_checkpoints_equals_their_run_export(single
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardlab.export import export_checkpoint
+    from shardlab.checkpoint.export import export_checkpoint
 
     run = single_runs[strategy].ok()
     mine = AutoModelForCausalLM.from_pretrained(export_checkpoint(run.out, tmp_path / "hf")).state_dict()

@@ -26,7 +26,7 @@ def hostfile(tmp_path: Path, text: str) -> str:
 
 
 def test_hostfile_sets_nodes_gpus_master_and_rank(tmp_path):
-    from shardlab.nodes import apply_hostfile, read_hostfile
+    from shardlab.launch.nodes import apply_hostfile, read_hostfile
 
     hf = hostfile(tmp_path, "# two nodes\nlocalhost slots=4\n\nnode-b slots=4  # second\n")
     assert read_hostfile(hf) == [("localhost", 4), ("node-b", 4)]
@@ -45,7 +45,7 @@ def test_hostfile_sets_nodes_gpus_master_and_rank(tmp_path):
     ("remote slots=1\nlocalhost slots=1\n127.0.0.1 slots=1\n", "appears 2 times"),  # and --node-rank 0 is not one of them
 ])  # fmt: skip
 def test_bad_hostfiles_are_one_line_errors(tmp_path, text, match):
-    from shardlab.nodes import apply_hostfile
+    from shardlab.launch.nodes import apply_hostfile
 
     with pytest.raises(UserError, match=match):
         apply_hostfile(load_config(None, {"hostfile": hostfile(tmp_path, text)}))
@@ -54,8 +54,8 @@ def test_bad_hostfiles_are_one_line_errors(tmp_path, text, match):
 
 
 def test_slurm_node_agent_takes_its_place_from_slurm(monkeypatch):
-    from shardlab.distributed import in_launched_job
-    from shardlab.nodes import resolve_nodes
+    from shardlab.launch.distributed import in_launched_job
+    from shardlab.launch.nodes import resolve_nodes
 
     for k, v in {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]",
                  "SLURM_NTASKS": "3", "SLURM_PROCID": "2"}.items():  # fmt: skip
@@ -73,7 +73,7 @@ def test_slurm_node_agent_takes_its_place_from_slurm(monkeypatch):
 
 
 def test_slurm_script_and_snapshot(tmp_path):
-    from shardlab.slurm import SlurmOptions, prepare
+    from shardlab.launch.slurm import SlurmOptions, prepare
 
     cfg = load_config(None, {"model": "tiny-gpt2", "device": "cuda", "gpus": 4, "nodes": 2, "strategy": "zero3", "output_dir": str(tmp_path / "run")})
     opts = SlurmOptions(partition="gpu", account="lab", time="04:00:00", mem="64G", cpus_per_task=16, setup=["module load cuda/12.4"],
@@ -81,7 +81,7 @@ def test_slurm_script_and_snapshot(tmp_path):
     job = prepare(cfg, opts)
     snap = job.snapshot
     assert snap.parent == tmp_path / "run" / "slurm" and not list(snap.parent.glob("*.tmp"))
-    assert (snap / "code" / "shardlab" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "trainer.py").read_text()
+    assert (snap / "code" / "shardlab" / "training" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "training" / "trainer.py").read_text()
     assert not list((snap / "code").rglob("__pycache__"))
     ran = load_config(snap / "config.yaml")
     assert ran.resume == "auto" and ran.output_dir == str(tmp_path / "run") and (ran.nodes, ran.gpus, ran.strategy) == (2, 4, "zero3")
@@ -105,7 +105,7 @@ def test_slurm_script_and_snapshot(tmp_path):
     ({"device": "cpu", "model": "gpt5-nano"}, "gpt5-nano"),
 ])  # fmt: skip
 def test_slurm_refuses_bad_jobs_before_writing(tmp_path, overrides, match):
-    from shardlab.slurm import SlurmOptions, prepare
+    from shardlab.launch.slurm import SlurmOptions, prepare
 
     with pytest.raises(UserError, match=match):
         prepare(load_config(None, {"output_dir": str(tmp_path / "run"), **overrides}), SlurmOptions())
@@ -143,7 +143,7 @@ def layout(strategy: str, world: int, glob: int = 8, weight_decay: float = 0.0) 
     (("infinity", 1), ("zero3", 1), False),
 ])  # fmt: skip
 def test_elastic_pairs(src, dst, ok):
-    from shardlab.reshard import check_pair
+    from shardlab.checkpoint.reshard import check_pair
 
     if ok:
         check_pair(layout(*src), layout(*dst))
@@ -153,14 +153,14 @@ def test_elastic_pairs(src, dst, ok):
 
 
 def test_elastic_resume_needs_the_same_global_batch():
-    from shardlab.reshard import check_pair
+    from shardlab.checkpoint.reshard import check_pair
 
     with pytest.raises(UserError, match="global batch 8, this run uses 16"):
         check_pair(layout("dp", 2, 8), layout("dp", 2, 16))
 
 
 def test_resume_keeps_the_weight_decay():
-    from shardlab.reshard import check_pair
+    from shardlab.checkpoint.reshard import check_pair
 
     check_pair(layout("zero2", 2, weight_decay=0.1), layout("fsdp", 1, weight_decay=0.1))
     with pytest.raises(UserError, match="weight decay 0.1, this run uses 0.0"):
@@ -172,7 +172,7 @@ def test_resume_keeps_the_weight_decay():
 
 
 def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path):
-    from shardlab.checkpoint import find_resume_dir
+    from shardlab.checkpoint.store import find_resume_dir
 
     root = tmp_path / "checkpoints"
     for name, complete in (("step-0000002", True), ("step-0000004", True), ("step-0000006.tmp", True), ("step-0000008", False)):
@@ -190,7 +190,7 @@ def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_stop_signals_only_set_flags():
-    from shardlab.preemption import StopSignals
+    from shardlab.launch.preemption import StopSignals
 
     before = signal.getsignal(signal.SIGUSR1)
     sig = StopSignals().install()
@@ -206,8 +206,8 @@ def test_stop_signals_only_set_flags():
 
 
 def strategy(precision: str, **cfg):
-    from shardlab.distributed import DistEnv
-    from shardlab.optim import Precision
+    from shardlab.launch.distributed import DistEnv
+    from shardlab.training.optim import Precision
     from shardlab.strategies.ddp import DDPStrategy
 
     torch.manual_seed(0)
@@ -249,7 +249,7 @@ def test_nonfinite_gradients_never_reach_the_weights(max_grad_norm):
 
 
 def test_fault_spec_parsing(monkeypatch):
-    from shardlab import faults
+    from shardlab.launch import faults
 
     monkeypatch.setenv(faults.ENV, "kill_in_save@8:1, nan_loss@3")
     assert faults._wanted("kill_in_save", 8, 1) and not faults._wanted("kill_in_save", 8, 0) and not faults._wanted("kill_in_save", 7, 1)
@@ -259,7 +259,7 @@ def test_fault_spec_parsing(monkeypatch):
 
 
 def test_kill_fault_fires_in_the_first_training_forward_of_its_step(monkeypatch):
-    from shardlab import faults
+    from shardlab.launch import faults
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -295,8 +295,8 @@ def _failure(rank: int, exitcode: int, timestamp: int):
 
 
 def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second():
-    from shardlab.launch import WorkerFailed
-    from shardlab.preemption import REQUEUE_EXIT
+    from shardlab.launch.launcher import WorkerFailed
+    from shardlab.launch.preemption import REQUEUE_EXIT
 
     # rank 0 lost its peer and exited with its one-line error; rank 1 was SIGKILLed; one poll saw both
     for failures in ({0: _failure(0, 2, 100), 1: _failure(1, -signal.SIGKILL, 100)},
@@ -321,7 +321,7 @@ def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second()
 def test_a_group_broken_by_a_dead_peer_is_not_torn_down(monkeypatch):
     """Destroying it can std::terminate (SIGABRT) a survivor that already printed its error; exit_process flushes and
     leaves with os._exit, skipping the interpreter's teardown."""
-    from shardlab import distributed
+    from shardlab.launch import distributed
 
     monkeypatch.setattr(distributed, "_group_broken", False)  # restored after the test
     destroyed, exited = [], []

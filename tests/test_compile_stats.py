@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import compile_stats
-from shardlab.metrics import WARMUP_STEPS
+from shardlab.measure import compile_stats
+from shardlab.measure.metrics import WARMUP_STEPS
 
 
 def test_inductor_cache_goes_under_the_shardlab_cache(monkeypatch, tmp_path):

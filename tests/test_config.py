@@ -12,7 +12,7 @@ import torch
 from shardlab.cli import build_parser, config_from_args, main
 from shardlab.config import STRATEGIES, RunConfig, config_from_dict, dump_config, load_config
 from shardlab.errors import UserError
-from shardlab.optim import adamw, lr_lambda, param_groups, scheduler
+from shardlab.training.optim import adamw, lr_lambda, param_groups, scheduler
 from shardlab.strategies.deepspeed_zero import (
     STAGE,
     build_ds_config,
@@ -395,7 +395,7 @@ def test_scheduler_drives_the_optimizer_lr():
 
 
 def test_param_groups_decay_matrices_only():
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
 
     model = build_model(RunConfig(model="tiny-gpt2"))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -417,7 +417,7 @@ def test_param_groups_decay_matrices_only():
 
 def test_param_groups_without_weight_decay_are_one_group():
     """Decay 0 makes the split moot: one group, so fused AdamW runs once per step, as a bare loop's does."""
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
 
     model = build_model(RunConfig(model="tiny-gpt2"))
     model.transformer.wpe.requires_grad_(False)

@@ -80,7 +80,7 @@ def _cases(f: dict[str, Path]) -> dict[str, Case]:
 OOM_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    import shardlab.trainer as t
+    import shardlab.training.trainer as t
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     t.Trainer._loop = oom  # what a too-large micro batch does to the first step on a GPU
@@ -174,7 +174,7 @@ def test_cuda_oom_is_reported_with_next_steps(results):
 
 
 def test_bf16_on_a_gpu_without_it():
-    from shardlab.optim import resolve_precision
+    from shardlab.training.optim import resolve_precision
 
     with pytest.raises(UserError, match="bf16") as err:
         resolve_precision("bf16", "cuda", bf16_supported=False)
@@ -196,7 +196,7 @@ def test_out_of_memory_is_a_user_error_with_its_own_exit_code():
 
 def test_next_strategy_suggestions_shard_more():
     from shardlab.config import STRATEGIES
-    from shardlab.trainer import next_strategy
+    from shardlab.training.trainer import next_strategy
 
     assert next_strategy("dp") == "zero2"
     assert next_strategy("zero2") == "zero3"

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from shardlab.cli import main
-from shardlab.early_stopping import EvalTracker
+from shardlab.training.early_stopping import EvalTracker
 from shardlab.errors import UserError
-from shardlab.generate import SAMPLE_PROMPTS, complete, load, model_dir, samples_markdown
+from shardlab.training.generate import SAMPLE_PROMPTS, complete, load, model_dir, samples_markdown
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A run directory whose model/ is a random-init tiny-gpt2 with its tokenizer, as checkpoint.export_hf writes."""
     from shardlab.config import RunConfig
-    from shardlab.models import build_model, load_tokenizer
+    from shardlab.training.models import build_model, load_tokenizer
 
     cfg = RunConfig(model="tiny-gpt2")
     run = tmp_path_factory.mktemp("run")
@@ -85,7 +85,7 @@ def test_mistakes_are_one_line_errors(run_dir, tmp_path, capsys, args, message):
 def test_model_dir_resolution(run_dir, tmp_path):
     assert model_dir(str(run_dir)) == str(run_dir / "model")
     assert model_dir(str(run_dir / "model")) == str(run_dir / "model")
-    assert model_dir("tiny-gpt2") == "tiny-gpt2"  # not a path: shardlab.models resolves it
+    assert model_dir("tiny-gpt2") == "tiny-gpt2"  # not a path: shardlab.training.models resolves it
     with pytest.raises(UserError, match="shardlab export"):
         (tmp_path / "r").mkdir()
         (tmp_path / "r" / "config.yaml").write_text("model: tiny-gpt2\n")
@@ -102,7 +102,7 @@ def test_samples_markdown_fences_and_missing_after():
 
 
 def test_complete_keeps_the_random_state_and_the_training_mode(run_dir):
-    from shardlab.generate import complete_all
+    from shardlab.training.generate import complete_all
 
     model, tok, _ = load(str(run_dir))
     model.train()
@@ -165,7 +165,7 @@ def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.models import load_tokenizer
+    from shardlab.training.models import load_tokenizer
 
     # lr 0.5, constant: Adam's first step moves every weight by ~0.5 and each later step makes the eval loss worse
     run = train_cli(["--model", "tiny-gpt2", "--num-samples", "8", "--set", "dataset.eval_samples=2", "--seq-len", "32",

@@ -18,7 +18,7 @@ def one_rank():
     """A single-rank gloo process group in this process (FSDP2 and DeepSpeed need one)."""
     import torch.distributed as dist
 
-    from shardlab.distributed import DistEnv, free_port
+    from shardlab.launch.distributed import DistEnv, free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -29,7 +29,7 @@ def one_rank():
 
 
 def _fsdp_weights(cfg: RunConfig, env) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from shardlab.optim import Precision
+    from shardlab.training.optim import Precision
     from shardlab.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(cfg, env, Precision("fp32"), 1, 1)
@@ -44,7 +44,7 @@ def _fsdp_weights(cfg: RunConfig, env) -> tuple[torch.nn.Module, dict[str, torch
 def test_fsdp_from_meta_initialises_like_transformers(one_rank, strategy):
     """Random init from meta + per-shard init gives exactly the ordinary build's weights on one rank (the same seeded
     draws in the same order, the tied head drawn once), so fsdp starts where dp, ZeRO and the pipeline start."""
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
 
     cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64)
     ref = build_model(cfg).state_dict()
@@ -56,7 +56,7 @@ def test_fsdp_from_meta_initialises_like_transformers(one_rank, strategy):
 
 
 def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
-    from shardlab.models import build_model, meta_loadable
+    from shardlab.training.models import build_model, meta_loadable
 
     saved = build_model(RunConfig(model="tiny-bloom", seed=7))
     saved.save_pretrained(tmp_path, max_shard_size="1MB")  # several files: loaded one at a time
@@ -72,7 +72,7 @@ def test_checkpoint_with_other_key_names_is_not_built_on_meta(tmp_path):
     """Old-style names (no 'transformer.' prefix) go through transformers' own renaming in the ordinary build."""
     from safetensors.torch import save_file
 
-    from shardlab.models import build_model, meta_loadable
+    from shardlab.training.models import build_model, meta_loadable
 
     model = build_model(RunConfig(model="tiny-gpt2"))
     model.config.save_pretrained(tmp_path)
@@ -86,7 +86,7 @@ def test_checkpoint_with_other_key_names_is_not_built_on_meta(tmp_path):
 def test_16bit_build_is_the_fp32_build_rounded(name):
     """DeepSpeed's 16-bit build gives exactly the weights the engine made before by casting the fp32 build
     (same seed, same draws), so ZeRO-0/1/2 runs under bf16 start from identical weights."""
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
 
     fp32 = build_model(RunConfig(model=name)).state_dict()
     bf16 = build_model(RunConfig(model=name), dtype=torch.bfloat16).state_dict()
@@ -97,7 +97,7 @@ def test_16bit_build_is_the_fp32_build_rounded(name):
 def test_deepspeed_builds_what_the_engine_keeps(one_rank):
     """ZeRO-1/2 with bf16: the module in bf16 (the engine casts it anyway and makes its fp32 master from the
     bf16 weights), never an fp32 copy. ZeRO-3: built inside zero.Init, every parameter a partition."""
-    from shardlab.optim import Precision
+    from shardlab.training.optim import Precision
     from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
 
     cfg = RunConfig(model="tiny-gpt2", strategy="zero2_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1)
@@ -127,7 +127,7 @@ def test_deepspeed_builds_what_the_engine_keeps(one_rank):
     ("bloom-7b1", "fsdp_offload", 1, 512, True, 111.0),
 ])
 def test_gpu_host_prediction_within_10_percent_of_measured(model, strategy, micro, seq, pin, measured):
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     cfg = RunConfig(model=model, strategy=strategy, micro_batch=micro, grad_accum=1, seq_len=seq, precision="bf16", gpus=1,
                     gradient_checkpointing=model == "bloom-7b1")
@@ -138,7 +138,7 @@ def test_gpu_host_prediction_within_10_percent_of_measured(model, strategy, micr
 
 def test_plan_says_bloom_7b1_zero2_offload_does_not_fit_125_gib():
     """The run the OOM killer ended: pinned fp32 master and gradients round up to 32 GiB each."""
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     cfg = RunConfig(model="bloom-7b1", micro_batch=1, seq_len=512, precision="bf16", gpus=1, gradient_checkpointing=True)
     p = plan(cfg, gpu_memory_gb=80, host_ram_gb=125)
@@ -153,7 +153,8 @@ def test_plan_says_bloom_7b1_zero2_offload_does_not_fit_125_gib():
 def test_train_refuses_what_host_ram_cannot_hold(monkeypatch, tmp_path):
     """In-process: the launcher's plan exceeds the node's RAM -> one UserError naming the need, what is
     available and what would fit, before any run directory exists; --force skips the check."""
-    from shardlab import launch, run_plan
+    from shardlab.launch import launcher as launch
+    from shardlab.planning import run_plan
 
     out = tmp_path / "run"
     cfg = RunConfig(model="tiny-gpt2", strategy="zero2_offload", device="cpu", seq_len=64, micro_batch=2, max_steps=1,
@@ -168,7 +169,7 @@ def test_train_refuses_what_host_ram_cannot_hold(monkeypatch, tmp_path):
 
 
 def test_host_fixes_name_an_unpinned_run_or_another_strategy():
-    from shardlab.run_plan import _host_fixes, predict_run
+    from shardlab.planning.run_plan import _host_fixes, predict_run
 
     cfg = RunConfig(model="bloom-7b1", strategy="zero2_offload", micro_batch=1, seq_len=512, precision="bf16",
                     gradient_checkpointing=True)

@@ -105,7 +105,7 @@ def test_what_a_plan_prices_and_words_differently():
 
 
 def test_model_layers():
-    from shardlab.models import build_hf_config
+    from shardlab.training.models import build_hf_config
 
     assert model_layers(build_hf_config(RunConfig(model="tiny-gpt2"))) == 2
     assert model_layers(object()) is None
@@ -142,11 +142,11 @@ def agree_cfg(strategy, gpus, opts, extra, model) -> RunConfig:
 def test_launcher_trainer_strategy_planner_and_bench_agree(strategy, gpus, opts, extra, deep_gpt2, tmp_path, capsys, monkeypatch):
     import torch
 
-    from shardlab import trainer as trainer_mod
+    from shardlab.training import trainer as trainer_mod
     from shardlab.bench.matrix import resolved_batch
     from shardlab.cli import main
-    from shardlab.distributed import DistEnv
-    from shardlab.planner import plan
+    from shardlab.launch.distributed import DistEnv
+    from shardlab.planning.planner import plan
     from shardlab.strategies import strategy_class
 
     cfg = agree_cfg(strategy, gpus, opts, extra, deep_gpt2)
@@ -194,8 +194,8 @@ def test_pipeline_strategy_groups_are_the_layouts(monkeypatch):
     import torch
 
     import shardlab.strategies.pipeline as pipeline
-    from shardlab.distributed import DistEnv
-    from shardlab.optim import resolve_precision
+    from shardlab.launch.distributed import DistEnv
+    from shardlab.training.optim import resolve_precision
 
     made = []
     monkeypatch.setattr(pipeline.dist, "new_group", lambda ranks: made.append(list(ranks)) or tuple(ranks))

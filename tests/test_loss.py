@@ -1,10 +1,10 @@
-"""shardlab.loss: the causal-LM loss outside the model equals transformers' own, eager and compiled."""
+"""shardlab.training.loss: the causal-LM loss outside the model equals transformers' own, eager and compiled."""
 
 import pytest
 import torch
 
-from shardlab import loss
-from shardlab.models import build_model
+from shardlab.training import loss
+from shardlab.training.models import build_model
 
 
 @pytest.fixture(scope="module")

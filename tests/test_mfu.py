@@ -9,9 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from shardlab import mfu
+from shardlab.measure import mfu
 from shardlab.config import RunConfig
-from shardlab.models import build_hf_config
+from shardlab.training.models import build_hf_config
 
 
 def meta_model(name: str):

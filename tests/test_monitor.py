@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import monitor
+from shardlab.measure import monitor
 from shardlab.report.load import Run
 from shardlab.report.tables import cpu_csv_stats, gpu_csv_stats
-from shardlab.summary import merge_monitor
+from shardlab.measure.summary import merge_monitor
 
 MB = 10**6
 

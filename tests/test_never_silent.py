@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.monitor import CPU_COLUMNS, CPU_CSV
-from shardlab.supervise import SUPERVISED_ENV, fix_for_kill, note_for_kill, supervise
-from shardlab.trainer import progress_line
+from shardlab.measure.monitor import CPU_COLUMNS, CPU_CSV
+from shardlab.launch.supervise import SUPERVISED_ENV, fix_for_kill, note_for_kill, supervise
+from shardlab.training.trainer import progress_line
 
 ROW = {"step": 20, "epoch": 0.4, "loss": 3.21456, "lr": 4.5e-5, "tokens_per_s": 12345.6, "step_time_s": 0.512, "cpu_rss_gib": 1.25}
 
@@ -72,7 +72,7 @@ def test_supervisor_passes_the_childs_exit_status_through_silently(tmp_path, cap
 
 @pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGABRT, 3])
 def test_the_supervisor_ends_as_its_child_ended(code):
-    proc = subprocess.run([sys.executable, "-c", f"import sys; from shardlab.supervise import exit_as; sys.exit(exit_as({code}))"],
+    proc = subprocess.run([sys.executable, "-c", f"import sys; from shardlab.launch.supervise import exit_as; sys.exit(exit_as({code}))"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stderr
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardlab import optim
+from shardlab.training import optim
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
 from shardlab.strategies import strategy_class
@@ -134,7 +134,7 @@ def test_adamw8bit_is_torchaos_and_runs_on_cpu():
 
 
 def test_bind_threads_gives_each_rank_its_own_cores():
-    from shardlab.distributed import bind_threads_to_rank_cores
+    from shardlab.launch.distributed import bind_threads_to_rank_cores
 
     cores, threads, omp = os.sched_getaffinity(0), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     try:
@@ -151,7 +151,7 @@ def test_bind_threads_gives_each_rank_its_own_cores():
 
 
 def test_time_split_on_cpu_records_compute_and_optimizer():
-    from shardlab.timesplit import StepSplit
+    from shardlab.measure.timesplit import StepSplit
 
     split = StepSplit(torch.device("cpu"), enabled=True)
     for _ in range(2):
@@ -167,7 +167,7 @@ def test_time_split_on_cpu_records_compute_and_optimizer():
 
 
 def test_plan_counts_ao_offload_and_the_optimizer_options():
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     n = 7_069_016_064
     p = plan(RunConfig(model="bloom-7b1", seq_len=512, micro_batch=1, precision="bf16", gpus=1, gradient_checkpointing=True),
@@ -226,7 +226,7 @@ def test_adamw8bit_tracks_adamw_over_200_steps(tmp_path, train_cli):
 
 
 def test_auto_micro_batch_accumulates_offload_steps_to_a_large_token_batch():
-    from shardlab.autobatch import OFFLOAD_TOKENS_PER_STEP, offload_accumulation
+    from shardlab.planning.autobatch import OFFLOAD_TOKENS_PER_STEP, offload_accumulation
 
     lines = []
     cfg = RunConfig(strategy="zero2_offload", seq_len=1024, micro_batch=4)

@@ -20,13 +20,13 @@ SOURCES = {p: p.read_text() for p in sorted(SRC.rglob("*.py"))}
 
 # helper -> the module that owns it (relative to src/shardlab)
 OWNERS = {
-    "free_port": "distributed.py",
+    "free_port": "launch/distributed.py",
     "get_dotted": "dotted.py",
     "set_dotted": "dotted.py",
-    "run_group": "procgroup.py",
-    "end_group": "procgroup.py",
-    "largest_that_fits": "autobatch.py",
-    "transformer_blocks": "models.py",
+    "run_group": "launch/procgroup.py",
+    "end_group": "launch/procgroup.py",
+    "largest_that_fits": "planning/autobatch.py",
+    "transformer_blocks": "training/models.py",
 }
 
 # the copies the owners replaced, and dead code removed: no `def`, no assignment, no use
@@ -64,7 +64,7 @@ def test_removed_methods_are_not_back():
 
     assert "as_dict" not in methods("report/load.py", "Spread")
     assert "describe" not in methods("strategies/base.py", "Strategy")
-    assert "received" not in SOURCES[SRC / "preemption.py"]  # ForwardToWorkers.received: set, never read
+    assert "received" not in SOURCES[SRC / "launch/preemption.py"]  # ForwardToWorkers.received: set, never read
 
 
 def test_no_if_that_only_passes():
@@ -75,12 +75,12 @@ def test_no_if_that_only_passes():
 
 
 @pytest.mark.parametrize("marker, owner", [
-    (r"os\.killpg\(", "procgroup.py"),  # process-group kill
-    (r"start_new_session=True", "procgroup.py"),  # a command in its own group
-    (r"\.bind\(\(\"127\.0\.0\.1\", 0\)\)", "distributed.py"),  # a free port (slurm.py's is shell in the sbatch script)
-    (r"isinstance\(module, (torch\.)?nn\.ModuleList\)", "models.py"),  # the block finder
+    (r"os\.killpg\(", "launch/procgroup.py"),  # process-group kill
+    (r"start_new_session=True", "launch/procgroup.py"),  # a command in its own group
+    (r"\.bind\(\(\"127\.0\.0\.1\", 0\)\)", "launch/distributed.py"),  # a free port (slurm.py's is shell in the sbatch script)
+    (r"isinstance\(module, (torch\.)?nn\.ModuleList\)", "training/models.py"),  # the block finder
     (r"dotted\.split\(\"\.\"\)", "dotted.py"),  # walking a dotted key
-    (r"os\.wait4\(", "procgroup.py"),
+    (r"os\.wait4\(", "launch/procgroup.py"),
 ])
 def test_the_work_itself_happens_in_one_place(marker, owner):
     found = sorted({str(p.relative_to(SRC)) for p, text in SOURCES.items() if re.search(marker, text)})
@@ -88,7 +88,7 @@ def test_the_work_itself_happens_in_one_place(marker, owner):
 
 
 def test_run_group_ends_the_whole_group_on_timeout(tmp_path):
-    from shardlab.procgroup import run_group
+    from shardlab.launch.procgroup import run_group
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "

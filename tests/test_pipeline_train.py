@@ -161,9 +161,9 @@ def test_pipeline_stages_compute_in_the_runs_precision(monkeypatch, precision):
     import torch.distributed.pipelining as pipelining
 
     from shardlab.config import RunConfig
-    from shardlab.distributed import DistEnv
-    from shardlab.models import build_model
-    from shardlab.optim import Precision
+    from shardlab.launch.distributed import DistEnv
+    from shardlab.training.models import build_model
+    from shardlab.training.optim import Precision
     from shardlab.strategies import strategy_class
 
     class Built(Exception):
@@ -193,7 +193,7 @@ def test_pipeline_stages_compute_in_the_runs_precision(monkeypatch, precision):
 
 @pytest.mark.slow
 def test_interleaved_1f1b_matches_dp(root, train_cli):
-    from shardlab.models import gpt2_bpe_tokenizer
+    from shardlab.training.models import gpt2_bpe_tokenizer
 
     model_dir = root / "gpt2-4-layers"  # interleaving 2 chunks on 2 ranks needs 4 layers
     torch.manual_seed(0)
@@ -257,7 +257,7 @@ def test_pipeline_bad_inputs(tmp_path, monkeypatch, capsys, extra, words):
 
 
 def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
-    from shardlab import launch
+    from shardlab.launch import launcher as launch
     from shardlab.config import RunConfig
     from shardlab.errors import UserError
 
@@ -307,7 +307,7 @@ def test_stage_names_map_to_the_models_own_names(preset, blocks):
     from torch import nn
 
     from shardlab.config import RunConfig
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
     from shardlab.strategies.pipeline import _model_parts, _Stage, hf_names
 
     model = build_model(RunConfig(model=preset, dropout=0.0))

@@ -14,7 +14,7 @@ import torch
 from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.planner import (
+from shardlab.planning.planner import (
     GiB,
     activation_bytes,
     arch_from_hf_config,
@@ -60,7 +60,7 @@ def test_plan_model_states_in_bytes():
 def test_deepspeed_estimator_transcription_matches_deepspeed():
     ds12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     ds3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    from shardlab.planner import _ds_zero2_formula, _ds_zero3_formula
+    from shardlab.planning.planner import _ds_zero2_formula, _ds_zero3_formula
 
     for n, ll, g, nodes in ((354_823_168, 51_463_168, 1, 1), (7_069_016_064, 1_027_604_480, 8, 2)):
         for off in (True, False):
@@ -78,7 +78,7 @@ def test_deepspeed_estimator_transcription_matches_deepspeed():
     [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("bloom-560m", 559_214_592), ("bloom-7b1", 7_069_016_064)],
 )
 def test_meta_param_counts_known_presets(name, count):
-    from shardlab.models import build_hf_config
+    from shardlab.training.models import build_hf_config
 
     arch = arch_from_hf_config(build_hf_config(RunConfig(model=name)))
     assert arch.n_params == count
@@ -86,7 +86,7 @@ def test_meta_param_counts_known_presets(name, count):
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bloom"])
 def test_meta_param_counts_equal_real_models(name):
-    from shardlab.models import build_hf_config, build_model, model_summary
+    from shardlab.training.models import build_hf_config, build_model, model_summary
 
     cfg = RunConfig(model=name, device="cpu")
     arch = arch_from_hf_config(build_hf_config(cfg))
@@ -124,7 +124,7 @@ TINY_BOUND, WIDE_BOUND = 0.25, 0.10
 @functools.cache
 def tiny_errors(name: str, attn: str, ckpt: bool) -> dict[tuple[int, int], tuple[float, float]]:
     """(seq, micro) -> (predicted, measured) saved-activation bytes of a tiny preset; measured once per session."""
-    from shardlab.models import build_hf_config, build_model
+    from shardlab.training.models import build_hf_config, build_model
 
     cfg = RunConfig(model=name, device="cpu", attn_implementation=attn, gradient_checkpointing=ckpt)
     model = build_model(cfg)
@@ -204,7 +204,7 @@ def test_nothing_fits_gives_next_option():
 
 
 def test_micro_batch_search_is_the_largest_fitting():
-    from shardlab.planner import RESERVED_OVER_ALLOCATED, _usable
+    from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, _usable
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1)
     p = plan(cfg, gpu_memory_gb=80, strategies=("zero2",))
@@ -287,9 +287,9 @@ def test_cli_json_and_table(capsys):
 
 
 def test_compiled_loss_keeps_only_16bit_logits_and_their_gradient():
-    """shardlab.loss on CUDA: the logits' share of the peak drops from 12 to 2*2 bytes per logit (bf16)."""
-    from shardlab.models import build_hf_config
-    from shardlab.planner import arch_from_hf_config
+    """shardlab.training.loss on CUDA: the logits' share of the peak drops from 12 to 2*2 bytes per logit (bf16)."""
+    from shardlab.training.models import build_hf_config
+    from shardlab.planning.planner import arch_from_hf_config
 
     cfg = RunConfig(model="bloom-560m", seq_len=1024, micro_batch=4, precision="bf16", gpus=1)
     bsv = 4 * 1024 * arch_from_hf_config(build_hf_config(cfg)).vocab
@@ -312,7 +312,7 @@ MEASURED_ZERO3_GATHER = [
     (dict(model="gpt2-large", gpus=2, micro_batch=4, grad_accum=4, loss_kernel="hf"), "zero3", 20.821),
     (dict(model="gpt2-large", gpus=4, micro_batch=4, grad_accum=2, loss_kernel="hf"), "zero3", 17.9),
     (dict(model="gpt2-large", gpus=1, micro_batch=2, grad_accum=1, strategy_options=MEASURED_BUCKETS), "zero3_offload", 7.95),
-    # measured with BLOOM's eager attention (before shardlab.bloom_sdpa made sdpa its auto choice)
+    # measured with BLOOM's eager attention (before shardlab.training.bloom_sdpa made sdpa its auto choice)
     (dict(model="bloom-560m", gpus=1, micro_batch=2, grad_accum=1, attn_implementation="eager", strategy_options=MEASURED_BUCKETS),
      "zero3_offload", 9.96),
 ]
@@ -339,9 +339,9 @@ def test_cpu_adamw_step_temporaries_are_per_tensor():
     from allocations import peak_allocated
     from torch.profiler import ProfilerActivity, profile
 
-    from shardlab.models import build_model
-    from shardlab.optim import adamw
-    from shardlab.planner import predict_cpu_run
+    from shardlab.training.models import build_model
+    from shardlab.training.optim import adamw
+    from shardlab.planning.planner import predict_cpu_run
 
     cfg = RunConfig(model="tiny-gpt2", device="cpu", seq_len=64, micro_batch=2, weight_decay=0.1)
     sp, _ = predict_cpu_run(cfg, 1)

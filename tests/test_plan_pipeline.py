@@ -15,8 +15,8 @@ import torch
 
 from shardlab.config import RunConfig, dump_config, load_config
 from shardlab.errors import UserError
-from shardlab.plan_pipeline import pipeline_strategy_plan
-from shardlab.planner import _arch, plan
+from shardlab.planning.pipeline import pipeline_strategy_plan
+from shardlab.planning.planner import _arch, plan
 
 PROBE = Path(__file__).with_name("pipeline_memory_probe.py")
 
@@ -33,7 +33,7 @@ def test_split_is_the_strategys(model, ranks, chunks):
     """PipelineStrategy.setup's own split, computed from the (meta) HF model, is the plan's."""
     from transformers import AutoModelForCausalLM
 
-    from shardlab.models import build_hf_config
+    from shardlab.training.models import build_hf_config
     from shardlab.strategies.pipeline import _model_parts, split_blocks
 
     opts = {"pp_schedule": "interleaved-1f1b", "pp_chunks": chunks} if chunks > 1 else {}
@@ -54,7 +54,7 @@ def test_split_is_the_strategys(model, ranks, chunks):
 @pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-bloom"])
 def test_parameters_per_gpu_are_the_real_stage_modules(model):
     """Build the real model and the strategy's _Stage modules; count what each GPU would hold."""
-    from shardlab.models import build_model
+    from shardlab.training.models import build_model
     from shardlab.strategies.pipeline import _Stage
 
     for ranks in (1, 2):
@@ -118,7 +118,7 @@ H200_PIPELINE_RUNS = [("1f1b", [(0, 18), (18, 36)], 23.27), ("gpipe", [(0, 18), 
 def test_bf16_peak_matches_the_h200_pipeline_runs(monkeypatch, schedule, split, measured):
     """Autocast inside each stage: 16-bit activations, and a 16-bit copy of the stage's weights per micro-batch in
     flight. Counted as fp32 (the plan before), these cells were 15-22% over."""
-    import shardlab.plan_pipeline as pp
+    import shardlab.planning.pipeline as pp
     import shardlab.strategies.pipeline as strategy
 
     monkeypatch.setattr(pp, "pipeline_split", lambda *a: split)
@@ -189,7 +189,7 @@ def case_config(case: dict, wide: Path) -> RunConfig:
 @pytest.fixture(scope="module")
 def measured(wide_models, tmp_path_factory):
     """Every case on the same 2 gloo ranks (the probe runs them one after the other)."""
-    from shardlab.distributed import free_port
+    from shardlab.launch.distributed import free_port
 
     out = tmp_path_factory.mktemp("probe")
     paths = []

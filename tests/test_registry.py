@@ -30,10 +30,10 @@ NAME_RE = re.compile(r'"(dp|zero[0-3]?|zero[23]_offload|zero1_offload|infinity|f
                      r'|startswith\("(zero|fsdp)')
 # Literals the pattern matches that are not strategy names: (file, text on the line), each with its reason.
 NOT_STRATEGY_NAMES = {
-    ("cli.py", '"pipeline": cmd_pipeline'),  # the `shardlab pipeline` subcommand
+    ("cli/__init__.py", '"pipeline": cmd_pipeline'),  # the `shardlab pipeline` subcommand
     ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
-    ("reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
-    ("trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
+    ("checkpoint/reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
+    ("training/trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
 }
 
 
@@ -59,8 +59,8 @@ def test_every_name_has_a_spec_and_a_loadable_class(name):
 
 
 def test_speed_order_and_oom_suggestions_are_mains():
-    from shardlab.planner import MEASURED_SPEED, SPEED_ORDER
-    from shardlab.trainer import next_strategy
+    from shardlab.planning.planner import MEASURED_SPEED, SPEED_ORDER
+    from shardlab.training.trainer import next_strategy
 
     assert registry.speed_order() == SPEED_ORDER == MAIN_SPEED_ORDER
     assert MEASURED_SPEED == MAIN_MEASURED_SPEED
@@ -107,7 +107,7 @@ def fake_strategy():
 
 def test_a_registered_spec_is_picked_up_without_other_edits(fake_strategy):
     from shardlab.config import RunConfig
-    from shardlab.planner import plan
+    from shardlab.planning.planner import plan
 
     assert RunConfig(strategy="zero2_twin").strategy == "zero2_twin"  # config validation reads the registry
     assert registry.names()[-1] == "zero2_twin"

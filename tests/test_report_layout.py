@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardlab.monitor import stats
+from shardlab.measure.monitor import stats
 from shardlab.report import build
 from shardlab.report import plots as plots_mod
 from shardlab.report.load import Spread

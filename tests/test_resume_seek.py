@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from shardlab.sampling import SeekableDistributedSampler
-from shardlab.trainer import Trainer
+from shardlab.training.sampling import SeekableDistributedSampler
+from shardlab.training.trainer import Trainer
 
 
 class CountingBlocks(Dataset):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from shardlab.config import RunConfig
-from shardlab.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
-from shardlab.run_plan import PLAN_KEYS, predict_run, warning_line
+from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
+from shardlab.planning.run_plan import PLAN_KEYS, predict_run, warning_line
 
 # Measured H100 peaks (GiB) per strategy: tests/data/README.md says where they come from.
 MEASURED_H100 = json.loads((Path(__file__).parent / "data" / "h100_foundation_peaks.json").read_text())
@@ -54,7 +54,7 @@ def test_gpu_warning_names_what_fits_instead():
     s = re.search(r"--strategy (\w+)", line)
     assert s and _fits(cfg.model_copy(update={"strategy": s[1]}), 28.0)
     # and the first of them is the fastest such strategy in the planner's speed order
-    from shardlab.planner import SPEED_ORDER
+    from shardlab.planning.planner import SPEED_ORDER
 
     faster = SPEED_ORDER[: SPEED_ORDER.index(s[1])]
     assert not any(_fits(cfg.model_copy(update={"strategy": f}), 28.0) for f in faster if f != "dp")
@@ -66,7 +66,7 @@ def test_compile_is_flagged_not_modelled():
     assert rec["compile_modelled"] is False and any("--compile is NOT modelled" in n for n in rec["notes"])
     assert "--compile is not modelled" in warning_line(rec)
     # the note's figure is the planner's own eager prediction for the measured compiled run
-    from shardlab.planner import MEASURED_H100_COMPILE
+    from shardlab.planning.planner import MEASURED_H100_COMPILE
 
     assert rec["gpu_peak_gib"] == pytest.approx(MEASURED_H100_COMPILE["eager_prediction"], abs=0.5)
     assert rec["gpu_peak_gib"] > 1.5 * MEASURED_H100_COMPILE["measured"]
@@ -79,12 +79,12 @@ def test_cpu_record_and_a_planner_failure(monkeypatch):
     assert 2 * 0.6 < rec["cpu_gib"] < 2 * 1.0  # two ranks of ~0.7 GiB (process baseline + tiny model)
     assert warning_line(rec) is None
 
-    import shardlab.planner
+    import shardlab.planning.planner
 
     def broken(*a, **k):
         raise RuntimeError("a bug in the planner")
 
-    monkeypatch.setattr(shardlab.planner, "predict_cpu_run", broken)
+    monkeypatch.setattr(shardlab.planning.planner, "predict_cpu_run", broken)
     rec = predict_run(cfg, "cpu", 1)
     assert rec == {"gpu_peak_gib": None, "cpu_gib": None, "fits": None, "strategy": "zero2", "device": "cpu",
                    "error": "RuntimeError: a bug in the planner"}

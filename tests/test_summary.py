@@ -11,7 +11,7 @@ from shardlab.report import build
 from shardlab.report.load import read_run
 from shardlab.report.render import to_markdown
 from shardlab.report.tables import cpu_csv_stats, cpu_monitor_stats, gpu_csv_stats, gpu_monitor_stats
-from shardlab.summary import CpuMonitor, GpuMonitor, PlanRecord, RunSummary, TimeSplit, merge_monitor
+from shardlab.measure.summary import CpuMonitor, GpuMonitor, PlanRecord, RunSummary, TimeSplit, merge_monitor
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,10 +110,10 @@ def test_exactly_one_place_writes_summary_json():
             if any(about_summary(c) for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in WRITES) or any(
                     about_summary(c) for c in calls if getattr(c.func, "id", None) == "open"):
                 writers.append(f"{path.relative_to(src)}:{node.name}")
-    assert writers == ["summary.py:write"], writers
+    assert writers == ["measure/summary.py:write"], writers
     # and RunSummary.write is called by the trainer (its rank 0's summary) and merge_monitor (the monitor's figures) only
     callers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if ".write(self.run_dir)" in p.read_text() or "summary.write(run_dir)" in p.read_text())
-    assert callers == ["summary.py", "trainer.py"], callers
+    assert callers == ["measure/summary.py", "training/trainer.py"], callers
 
 
 def test_report_reads_the_monitor_from_the_summary_and_its_figures_are_unchanged():

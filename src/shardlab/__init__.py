@@ -4,6 +4,11 @@ Library use mirrors the CLI:
 
     from shardlab import load_config, train
     result = train(load_config("examples/quick-test.yaml", {"max_steps": 5}))
+
+Layout: packages by concern (cli, launch, training, data, strategies, checkpoint, measure, planning, pipesim,
+bench, report; README "Code layout"). errors.py and config.py stay at the top as the base layer every package
+imports; config is one module, so a config/ package would only add a level. The packages are `training/`
+and `planning/`, not `train/` and `plan/`, because `shardlab.train` and `shardlab.plan` are the functions below.
 """
 
 __version__ = "0.1.0"
@@ -23,14 +28,14 @@ from .errors import UserError  # noqa: E402,F401
 
 def train(cfg: RunConfig):
     """Train as `shardlab train` does: in this process (returns a RunResult) or across spawned workers."""
-    from .launch import train as _train  # torch and the engines load only when training
+    from .launch.launcher import train as _train  # torch and the engines load only when training
 
     return _train(cfg)
 
 
 def plan(cfg: RunConfig, **kwargs):
-    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planner.plan)."""
-    from .planner import plan as _plan
+    """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planning.planner.plan)."""
+    from .planning.planner import plan as _plan
 
     return _plan(cfg, **kwargs)
 

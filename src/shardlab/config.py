@@ -100,7 +100,7 @@ class RunConfig(_Strict):
     seq_len: int = Field(128, gt=0)
     # batch triple: any two determine the third (with the data-parallel world size)
     micro_batch: int | Literal["auto"] | None = Field(
-        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.autobatch)"
+        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.planning.autobatch)"
     )
     grad_accum: int | None = Field(None, gt=0)
     global_batch: int | None = Field(None, gt=0)
@@ -130,7 +130,7 @@ class RunConfig(_Strict):
     compile: bool = False
     loss_kernel: Literal["auto", "compiled", "hf"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
-        "'auto' = compiled on CUDA, hf on CPU (shardlab.loss)")
+        "'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
     # strategy
     strategy: str = DEFAULT_STRATEGY
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
@@ -157,7 +157,7 @@ class RunConfig(_Strict):
     save_best: bool = Field(False, description="keep the checkpoint of the lowest eval loss (checkpoints/best) and export that step, not the last")
     samples: bool = Field(False, description="write samples.md: greedy completions of sample_prompts before and after training "
                           "(rank 0, on the CPU, from the model as loaded and from the exported one)")
-    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.generate.SAMPLE_PROMPTS)")
+    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.training.generate.SAMPLE_PROMPTS)")
     save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
     save_each_epoch: bool = Field(False, description="also checkpoint at the end of every epoch")
@@ -208,7 +208,7 @@ class RunConfig(_Strict):
         if micro == "auto":
             raise UserError(
                 "micro_batch 'auto' has no value until the search has run",
-                "`shardlab train` resolves it before the run (library: shardlab.autobatch.resolve_auto_micro_batch)",
+                "`shardlab train` resolves it before the run (library: shardlab.planning.autobatch.resolve_auto_micro_batch)",
             )
         if glob is not None and glob % dp_world:
             raise UserError(
@@ -343,11 +343,11 @@ def _format_validation_error(err: ValidationError) -> UserError:
     )
 
 
-class _YamlLoader(yaml.SafeLoader):
+class YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``5e-5`` as a float (YAML 1.1 demands ``5.0e-5``, a classic trap)."""
 
 
-_YamlLoader.add_implicit_resolver(
+YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
@@ -359,7 +359,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file {str(path)!r} not found", "check the path given to --config")
     try:
-        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(path.read_text(), Loader=YamlLoader) or {}  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         if mark is not None and "\\t" in str(getattr(exc, "problem", "")):  # YAML forbids tabs in indentation: name the cause
@@ -397,3 +397,17 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_set(values: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE ...` (train, plan, bench) as overrides, each value read as YAML like --config."""
+    out: dict[str, Any] = {}
+    for item in values:
+        if "=" not in item:
+            raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = yaml.load(raw, Loader=YamlLoader)  # noqa: S506 - SafeLoader subclass; reads 5e-5 as a float like --config does
+        except yaml.YAMLError:
+            raise UserError(f"--set {item!r}: {raw!r} is not a valid YAML value", "quote strings, e.g. --set 'key=\"a: b\"'") from None
+    return out

@@ -10,8 +10,8 @@ import torch
 
 from shardlab.config import RunConfig
 from shardlab.data import build_datasets
-from shardlab.models import load_tokenizer
-from shardlab.trainer import Trainer
+from shardlab.training.models import load_tokenizer
+from shardlab.training.trainer import Trainer
 
 seq_len, micro, accum = (int(a) for a in (sys.argv[1:] + ["16", "1", "1"][len(sys.argv) - 1:]))
 cfg = RunConfig(model="tiny-gpt2", seq_len=seq_len, seed=1234)

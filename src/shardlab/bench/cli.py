@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import parse_set
 from ..errors import UserError
 
 
@@ -60,19 +61,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
         for name, path in sorted(builtin_suites().items()):
             print(f"{name:16s} {load_suite(str(path)).description}")
         return
-    from ..cli import _parse_set
-
     suites = args.suite or ["quick"]
     axes = {k: v for k, v in (("model", args.models), ("strategy", args.strategies), ("gpus", args.gpus),
                               ("micro_batch", args.micro_batch)) if v}
     base = {k: v for k, v in (("max_steps", args.max_steps), ("seq_len", args.seq_len), ("precision", args.precision),
                               ("device", args.device)) if v is not None}
-    base.update(_parse_set(args.set))
+    base.update(parse_set(args.set))
     for item in args.axis:
         key, sep, values = item.partition("=")
         if not sep or not key.strip() or not values.strip():
             raise UserError(f"--axis {item!r} is not of the form KEY=V1,V2", "write e.g. --axis strategy_options.pin_memory=true,false")
-        axes[key.strip()] = [_parse_set([f"v={v}"])["v"] for v in values.split(",") if v.strip()]
+        axes[key.strip()] = [parse_set([f"v={v}"])["v"] for v in values.split(",") if v.strip()]
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats {args.repeats} must be at least 1", "pass --repeats 1 or more")
     overrides = Overrides(axes=axes, base=base, repeats=args.repeats)

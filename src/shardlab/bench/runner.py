@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 
 from ..config import dump_config, read_yaml
-from ..procgroup import run_group
-from ..summary import RunSummary
+from ..launch.procgroup import run_group
+from ..measure.summary import RunSummary
 from .matrix import Cell, footing
 
 BENCH_FILE = "bench.json"

@@ -16,7 +16,7 @@ from typing import Iterator
 from urllib.parse import urlparse
 
 from ..errors import UserError
-from .sources import RawSplits
+from .rows import RawSplits
 
 TRUE = {"1", "true", "yes", "on"}
 EVAL_SPLITS = ("validation", "valid", "dev", "test")

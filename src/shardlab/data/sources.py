@@ -18,6 +18,7 @@ from typing import Any
 
 from ..config import DatasetConfig
 from ..errors import UserError
+from .rows import RawSplits, Rows
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -25,16 +26,6 @@ SUPPORTED = ", ".join([*TEXT_SUFFIXES, *RECORD_SUFFIXES])
 # File-name words marking a held-out split in a directory (e.g. wiki.valid.txt, squad-dev.json).
 EVAL_WORDS = ("validation", "valid", "val", "dev", "eval")
 TEST_WORDS = ("test",)
-
-Rows = Any  # list[dict] | datasets.Dataset
-
-
-@dataclass
-class RawSplits:
-    train: Rows
-    eval: Rows | None  # None: the source has no eval split, so one is held out
-    description: str
-
 
 @dataclass(frozen=True)
 class Source:

@@ -10,7 +10,8 @@ import random
 from typing import Any
 
 from ..config import DatasetConfig
-from .sources import RawSplits, rows_len, rows_select
+from .rows import RawSplits
+from .sources import rows_len, rows_select
 
 
 def held_out_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ Definitions (all per device d, over the whole simulated run starting at t=0):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def bubble_theory(schedule: str, P: int, M: int, V: int = 1) -> float | None:
     return None
 
 
-def compute_metrics(tl: "Timeline") -> dict[str, Any]:
+def compute_metrics(tl: "Timeline", simulate: Callable[..., "Timeline"]) -> dict[str, Any]:
+    """The timeline's metrics; `simulate` (simulator.simulate, passed in: this module sits below it) runs the naive baseline."""
     P = tl.stages
     makespan = max(e.end for e in tl.events)
     busy = [0.0] * P
@@ -47,8 +49,6 @@ def compute_metrics(tl: "Timeline") -> dict[str, Any]:
     if tl.schedule == "naive":
         naive_makespan = makespan
     else:
-        from .simulator import simulate
-
         naive_makespan = simulate("naive", P, tl.microbatches, tl.fwd, tl.bwd, tl.comm, steps=tl.steps).makespan
 
     inflight, activations, versions = _memory(tl)

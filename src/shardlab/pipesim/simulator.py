@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from ..errors import UserError
+from .ascii import ascii_timeline
+from .metrics import compute_metrics
 from .schedules import SCHEDULES, SYNCHRONOUS, Action, device_orders
 
 
@@ -56,8 +58,6 @@ class Timeline:
         return sorted((e for e in self.events if e.device == device), key=lambda e: e.start)
 
     def ascii(self, **kwargs) -> str:
-        from .ascii import ascii_timeline
-
         return ascii_timeline(self, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,9 +145,7 @@ def simulate(
         # No flush: the whole run is one 1F1B stream of steps*M micro-batches.
         tl.events = _run(tl, device_orders(schedule, stages, steps * microbatches), 0.0, 0)
     tl.events.sort(key=lambda e: (e.start, e.device))
-    from .metrics import compute_metrics
-
-    tl.metrics = compute_metrics(tl)
+    tl.metrics = compute_metrics(tl, simulate)
     return tl
 
 

@@ -20,7 +20,7 @@ import yaml
 from ..dotted import get_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY
-from ..summary import RunSummary
+from ..measure.summary import RunSummary
 
 BENCH_FILE = "bench.json"
 

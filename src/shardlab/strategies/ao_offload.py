@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from .. import optim
+from ..training import optim
 from ..errors import UserError
 from .ddp import DDPStrategy
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import loss, optim
+from ..training import loss, optim
 from ..config import RunConfig
-from ..distributed import DistEnv
-from ..optim import Precision
+from ..launch.distributed import DistEnv
+from ..training.optim import Precision
 from .spec import StrategySpec, spec
 
 
@@ -47,11 +47,11 @@ class Strategy(ABC):
         if self.cpu_optimizer(cfg) and cfg.strategy_options.bind_cores:
             import os
 
-            from ..distributed import bind_threads_to_rank_cores
+            from ..launch.distributed import bind_threads_to_rank_cores
 
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
             self.bound_cores = bind_threads_to_rank_cores(env.local_rank, local_world)
-        from ..timesplit import StepSplit
+        from ..measure.timesplit import StepSplit
 
         self.time_split = StepSplit(env.device, self.cpu_optimizer(cfg))
 
@@ -59,7 +59,7 @@ class Strategy(ABC):
     def build_model(self) -> nn.Module:
         """The model ``setup`` receives. Default: the whole model in fp32 on the CPU (what dp keeps:
         autocast over fp32 weights); engines that keep less override it so that no fp32 copy is built."""
-        from ..models import build_model
+        from ..training.models import build_model
 
         return build_model(self.cfg)
 

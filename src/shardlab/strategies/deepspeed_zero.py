@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import optim
+from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError
 from .base import Strategy
@@ -231,7 +231,7 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
     Returns the config to run and the lines to log."""
     if not cfg.deepspeed_config:
         return cfg, []
-    from ..optim import resolve_precision
+    from ..training.optim import resolve_precision
 
     user = read_user_json(cfg.deepspeed_config)
     notes: list[str] = []
@@ -263,7 +263,7 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
 
 
 def _runs_on(precision: str, device_type: str) -> bool:
-    from ..optim import resolve_precision
+    from ..training.optim import resolve_precision
 
     try:
         resolve_precision(precision, device_type)
@@ -454,7 +454,7 @@ class DeepSpeedStrategy(Strategy):
         build is only a transient twice the size. ZeRO-3 builds inside ``deepspeed.zero.Init`` (transformers
         does so while an ``HfDeepSpeedConfig`` is alive, and loads checkpoints into the partitions), so no
         rank ever holds the whole model; with parameter offload the partitions are created on the CPU."""
-        from ..models import build_model
+        from ..training.models import build_model
 
         dtype = self.precision.dtype
         if STAGE[self.cfg.strategy] < 3:

@@ -20,7 +20,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
         directories whose keys match): no rank ever holds the whole fp32 model. Else the ordinary build."""
-        from ..models import build_model, meta_loadable
+        from ..training.models import build_model, meta_loadable
 
         if meta_loadable(self.cfg):
             return build_model(self.cfg, meta=True)
@@ -31,7 +31,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         (seeded as the ordinary build is), then a local directory's files loaded one at a time into them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from ..models import build_model, init_weights, load_local_weights, resolve_preset
+        from ..training.models import build_model, init_weights, load_local_weights, resolve_preset
 
         model.to_empty(device=device)
         torch.manual_seed(self.cfg.seed)
@@ -60,7 +60,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        from ..models import transformer_blocks
+        from ..training.models import transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.cfg.strategy_options.fsdp_reshard_after_forward}

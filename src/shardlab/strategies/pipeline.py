@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import metrics
+from ..measure import metrics
 from ..errors import UserError
 from ..layout import ParallelLayout
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
@@ -203,7 +203,7 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    from ..planner import _family
+    from ..planning.planner import _family
 
     gated = _family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
     # Megatron/Narayanan et al. 2021: 2 FLOPs per weight of the matmuls (q and o, k and v with GQA's fewer

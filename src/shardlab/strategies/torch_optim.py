@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import optim
+from ..training import optim
 from ..errors import UserError
 from .base import Strategy
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from ..errors import UserError
 from .supervise import NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free supervise.py, used here and by others
 
 

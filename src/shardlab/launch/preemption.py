@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .errors import UserError, say
+from ..errors import UserError, say
 
 # EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
 REQUEUE_EXIT = 75

@@ -11,9 +11,9 @@ import os
 import socket
 from pathlib import Path
 
-from .config import RunConfig
+from ..config import RunConfig
 from .distributed import NODE_AGENT_ENV, first_slurm_host
-from .errors import UserError
+from ..errors import UserError
 
 
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:

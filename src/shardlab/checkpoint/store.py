@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import faults
-from .errors import UserError
+from ..launch import faults
+from . import reshard
+from ..errors import UserError
 
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -139,14 +140,23 @@ def read_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / TRAINER_STATE).read_text())
 
 
+def check_resume(cfg, world_size: int, dp_size: int) -> None:
+    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
+    if not cfg.resume:
+        return
+    found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
+    saved = read_state(found).get("layout") if found is not None else None
+    if saved:
+        micro, accum, glob = cfg.resolve_batch(dp_size)
+        reshard.check_pair(saved, reshard.layout(cfg, world_size, dp_size, micro, accum, glob))
+
+
 def load(strategy, directory: Path, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: restore engine state and this rank's RNG; returns the trainer state.
 
     `layout` describes the resuming run (reshard.layout); a checkpoint written with another
     strategy or number of ranks is converted by reshard.py where that pair is supported.
     """
-    from . import reshard
-
     state = read_state(directory)
     saved = state.get("layout")
     if layout is not None and saved is not None:

@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import say
-from .strategies.spec import find, lookup
+from ..errors import say
+from ..strategies.spec import find, lookup
 
 # Set in the supervised child: the file it writes its plan record into (run_plan.py), read after a kill.
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
@@ -64,7 +64,7 @@ def oom_kills() -> int | None:
 
 def peak_host_gib(output_dir: str | Path) -> float | None:
     """The highest process-tree RSS in the run's cpu_memory.csv (the monitor streams it while the run goes)."""
-    from .monitor import CPU_CSV
+    from ..measure.monitor import CPU_CSV
 
     path = Path(output_dir) / CPU_CSV
     try:
@@ -80,7 +80,7 @@ def note_for_kill(output_dir: str | Path, plan: dict[str, Any] | None, oom_kills
     """What is known about a SIGKILL, and the fix: did the OOM killer act, the peak host memory seen, the plan's prediction."""
     import psutil
 
-    from .monitor import CPU_CSV
+    from ..measure.monitor import CPU_CSV
 
     parts = []
     after = oom_kills()

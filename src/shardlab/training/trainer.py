@@ -32,21 +32,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import checkpoint, faults, guards, metrics, mfu, optim, reshard
-from .compile_stats import CompileClock, process_start_time, use_persistent_cache
-from .config import RunConfig, dump_config
-from .data.blocks import IGNORE
-from .distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, shutdown_distributed
+from ..checkpoint import store as checkpoint, reshard
+from ..launch import faults, guards
+from ..measure import metrics, mfu
+from . import optim
+from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
+from ..config import RunConfig, dump_config
+from ..data.blocks import IGNORE
+from ..launch.distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, shutdown_distributed
 from .early_stopping import EvalTracker
-from .errors import OutOfMemory, UserError
-from .layout import ParallelLayout
+from ..errors import OutOfMemory, UserError
+from ..layout import ParallelLayout
 from .optim import Precision, resolve_precision
-from .preemption import Preempted, StopSignals
-from .profiling import StepProfiler
+from ..launch.preemption import Preempted, StopSignals
+from ..measure.profiling import StepProfiler
 from .sampling import SeekableDistributedSampler
-from .strategies import strategy_class
-from .strategies.spec import StrategySpec, lookup, spec
-from .summary import RunSummary
+from ..strategies import strategy_class
+from ..strategies.spec import StrategySpec, lookup, spec
+from ..measure.summary import RunSummary
 
 
 @dataclass
@@ -221,7 +224,7 @@ class Trainer:
         self.env.barrier()
 
     def _build_data(self, stage_dataset, tokenizer):
-        from .data import build_datasets
+        from ..data import build_datasets
 
         # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
         failure: UserError | None = None

@@ -44,8 +44,8 @@ from transformers import (
 )
 
 from .bloom_sdpa import is_bloom, use_sdpa_attention
-from .config import RunConfig
-from .errors import UserError
+from ..config import RunConfig
+from ..errors import UserError
 
 __all__ = [
     "Preset",

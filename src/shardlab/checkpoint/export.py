@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, reshard
-from .config import RunConfig, load_config
-from .errors import UserError
+from . import store as checkpoint, reshard
+from ..config import RunConfig, load_config
+from ..errors import UserError
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -42,7 +42,7 @@ def checkpoint_config(ckpt: Path) -> RunConfig:
 def _meta_model(cfg: RunConfig):
     from transformers import AutoModelForCausalLM
 
-    from .models import build_hf_config
+    from ..training.models import build_hf_config
 
     with torch.device("meta"):  # names and shapes only; the weights come from the checkpoint
         return AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=torch.float32)
@@ -88,7 +88,7 @@ def _dcp_weights(ckpt: Path, model) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from .strategies.torch_optim import CKPT_DIR
+    from ..strategies.torch_optim import CKPT_DIR
 
     wanted = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}}
     # tied names may be stored once: load what is there, _complete fills the rest
@@ -121,7 +121,7 @@ def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    from .models import load_tokenizer
+    from ..training.models import load_tokenizer
 
     ckpt = resolve_checkpoint(path)
     cfg = checkpoint_config(ckpt)

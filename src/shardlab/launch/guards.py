@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 FAILURE_KEY = "shardlab/failure"
 _COMM_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "NCCL", "gloo", "Socket", "Broken pipe")

@@ -29,7 +29,7 @@ def use_persistent_cache() -> Path:
     """Inductor's cache directory: $TORCHINDUCTOR_CACHE_DIR if set, else <shardlab cache>/inductor (set here,
     before anything compiles, so worker processes inherit it). Returns the directory in use."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from .data.cache import cache_root
+        from ..data.cache import cache_root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

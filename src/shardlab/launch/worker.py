@@ -1,19 +1,19 @@
-"""`python -m shardlab.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process."""
+"""`python -m shardlab.launch.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process."""
 
 from __future__ import annotations
 
 import sys
 
-from .cli import report_errors
-from .config import load_config
+from ..cli import report_errors
+from ..config import load_config
 from .distributed import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with report_errors() as status:
-        from .run_plan import read_record
-        from .trainer import run_worker
+        from ..planning.run_plan import read_record
+        from ..training.trainer import run_worker
 
         run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
     return status.code

@@ -28,7 +28,7 @@ def add_cluster_parsers(sub, add_run_flags) -> None:
 def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
     import sys
 
-    from .slurm import SlurmOptions, cpus_per_task, job_config, prepare, shared_paths, submit
+    from ..launch.slurm import SlurmOptions, cpus_per_task, job_config, prepare, shared_paths, submit
 
     cfg = config_from_args(args)
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, mem=args.mem, cpus_per_task=args.cpus_per_task,
@@ -48,7 +48,7 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from .export import export_checkpoint
+    from ..checkpoint.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"[shardlab] exported {args.checkpoint} to {out}")

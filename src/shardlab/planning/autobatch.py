@@ -35,10 +35,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, dump_config
-from .errors import OutOfMemory, UserError
-from .procgroup import run_group
-from .summary import RunSummary
+from ..config import RunConfig, dump_config
+from ..errors import OutOfMemory, UserError
+from ..launch.procgroup import run_group
+from ..measure.summary import RunSummary
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
 TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
@@ -56,7 +56,7 @@ def check_auto(cfg: RunConfig, dp_world: int) -> None:
     if cfg.nodes > 1:
         raise UserError("--micro-batch auto runs its trials on one node; this job has several",
                         "find the micro batch once on one node with the same GPUs per node, then pass --micro-batch N")
-    from .distributed import in_launched_job
+    from ..launch.distributed import in_launched_job
 
     if in_launched_job():
         raise UserError("--micro-batch auto needs shardlab's own launcher (it starts trial runs before the job), "
@@ -284,9 +284,9 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
                              workdir: str | Path | None = None) -> tuple[RunConfig, AutoBatchResult]:
     """Replace ``micro_batch: auto`` by the largest micro batch that runs (module docstring). Returns the
     config with the number filled in and what was tried. ``trial`` replaces the subprocess (tests)."""
-    from .distributed import pick_device_type
-    from .launch import processes_per_node
-    from .strategies import strategy_class
+    from ..launch.distributed import pick_device_type
+    from ..launch.launcher import processes_per_node
+    from ..strategies import strategy_class
 
     if cfg.micro_batch != "auto":
         raise ValueError("resolve_auto_micro_batch needs micro_batch 'auto'")
@@ -329,7 +329,7 @@ OFFLOAD_TOKENS_PER_STEP = 64 * 1024
 
 def offload_accumulation(cfg: RunConfig, dp: int, log: Callable[[str], None]) -> RunConfig:
     """With neither --grad-accum nor --global-batch given, an offload run accumulates up to OFFLOAD_TOKENS_PER_STEP."""
-    from .strategies import strategy_class
+    from ..strategies import strategy_class
 
     if cfg.grad_accum is not None or cfg.global_batch is not None or not strategy_class(cfg.strategy).cpu_optimizer(cfg):
         return cfg

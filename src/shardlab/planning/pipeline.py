@@ -37,12 +37,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from .errors import UserError
-from .strategies.spec import find
+from ..errors import UserError
+from ..strategies.spec import find
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .layout import ParallelLayout
+    from ..config import RunConfig
+    from ..layout import ParallelLayout
     from .planner import Arch, StrategyPlan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v
@@ -54,7 +54,7 @@ class PipelineNotApplicable(UserError):
 
 def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int, int]]:
     """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
-    from .strategies.pipeline import split_blocks
+    from ..strategies.pipeline import split_blocks
 
     shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner._family tells Llama-style)
         hidden_size=arch.hidden, vocab_size=arch.vocab, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
@@ -65,8 +65,8 @@ def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int,
 def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: int, microbatches: int) -> "ParallelLayout":
     """The layout `train --strategy pipeline` would run ``cfg`` in, its shape errors as PipelineNotApplicable (a full
     plan leaves the pipeline out). Any M is priced: what torch's schedules refuse, `train` refuses."""
-    from .layout import LayoutError, ParallelLayout
-    from .strategies.spec import find
+    from ..layout import LayoutError, ParallelLayout
+    from ..strategies.spec import find
 
     try:
         return ParallelLayout.from_config(cfg, gpus_per_node * nodes, nodes, layers, microbatches=microbatches, check_schedule=False,
@@ -77,7 +77,7 @@ def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: in
 
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
-    from .pipesim.schedules import device_orders
+    from ..pipesim.schedules import device_orders
     from .planner import (
         CPU_ADAMW_TEMP_TENSORS,
         CUDA_CONTEXT_BYTES,
@@ -107,7 +107,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     sbh, bsv = float(s * b * h), float(b * s * vocab)
     last = n_stages - 1
 
-    from .strategies.pipeline import step_keeps_outputs
+    from ..strategies.pipeline import step_keeps_outputs
 
     keeps = step_keeps_outputs()  # the last stage's logits kept in output_chunks until the step ends
     saved, transient, buffers = [], [], []

@@ -21,11 +21,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig, dump_config
+from ..config import RunConfig, dump_config
 from .distributed import NODE_AGENT_ENV
-from .errors import UserError
+from ..errors import UserError
 from .preemption import REQUEUE_EXIT
-from .strategies.spec import spec
+from ..strategies.spec import spec
 
 SCRIPT_NAME = "job.sbatch"
 
@@ -55,8 +55,8 @@ class SlurmJob:
 
 
 def _check(cfg: RunConfig, opts: SlurmOptions) -> None:
-    from .models import build_hf_config
-    from .strategies import strategy_class
+    from ..training.models import build_hf_config
+    from ..strategies import strategy_class
 
     if cfg.device != "cpu" and not cfg.gpus:
         raise UserError("shardlab slurm needs the number of GPUs per node", "pass --gpus N (and --nodes M)")
@@ -91,7 +91,7 @@ def shared_paths(cfg: RunConfig, snapshot: Path) -> list[str]:
         if value and Path(value).expanduser().exists():
             paths.append(f"{Path(value).expanduser().resolve()} ({what})")
     paths.append(f"{os.environ.get('HF_HOME', '~/.cache/huggingface')} (HF_HOME: hub models and datasets, unless local)")
-    from .data.cache import default_cache_dir  # here: it imports torch, which writing a script does not need
+    from ..data.cache import default_cache_dir  # here: it imports torch, which writing a script does not need
 
     paths.append(f"{default_cache_dir()} (SHARDLAB_CACHE: tokenized data; rank 0 builds it, the other ranks read it)")
     return paths
@@ -126,7 +126,7 @@ def render(cfg: RunConfig, opts: SlurmOptions, snapshot: Path) -> str:
              *([f"# NVMe swap ({cfg.strategy_options.nvme_path}) is per node: local disk is right"] if spec(cfg.strategy).offload_params == "nvme" else []),
              "set -u", *opts.setup, "",
              f"export PYTHONPATH={q(str(snapshot / 'code'))}${{PYTHONPATH:+:$PYTHONPATH}}",
-             f"export {NODE_AGENT_ENV}=slurm  # each srun task launches its node's workers (see shardlab/nodes.py)",
+             f"export {NODE_AGENT_ENV}=slurm  # each srun task launches its node's workers (see shardlab/launch/nodes.py)",
              "export PYTHONUNBUFFERED=1",
              "# a free port on this (the first) node, where node 0's workers meet the others",
              f"MASTER_PORT=$({q(opts.python)} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
@@ -147,7 +147,7 @@ def render(cfg: RunConfig, opts: SlurmOptions, snapshot: Path) -> str:
 
 
 def _package_dir() -> Path:
-    return Path(__file__).resolve().parent
+    return Path(__file__).resolve().parents[1]  # src/shardlab: this file is in launch/
 
 
 def _git_commit(path: Path) -> str | None:

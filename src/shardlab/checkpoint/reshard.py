@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
-from .strategies.spec import lookup
+from ..errors import UserError
+from ..strategies.spec import lookup
 
 # Checkpoint formats (StrategySpec.checkpoint_format) this module converts between.
 TORCH_DCP = "torch_dcp"
@@ -105,18 +105,6 @@ def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
             f"resume it as {src} on {saved['world_size']} rank(s), or export it (`shardlab export`) and fine-tune from the model; supported: {SUPPORTED}",
         )
 
-
-def check_resume(cfg, world_size: int, dp_size: int) -> None:
-    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
-    from .checkpoint import find_resume_dir, read_state
-
-    if not cfg.resume:
-        return
-    found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
-    saved = read_state(found).get("layout") if found is not None else None
-    if saved:
-        micro, accum, glob = cfg.resolve_batch(dp_size)
-        check_pair(saved, layout(cfg, world_size, dp_size, micro, accum, glob))
 
 
 def load(strategy, directory: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:

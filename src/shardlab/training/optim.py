@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import RunConfig
-from .errors import UserError
-from .strategies.spec import spec
+from ..config import RunConfig
+from ..errors import UserError
+from ..strategies.spec import spec
 
 
 @dataclass(frozen=True)

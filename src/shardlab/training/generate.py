@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 # torch, transformers and shardlab's engine modules are imported in the functions: the CLI builds this
 # command's parser on every start, and `shardlab --help` imports no torch.
@@ -60,14 +60,14 @@ def complete_all(model, tokenizer, prompts: list[str] | tuple[str, ...]) -> list
 
 def model_dir(name: str) -> str:
     """What `name` loads: a run directory's exported model, a model directory, else `name` itself
-    (a preset or hub id, resolved by shardlab.models)."""
-    from .checkpoint import EXPORT_DIR
+    (a preset or hub id, resolved by shardlab.training.models)."""
+    from ..checkpoint.store import EXPORT_DIR
 
     path = Path(name).expanduser()
     if not path.exists():
         return name
     if not path.is_dir():
-        return name  # a file: shardlab.models says whether it can load it
+        return name  # a file: shardlab.training.models says whether it can load it
     if (path / EXPORT_DIR / "config.json").is_file():
         return str(path / EXPORT_DIR)
     if (path / "config.json").is_file():
@@ -81,7 +81,7 @@ def model_dir(name: str) -> str:
 
 def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, preset or hub id."""
-    from .config import RunConfig
+    from ..config import RunConfig
     from .models import build_model, load_tokenizer
 
     source = model_dir(name)
@@ -156,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .distributed import pick_device_type
+    from ..launch.distributed import pick_device_type
     from .models import max_positions
 
     _check_args(args)

@@ -2,6 +2,11 @@
 
 Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), so
 `--micro-batch 2` and `micro_batch: 2` in YAML are the same thing; flags override YAML.
+
+The package: this module (cli.py before the packages; `shardlab = shardlab.cli:main`) and cluster.py (the
+`slurm` and `export` subcommands). pipeline and bench parsers live in pipesim/cli.py and bench/cli.py.
+Commands import their modules inside the function that runs them, so that `shardlab --help` loads no torch
+(tests/test_layout_imports.py checks it).
 """
 
 from __future__ import annotations
@@ -13,10 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from .config import STRATEGIES
-from .errors import UserError, say
+from ..config import STRATEGIES, parse_set
+from ..errors import UserError, say
 
 # (flag, config key, type, help). type "bool" gives --flag / --no-flag.
 FLAGS: list[tuple[str, str, Any, str]] = [
@@ -95,8 +98,8 @@ class _Status:
 @contextlib.contextmanager
 def report_errors():
     """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
-    from .launch import WorkerFailed
-    from .preemption import Preempted
+    from ..launch.launcher import WorkerFailed
+    from ..launch.preemption import Preempted
 
     status = _Status()
     try:
@@ -118,20 +121,6 @@ def report_errors():
         status.code = 130
 
 
-def _parse_set(values: list[str]) -> dict[str, Any]:
-    from .config import _YamlLoader
-
-    out: dict[str, Any] = {}
-    for item in values:
-        if "=" not in item:
-            raise UserError(f"--set {item!r} is not KEY=VALUE", "write e.g. --set strategy_options.overlap_comm=false")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = yaml.load(raw, Loader=_YamlLoader)  # noqa: S506 - SafeLoader subclass; reads 5e-5 as a float like --config does
-        except yaml.YAMLError:
-            raise UserError(f"--set {item!r}: {raw!r} is not a valid YAML value", "quote strings, e.g. --set 'key=\"a: b\"'") from None
-    return out
-
 
 def _int_or_auto(value: str) -> int | str:
     if value == "auto":
@@ -144,7 +133,7 @@ def _int_or_auto(value: str) -> int | str:
 
 def _field(key: str):
     """The pydantic field behind a dotted config key (``dataset.source`` -> DatasetConfig.source)."""
-    from .config import RunConfig
+    from ..config import RunConfig
 
     model, *parents = RunConfig, *key.split(".")[:-1]
     for part in parents:
@@ -204,10 +193,10 @@ def add_run_flags(parser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .config import load_config
+    from ..config import load_config
 
     overrides = {key: getattr(args, key.replace(".", "__")) for _, key, _, _ in FLAGS}
-    return load_config(args.config, overrides, _parse_set(args.set))
+    return load_config(args.config, overrides, parse_set(args.set))
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -239,17 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
     tr.add_argument("--force", action="store_true", help="start even when the plan predicts more host RAM than this node has")
     _add_plan_parser(sub)  # `plan`: predicted memory per strategy
-    from .pipesim.cli import add_pipeline_parser
+    from ..pipesim.cli import add_pipeline_parser
 
     add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
-    from .bench.cli import add_bench_parser, add_report_parser
+    from ..bench.cli import add_bench_parser, add_report_parser
 
     add_bench_parser(sub)  # `bench`: a matrix of runs
     add_report_parser(sub)  # `report`: tables, plots, HTML from run directories
-    from .cluster_cli import add_cluster_parsers
+    from .cluster import add_cluster_parsers
 
     add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
-    from .generate import add_generate_parser
+    from ..training.generate import add_generate_parser
 
     add_generate_parser(sub)  # `generate`: completions from a run's exported model
     return parser
@@ -260,7 +249,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         _dry_run(cfg)
         return
-    from .launch import train
+    from ..launch.launcher import train
 
     train(cfg, force=args.force)
 
@@ -268,10 +257,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 def _dry_run(cfg) -> None:
     import json
 
-    from .config import dump_config
-    from .distributed import pick_device_type
-    from .launch import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
-    from .optim import resolve_precision
+    from ..config import dump_config
+    from ..launch.distributed import pick_device_type
+    from ..launch.launcher import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
+    from ..training.optim import resolve_precision
 
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
     cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
@@ -284,18 +273,18 @@ def _dry_run(cfg) -> None:
         print(f"# note: `train` would refuse this: {err}")
     world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
-        from .autobatch import cpu_budget_bytes, plan_start, with_micro_batch
+        from ..planning.autobatch import cpu_budget_bytes, plan_start, with_micro_batch
 
         start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
         cfg = with_micro_batch(cfg, start)
-    from .strategies import strategy_class
-    from .strategies.spec import spec
+    from ..strategies import strategy_class
+    from ..strategies.spec import spec
 
     micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if spec(cfg.strategy).engine == "deepspeed":
-        from .strategies.deepspeed_zero import resolved_ds_config
+        from ..strategies.deepspeed_zero import resolved_ds_config
 
         precision = resolve_precision(cfg.precision, device_type).name
         ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type)
@@ -304,7 +293,7 @@ def _dry_run(cfg) -> None:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from .pipesim.cli import cmd_pipeline as run
+    from ..pipesim.cli import cmd_pipeline as run
 
     run(args)
 
@@ -325,12 +314,12 @@ def _add_plan_parser(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from .planner import plan, render
+    from ..planning.planner import plan, render
 
     cfg = config_from_args(args)
     host = args.host_ram_gb
     if host is None:  # this node's RAM, so the recommendation fits in host memory too
-        from .run_plan import host_ram_gib
+        from ..planning.run_plan import host_ram_gib
 
         host = host_ram_gib()
     result = plan(cfg, gpu_memory_gb=args.gpu_memory_gb, host_ram_gb=host, nvme_free_gb=args.nvme_free_gb)
@@ -346,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
         if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
-            from .supervise import exit_as, supervise, wanted
+            from ..launch.supervise import exit_as, supervise, wanted
 
             if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)
                 cfg = config_from_args(args)  # a bad flag or config: one line here, before any child
                 return exit_as(supervise(cfg.output_dir, cfg.strategy))
-        from .bench.cli import cmd_bench, cmd_report
-        from .cluster_cli import cmd_export, cmd_slurm
-        from .generate import cmd_generate
+        from ..bench.cli import cmd_bench, cmd_report
+        from .cluster import cmd_export, cmd_slurm
+        from ..training.generate import cmd_generate
 
         commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
                     "export": cmd_export, "generate": cmd_generate, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from .data.blocks import IGNORE  # transformers' ignore index: padding and (QA answer-only) prompt positions
+from ..data.blocks import IGNORE  # transformers' ignore index: padding and (QA answer-only) prompt positions
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def router_aux_coef(model) -> float:
         value = getattr(owner, name, None)
         if isinstance(value, (int, float)):
             return float(value)
-    from .errors import UserError
+    from ..errors import UserError
 
     raise UserError(f"{type(model).__name__} returns a router aux loss but no coefficient shardlab knows for it",
                     "train it with --set loss_kernel=hf (the model's own loss)")

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from .buildlocks import clear_stale_build_locks
-from .compile_stats import mark_start, use_persistent_cache
-from .config import RunConfig, dump_config
+from ..measure.compile_stats import mark_start, use_persistent_cache
+from ..config import RunConfig, dump_config
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
-from .errors import UserError
-from .layout import ParallelLayout, model_layers
-from .optim import resolve_precision
-from .strategies import strategy_class
-from .strategies.spec import spec
-from .strategies.deepspeed_zero import sanitize_cuda_arch_list
+from ..errors import UserError
+from ..layout import ParallelLayout, model_layers
+from ..training.optim import resolve_precision
+from ..strategies import strategy_class
+from ..strategies.spec import spec
+from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
 
 
 def processes_per_node(cfg: RunConfig, device_type: str) -> int:
@@ -46,7 +46,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
-    from .models import build_hf_config
+    from ..training.models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     s = spec(cfg.strategy)
@@ -55,7 +55,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
     dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
     if cfg.micro_batch == "auto":
-        from .autobatch import check_auto
+        from ..planning.autobatch import check_auto
 
         check_auto(cfg, dp_world)
         accum = cfg.grad_accum or 1
@@ -63,13 +63,13 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
         accum = cfg.resolve_batch(dp_world)[1]
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
-    from .reshard import check_resume
+    from ..checkpoint.store import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and s.engine != "deepspeed":
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
-        from .strategies.deepspeed_zero import resolved_ds_config
+        from ..strategies.deepspeed_zero import resolved_ds_config
 
         micro, accum, _ = cfg.resolve_batch(dp_world)
         resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
@@ -80,7 +80,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
         from transformers import AutoModelForCausalLM
 
-        from .strategies.deepspeed_zero import check_nvme_path
+        from ..strategies.deepspeed_zero import check_nvme_path
 
         with torch.device("meta"):
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
@@ -116,24 +116,24 @@ def train(cfg: RunConfig, force: bool = False):
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
-        from .autobatch import resolve_auto_micro_batch
+        from ..planning.autobatch import resolve_auto_micro_batch
 
         cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
     plan = None
     if _rank_zero():  # the rank that writes summary.json
-        from .run_plan import plan_for_run
+        from ..planning.run_plan import plan_for_run
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
         if not force:
-            from .run_plan import check_host_ram
+            from ..planning.run_plan import check_host_ram
 
             check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
 
         from .supervise import record_plan
 
         record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed
-    from .monitor import watch
+    from ..measure.monitor import watch
     from .supervise import oom_kills
 
     result = None
@@ -141,7 +141,7 @@ def train(cfg: RunConfig, force: bool = False):
     try:
         with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
             if in_launched_job() or nproc * cfg.nodes == 1:
-                from .trainer import run_worker
+                from ..training.trainer import run_worker
 
                 result = run_worker(cfg, plan=plan)
             else:
@@ -156,7 +156,7 @@ def train(cfg: RunConfig, force: bool = False):
     if watched.result and cfg.node_rank == 0 and _rank_zero():
         # The run ended well (a failure raised above), so summary.json is this run's: the trainer's, in memory when it ran
         # in this process, else the one its rank 0 just wrote. merge_monitor adds the monitor's figures and writes it once.
-        from .summary import merge_monitor
+        from ..measure.summary import merge_monitor
 
         merged = merge_monitor(cfg.output_dir, result.summary if result is not None else None, watched.result)
         if result is not None and merged is not None:
@@ -179,7 +179,7 @@ def stale_run_files(cfg: RunConfig) -> list[Path]:
     if not old:
         return []
     if cfg.resume:
-        from .checkpoint import find_resume_dir
+        from ..checkpoint.store import find_resume_dir
 
         found = find_resume_dir(cfg.resume, out)
         if found is not None and found.resolve().is_relative_to(out.resolve()):
@@ -211,7 +211,7 @@ def _rank_zero() -> bool:
 
 def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
     """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
-    from .strategies.deepspeed_zero import adopt_user_json
+    from ..strategies.deepspeed_zero import adopt_user_json
 
     cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
     for note in notes if _rank_zero() else ():
@@ -255,7 +255,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         cfg_file.write_text(dump_config(cfg))
         plan_args = []
         if plan is not None:
-            from .run_plan import write_record
+            from ..planning.run_plan import write_record
 
             plan_args = [str(write_record(plan, Path(tmp) / "plan.json"))]
         launch = LaunchConfig(
@@ -275,7 +275,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         print(f"[shardlab] launching {nproc} worker(s) on node {cfg.node_rank} of {cfg.nodes} (master {cfg.master_addr}:{port})", flush=True)
         try:
             with ForwardToWorkers():
-                elastic_launch(launch, sys.executable)("-m", "shardlab.worker", str(cfg_file), *plan_args)
+                elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), *plan_args)
         except ChildFailedError as err:
             failed = WorkerFailed.from_failures(err.failures)
             if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective

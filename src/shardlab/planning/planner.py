@@ -31,7 +31,7 @@ How
 * The loss: transformers' ``ForCausalLMLoss`` (``loss_kernel=hf``, and on CPUs) upcasts the logits
   to fp32 and calls ``cross_entropy``; log-softmax saves its fp32 output (4·b·s·V B) and its backward
   holds that, the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of
-  backward. shardlab's compiled loss (``shardlab.loss``, the default on CUDA) keeps only the 16-bit
+  backward. shardlab's compiled loss (``shardlab.training.loss``, the default on CUDA) keeps only the 16-bit
   logits and then their 16-bit gradient: 2·2·b·s·V (fp32 runs: 2·4·b·s·V).
 * The peak is the larger of two moments: the start of backward (all activations + the loss'
   logits peak above + communication buckets + gathered parameters; gradients that ``zero_grad
@@ -51,11 +51,11 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
-from .config import RunConfig
-from .errors import UserError
-from .loss import resolve_loss_kernel
-from .strategies.spec import all_specs, find, names, spec, speed_order
-from .strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
+from ..config import RunConfig
+from ..errors import UserError
+from ..training.loss import resolve_loss_kernel
+from ..strategies.spec import all_specs, find, names, spec, speed_order
+from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 
 # torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
 # a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
@@ -130,7 +130,7 @@ class Arch:
 
 
 def _pipeline_parts(model: Any) -> dict[str, Any] | None:
-    from .strategies.pipeline import _model_parts, embedding_modules
+    from ..strategies.pipeline import _model_parts, embedding_modules
 
     try:
         family, trunk, blocks, ln_f, lm_head = _model_parts(model)
@@ -162,7 +162,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import transformer_blocks
+    from ..training.models import transformer_blocks
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
@@ -208,7 +208,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
 
 def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
     """The attention implementation a CUDA run would get (flash and SDPA keep the same tensors)."""
-    from .models import _causal_lm_class, _supports
+    from ..training.models import _causal_lm_class, _supports
 
     cls = _causal_lm_class(hf_config)
     if cfg.attn_implementation != "auto":
@@ -301,7 +301,7 @@ def layer_backward_bytes(arch: Arch, mode: str) -> float:
 
 
 def _shared_bias_bytes(arch: Arch, mode: str) -> float:
-    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.bloom_sdpa) passes
+    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
     SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
     layers and saved by each layer's attention for the backward (the same storage). Kept also under
     activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""
@@ -369,7 +369,7 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         layers = arch.layers * one_layer
         recompute = 0.0
     bsv = b * s * arch.vocab
-    if loss_kernel == "compiled":  # shardlab.loss: the fused kernel keeps the logits, then their gradient, same dtype
+    if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
         p = 4 if mode == "fp32" else 2
         logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
     else:
@@ -625,7 +625,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     ``--micro-batch auto`` caps by a host-RAM budget."""
     s = spec(strategy)
     if s.engine == "pipelining":
-        from .plan_pipeline import pipeline_strategy_plan
+        from .pipeline import pipeline_strategy_plan
 
         return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
     n = arch.n_params
@@ -665,7 +665,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-        from .strategies.deepspeed_zero import overlap_comm, sized_buckets
+        from ..strategies.deepspeed_zero import overlap_comm, sized_buckets
 
         buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer)  # what the engine gets (offload: model-sized)
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
@@ -841,18 +841,18 @@ def _gpus_per_node(cfg: RunConfig) -> int:
 def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     """Ranks that see different data (the batch triple's world): all but a pipeline's stages. Not refused here: the
     pipeline row's shape is (plan_pipeline.pipeline_layout), so that a full plan can leave it out."""
-    from .layout import data_parallel_size
+    from ..layout import data_parallel_size
 
     return data_parallel_size(cfg, world, strategy)
 
 
 def _arch(cfg: RunConfig) -> Arch:
-    from .models import build_hf_config
+    from ..training.models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
     arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
                                persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
-    from .models import meta_loadable
+    from ..training.models import meta_loadable
 
     arch.meta_build = meta_loadable(cfg)
     return arch
@@ -924,7 +924,7 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         try:
             sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
         except UserError as err:
-            from .plan_pipeline import PipelineNotApplicable
+            from .pipeline import PipelineNotApplicable
 
             if not isinstance(err, PipelineNotApplicable) or strategies:
                 raise
@@ -975,7 +975,7 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
     ``fits``. CPU: the whole run's predicted host memory (``cpu_run_bytes``) within ``cpu_budget`` bytes,
     at most autobatch.CPU_MAX_MICRO."""
     from .autobatch import CPU_MAX_MICRO, MAX_MICRO
-    from .optim import resolve_precision
+    from ..training.optim import resolve_precision
 
     arch = _arch(cfg)
     run_cfg = cfg.model_copy(update={"gpus": nproc})
@@ -1011,7 +1011,7 @@ CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
     """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
     StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
-    from .optim import resolve_precision
+    from ..training.optim import resolve_precision
 
     precision = resolve_precision(cfg.precision, "cpu").name
     arch = _arch(cfg)

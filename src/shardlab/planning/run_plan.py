@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig
-from .errors import UserError
+from ..config import RunConfig
+from ..errors import UserError
 
 PLAN_KEYS = ("gpu_peak_gib", "cpu_gib", "fits", "strategy")
 GiB = 2**30
@@ -60,7 +60,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None) -> dict[str, Any]:
-    from .optim import resolve_precision
+    from ..training.optim import resolve_precision
     from .planner import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, plan, predict_cpu_run
 
     # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
@@ -104,7 +104,7 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     """What the plan says would fit instead, fastest change first: one line."""
     from .autobatch import micro_candidates
     from .planner import plan
-    from .strategies.spec import speed_order
+    from ..strategies.spec import speed_order
 
     sp = p.strategies[cfg.strategy]
     out = []
@@ -175,7 +175,7 @@ def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float |
 
 def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc: int, avail: float) -> list[str]:
     """What the plan says fits this node's host RAM instead: unpinned buffers, then the fastest other strategy."""
-    from .strategies.spec import spec, speed_order
+    from ..strategies.spec import spec, speed_order
 
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": record.get("precision") or cfg.precision})
     gpu_memory = record.get("gpu_memory_gib")

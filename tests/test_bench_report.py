@@ -24,6 +24,7 @@ from shardlab.bench.matrix import Suite
 from shardlab.bench.runner import run_one
 from shardlab.cli import main
 from shardlab.errors import UserError
+from shardlab.measure.monitor import stats
 from shardlab.report.load import Run
 from shardlab.report.tables import cpu_csv_stats
 
@@ -422,9 +423,13 @@ def _as_gpu_run(src: Path, dst: Path, peak_gib: float, reserved_gib: float, used
     shutil.copytree(src, dst)
     s = json.loads((dst / "summary.json").read_text())
     s.update(device_type="cuda", gpu_mem_peak_gib=peak_gib, gpu_mem_peak_reserved_gib=reserved_gib)
+    util = [90.0 if i else 0.0 for i in range(len(used_mib))]
+    used = stats([float(u) for u in used_mib])  # what the run's monitor merges into summary.json for that CSV (the report reads it)
+    s["gpu_monitor"] = {"available": True, "samples": len(used_mib), "memory_used_mib": used, "utilization_pct": stats(util),
+                        "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_used_mib": used}]}
     (dst / "summary.json").write_text(json.dumps(s))
     rows = ["timestamp,index,name,memory.used [MiB],memory.total [MiB],utilization.gpu [%]"]
-    rows += [f"2026/11/21 10:00:0{i}.000,0,NVIDIA H100 80GB HBM3,{u},81559,{90 if i else 0}" for i, u in enumerate(used_mib)]
+    rows += [f"2026/11/21 10:00:0{i}.000,0,NVIDIA H100 80GB HBM3,{u},81559,{util[i]:.0f}" for i, u in enumerate(used_mib)]
     (dst / "gpu_memory.csv").write_text("\n".join(rows) + "\n")
 
 

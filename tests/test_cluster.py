@@ -319,7 +319,7 @@ def test_unsupported_pair_is_refused_before_anything_starts(ref0):
                            "--resume", "auto", "--output-dir", str(ref0)], capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: a dp checkpoint written on 1 rank(s) cannot be resumed as zero3 on 2 rank(s)" in proc.stderr
-    assert "supported: dp/fsdp/fsdp_offload -> dp/fsdp/fsdp_offload" in proc.stderr
+    assert "supported: dp/fsdp/fsdp_offload/pipeline -> dp/fsdp/fsdp_offload/pipeline" in proc.stderr
     assert sorted(p.name for p in ref0.rglob("*")) == before
 
 

@@ -19,10 +19,6 @@ def strategy_class(name: str) -> type[Strategy]:
     return registry.spec(name).load()
 
 
-def uses_deepspeed(name: str) -> bool:
-    return registry.spec(name).engine == "deepspeed"
-
-
 def __getattr__(attr: str):
     # `from shardlab.strategies import Strategy` keeps working without importing torch for everyone else.
     if attr == "Strategy":
@@ -32,4 +28,4 @@ def __getattr__(attr: str):
     raise AttributeError(attr)
 
 
-__all__ = ["Strategy", "strategy_class", "uses_deepspeed", "names", "registry"]
+__all__ = ["Strategy", "strategy_class", "names", "registry"]

@@ -364,6 +364,16 @@ def test_compiled_dp_matches_eager(runs):
 
 
 @pytest.mark.slow
+def test_compiled_per_block_matches_eager(runs):
+    """compile_scope=blocks (each decoder block compiled on its own, training/compiling.py) changes speed, not the
+    losses; the summary says which scope ran."""
+    run = runs.get("dp-compile-blocks-1rank", train_args(strategy="dp", steps=6, extra=["--compile", "--set", "compile_scope=blocks"]))
+    run.check()
+    assert run.summary["compile"] is True and run.summary["compile_scope"] == "blocks"
+    assert_same_losses(run, runs.strategy("dp"), n=6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2), ("fsdp", 2)])
 def test_compiled_loss_kernel_matches_the_models_own_loss(runs, strategy, gpus):
     """loss_kernel=compiled (the loss outside the model, torch.compile'd) changes memory and speed, not the losses;

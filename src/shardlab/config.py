@@ -128,6 +128,10 @@ class RunConfig(_Strict):
         "rank, fsdp): no full set of gradients is ever held; needs grad_accum 1 and no global-norm clipping")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     compile: bool = False
+    compile_scope: Literal["auto", "model", "blocks"] = Field(
+        "auto", description="with --compile: 'model' = one graph of the whole model, 'blocks' = each decoder block compiled on "
+        "its own (as torchtitan does; gradients appear block by block), 'auto' = blocks for ao_offload and "
+        "--optimizer-in-backward, model otherwise (shardlab.training.compiling)")
     loss_kernel: Literal["auto", "compiled", "hf"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
         "'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")

@@ -236,6 +236,7 @@ class RunSummary(_Record):
     warmup_steps_excluded: int | None = None
     total_time_s: float | None = None
     compile: bool | None = None
+    compile_scope: str | None = None
     time_to_first_step_s: float | None = None
     compile_time_s: float | None = None
     compile_time_source: str | None = None

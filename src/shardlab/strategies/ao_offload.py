@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from ..training import optim
+from ..training import compiling, optim
 from ..errors import UserError
 from .ddp import DDPStrategy
 
@@ -46,7 +46,8 @@ class AOOffloadStrategy(DDPStrategy):
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = model.to(self.env.device)
-        self.model = torch.compile(self.hf_model) if self.cfg.compile else self.hf_model
+        # Per block by default: the whole-model graph would hand torchao every gradient at the end of backward.
+        self.model = compiling.compile_model(self.hf_model, self.cfg, per_block=self.spec.compile_per_block)
         cfg = self.cfg
         groups = optim.param_groups(self.hf_model, cfg.weight_decay)
         # With one micro-batch per step the device gradient is freed once its copy is done; accumulating needs it.

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..training import compiling
 from .torch_optim import TorchOptimizerStrategy
 
 
@@ -22,10 +23,11 @@ class DDPStrategy(TorchOptimizerStrategy):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = model.to(self.env.device)
         wrapped: nn.Module = self.hf_model
+        whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg, per_block=self.spec.compile_per_block)
         if self.env.is_distributed:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
-        if self.cfg.compile:
+        if whole_graph:  # outside DDP, so its bucketed all-reduce hooks stay eager
             wrapped = torch.compile(wrapped)
         self.model = wrapped
         self._build_optimizer(self.hf_model, self.env.device.type, total_steps)

@@ -60,6 +60,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+        from ..training import compiling
         from ..training.models import transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
@@ -73,13 +74,14 @@ class FSDPStrategy(TorchOptimizerStrategy):
         on_meta = any(p.is_meta for p in model.parameters())
         if not self.cpu_optimizer(self.cfg) and not on_meta:
             model = model.to(self.env.device)
+        compiled_blocks = compiling.compile_blocks(model, self.cfg, per_block=self.spec.compile_per_block)  # before sharding, as torchtitan
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
             self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model
-        self.model = torch.compile(model) if self.cfg.compile else model
+        self.model = torch.compile(model) if self.cfg.compile and not compiled_blocks else model
         offload = self.cpu_optimizer(self.cfg)
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 

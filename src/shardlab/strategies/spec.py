@@ -56,6 +56,7 @@ class StrategySpec:
     offload_optimizer: Place | None = None  # where optimizer states (and their gradients) live instead of the GPU
     checkpoint_format: CheckpointFormat | None = None
     supports_compile: bool = True
+    compile_per_block: bool = False  # --compile's 'auto' scope compiles each block apart (training/compiling.py)
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
     own_loss: bool = False  # the strategy computes the loss itself (pipeline's last stage): no loss_kernel
     eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
 from ..measure import metrics, mfu
-from . import optim
+from . import compiling, optim
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
@@ -572,6 +572,7 @@ class Trainer:
             "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
             "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
             "total_time_s": total_time, "compile": cfg.compile,
+            "compile_scope": compiling.scope(cfg, per_block=strategy.spec.compile_per_block) if cfg.compile else None,
             # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
             "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
             **compile_clock.summary(),

@@ -1,0 +1,35 @@
+"""The table of a gpu_cells.sh call, read from each run's own summary.json (one row per run directory)."""
+
+import json
+import sys
+from pathlib import Path
+
+
+def row(run: Path) -> str:
+    path = run / "summary.json"
+    if not path.exists():
+        return f"| {run.name} | did not finish (see {run.name}.log) |" + " |" * 11
+    s = json.loads(path.read_text())
+    plan = s.get("plan") or {}
+    cpu = s.get("cpu_monitor") or {}
+    split = s.get("time_split") or {}
+    cells = [
+        run.name, s.get("strategy"), s.get("optimizer") or "", f"{s.get('micro_batch')} x {s.get('grad_accum')}",
+        f"{s.get('tokens_per_step') or 0:,}", f"{s.get('useful_tokens_per_s') or 0:,.0f}",
+        f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "-",
+        f"{s.get('gpu_mem_peak_gib') or 0:.2f} / {plan.get('gpu_peak_gib') or 0:.2f}",
+        f"{((cpu.get('real_mb') or {}).get('peak') or 0) / 1024:.1f} (rank {s.get('cpu_rss_peak_rank_gib') or 0:.1f}) / {plan.get('cpu_gib') or 0:.1f}",
+        f"{s.get('final_train_loss') or 0:.3f}", f"{s.get('step_time_median_s') or 0:.2f}",
+        f"{s.get('time_to_first_step_s') or 0:.0f}",
+        (f"gpu {split.get('gpu_compute_s', 0):.2f} / cpu-opt {split.get('cpu_optimizer_s', 0):.2f} / idle "
+         f"{split.get('idle_s', 0):.2f}") if split else "",
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+root = Path(sys.argv[1])
+print("| cell | strategy | optimizer | micro x accum | tokens/step | useful tok/s | MFU | GPU peak GiB meas / plan "
+      "| host GiB meas / plan | loss | step s | first step s | time split s |")
+print("|" + "---|" * 13)
+for run in sorted(p for p in root.iterdir() if p.is_dir()):
+    print(row(run))

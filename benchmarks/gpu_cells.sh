@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run a list of `shardlab train` cells one after another on one GPU machine, each under its own wall limit, and
+# bring back every run's summary.json, config and log in one tarball (device calls return at most 8 files):
+#   CELLS_FILE=benchmarks/cells/<name>.txt bash benchmarks/gpu_cells.sh
+# Each non-comment line of CELLS_FILE is "<label> <timeout_s> [VAR=value ...] <shardlab train flags...>" (leading
+# VAR=value words are set in that run's environment). Common flags: $COMMON.
+# The table printed at the end (and saved as $OUT/cells.md) is read from the runs' own summary.json.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+ROOT=/tmp/cells; mkdir -p "$ROOT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+bash benchmarks/install_gpu_deps.sh >/dev/null || exit 1
+export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks/diag PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export SHARDLAB_CACHE=/tmp/shardlab-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g | head -2; nproc
+python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
+grep -v '^\s*#' "$CELLS_FILE" | grep -v '^\s*$' | while read -r label limit flags; do
+  echo "=== $label (limit ${limit}s): shardlab train $flags ${COMMON:-}"
+  start=$SECONDS; envs=()
+  read -r -a words <<< "$flags"
+  while [[ ${#words[@]} -gt 0 && "${words[0]}" == *=* && "${words[0]}" != -* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  # shellcheck disable=SC2086
+  timeout -k 10 "$limit" env "${envs[@]}" python3 -m shardlab train "${words[@]}" ${COMMON:-} --output-dir "$ROOT/$label" > "$ROOT/$label.log" 2>&1
+  echo "rc=$? wall=$((SECONDS - start))s"; tail -n 25 "$ROOT/$label.log"
+done
+python3 benchmarks/cells_table.py "$ROOT" | tee "$OUT/cells.md"
+tar -czf "$OUT/cells.tar.gz" -C "$ROOT" --exclude='*.pt' --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.bin' .
+ls -la "$OUT"

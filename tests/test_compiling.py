@@ -1,0 +1,40 @@
+"""--compile's scope (shardlab.training.compiling): which strategies compile per block, and what each scope does to
+the model. Compiling is lazy, so these build the compiled wrappers without running inductor."""
+
+from __future__ import annotations
+
+import torch
+
+from shardlab.config import RunConfig
+from shardlab.strategies.spec import spec
+from shardlab.training import compiling
+from shardlab.training.models import build_model, transformer_blocks
+
+
+def cfg(**kw) -> RunConfig:
+    return RunConfig(model="tiny-gpt2", **kw)
+
+
+def test_auto_scope_follows_the_strategy_spec_and_in_backward():
+    import shardlab.strategies.specs  # noqa: F401  (registers the names)
+
+    assert compiling.scope(cfg(compile=True), per_block=spec("dp").compile_per_block) == "model"
+    assert compiling.scope(cfg(compile=True), per_block=spec("ao_offload").compile_per_block) == "blocks"
+    # stepping in gradient hooks needs the gradients block by block, whatever the strategy
+    assert compiling.scope(cfg(compile=True, optimizer_in_backward=True, max_grad_norm=None), per_block=False) == "blocks"
+    assert compiling.scope(cfg(compile=True, compile_scope="model"), per_block=True) == "model"
+    assert compiling.scope(cfg(compile=True, compile_scope="blocks"), per_block=False) == "blocks"
+
+
+def test_blocks_scope_compiles_each_block_in_place_and_model_scope_wraps():
+    model = build_model(cfg())
+    assert compiling.compile_model(model, cfg()) is model  # no --compile: untouched
+    assert all(b._compiled_call_impl is None for b in transformer_blocks(model))
+
+    same = compiling.compile_model(model, cfg(compile=True, compile_scope="blocks"))
+    assert same is model and not isinstance(same, torch._dynamo.eval_frame.OptimizedModule)
+    blocks = transformer_blocks(model)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+
+    whole = compiling.compile_model(build_model(cfg()), cfg(compile=True, compile_scope="model"))
+    assert isinstance(whole, torch._dynamo.eval_frame.OptimizedModule)

@@ -1,13 +1,17 @@
 """User mistakes: one line on stderr starting with `error:`, a non-zero exit, no traceback, no run dir.
 
-Each bad input is a real `python -m shardlab train` process. They are independent, so the
-module fixture starts them two at a time and the tests read the results.
+Each bad input goes through `shardlab.cli.main`, the function `python -m shardlab` calls, in this process (stdout and
+stderr sent to files, as a terminal-less run has them): preflight errors need no worker, and a process per case cost
+~2 minutes of the fast tier in interpreter and torch start-ups. Two cases run as real processes beside them, so the
+entry point itself is covered: one bad input through `python -m shardlab`, and the CUDA out-of-memory report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import tempfile
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -94,22 +98,43 @@ def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
 
 
+def _main_in_process(argv: list[str]) -> tuple[int | None, str, str]:
+    """`shardlab.cli.main(argv)` with stdout/stderr sent to real files (faulthandler needs a file descriptor)."""
+    from shardlab.cli import main
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv)
+        except SystemExit as exc:  # argparse exits
+            code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
+        out.seek(0), err.seek(0)
+        return code, out.read(), err.read()
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     d = tmp_path_factory.mktemp("errors")
     cases = _cases(_inputs(d))
     if torch.cuda.is_available():
         del cases["cuda_without_gpu"]
-    jobs = {}
     for name, case in cases.items():
         case.out = d / f"out-{name}"
-        jobs[name] = [sys.executable, "-m", "shardlab", "train", *QUICK, *case.args, "--output-dir", str(case.out)]
+    # The real processes start first and run while the in-process cases go through main() one by one.
     cases["oom"] = Case(["--micro-batch", "2", "--grad-accum", "2"], ("out of memory", "strategy dp", "micro batch 2"), out=d / "out-oom")
-    jobs["oom"] = [sys.executable, "-c", OOM_SCRIPT, "train", *QUICK, *cases["oom"].args, "--no-export", "--output-dir", str(d / "out-oom")]
-
+    cases["unknown_strategy_process"] = Case(cases["unknown_strategy"].args, cases["unknown_strategy"].words,
+                                             out=d / "out-unknown_strategy_process")
+    jobs = {
+        "oom": [sys.executable, "-c", OOM_SCRIPT, "train", *QUICK, *cases["oom"].args, "--no-export", "--output-dir", str(d / "out-oom")],
+        "unknown_strategy_process": [sys.executable, "-m", "shardlab", "train", *QUICK, *cases["unknown_strategy"].args,
+                                     "--output-dir", str(cases["unknown_strategy_process"].out)],
+    }
     env = dict(os.environ)
     with ThreadPoolExecutor(max_workers=2) as pool:
         procs = {name: pool.submit(_run, cmd, env) for name, cmd in jobs.items()}
+        for name, case in cases.items():
+            if name not in jobs:
+                case.returncode, case.stdout, case.stderr = _main_in_process(["train", *QUICK, *case.args, "--output-dir", str(case.out)])
         for name, fut in procs.items():
             proc = fut.result()
             cases[name].returncode, cases[name].stdout, cases[name].stderr = proc.returncode, proc.stdout, proc.stderr
@@ -132,7 +157,7 @@ NAMES = [
     "unknown_strategy", "preset_typo", "unknown_yaml_key", "unknown_nested_key", "unknown_set_key", "bad_yaml_syntax",
     "wrong_type_flag", "wrong_type_yaml", "batch_triple_mismatch", "global_not_divisible_by_world", "seq_len_above_positions",
     "dataset_missing", "dataset_empty", "qa_without_fields", "model_not_offline", "nvme_is_a_file", "nvme_under_a_file",
-    "nvme_missing", "cuda_without_gpu", "fp16_on_cpu", "compile_with_deepspeed",
+    "nvme_missing", "cuda_without_gpu", "fp16_on_cpu", "compile_with_deepspeed", "unknown_strategy_process",
 ]  # fmt: skip
 
 

@@ -20,16 +20,8 @@ KNOWN_LOCAL_CIRCLES = [
     {"shardlab.launch.launcher", "shardlab.planning.autobatch", "shardlab.planning.pipeline", "shardlab.planning.planner",
      "shardlab.planning.run_plan", "shardlab.strategies.pipeline"},
 ]
-# Private names still imported across modules: (importer, module, name); this list may only shrink.
-KNOWN_PRIVATE = {
-    ("shardlab.checkpoint.export", "shardlab.strategies.pipeline", "_Stage"),
-    ("shardlab.planning.pipeline", "shardlab.planning.planner", "_embed_bytes"),
-    ("shardlab.planning.pipeline", "shardlab.planning.planner", "_final_bytes"),
-    ("shardlab.planning.planner", "shardlab.strategies.pipeline", "_model_parts"),
-    ("shardlab.planning.planner", "shardlab.training.models", "_causal_lm_class"),
-    ("shardlab.planning.planner", "shardlab.training.models", "_supports"),
-    ("shardlab.strategies.pipeline", "shardlab.planning.planner", "_family"),
-}
+# Private names imported across modules: (importer, module, name). None are left; keep it so.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -55,7 +55,7 @@ def test_pipeline_stages_chain_to_the_models_logits(family, attn):
     model's forward (Qwen2 with a sliding-window layer, Mistral sliding everywhere, both with a window < seq)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    from shardlab.strategies.pipeline import _Stage
+    from shardlab.strategies.pipeline import Stage
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
     config = {
@@ -68,7 +68,7 @@ def test_pipeline_stages_chain_to_the_models_logits(family, attn):
     ids = torch.randint(0, 500, (2, 32))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        out = _Stage(model, 2, 3, first=False, last=True)(_Stage(model, 0, 2, first=True, last=False)(ids))
+        out = Stage(model, 2, 3, first=False, last=True)(Stage(model, 0, 2, first=True, last=False)(ids))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

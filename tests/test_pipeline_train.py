@@ -308,10 +308,10 @@ def test_stage_names_map_to_the_models_own_names(preset, blocks):
 
     from shardlab.config import RunConfig
     from shardlab.training.models import build_model
-    from shardlab.strategies.pipeline import _model_parts, _Stage, hf_names
+    from shardlab.strategies.pipeline import model_parts, Stage, hf_names
 
     model = build_model(RunConfig(model=preset, dropout=0.0))
-    n_layers = len(_model_parts(model)[2])
+    n_layers = len(model_parts(model)[2])
     full = model.state_dict(keep_vars=True)
     first_names = list(dict(model.named_parameters()))  # what DCP's get_state_dict keys a dp optimizer state by
     for n_ranks, chunks in ((2, 1), (1, 1), (2, n_layers // 2)):
@@ -320,7 +320,7 @@ def test_stage_names_map_to_the_models_own_names(preset, blocks):
         covered: dict[str, torch.Size] = {}
         for rank in range(n_ranks):
             mine = [s for s in range(n_stages) if s % n_ranks == rank]
-            stages = nn.ModuleList(_Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1) for s in mine)
+            stages = nn.ModuleList(Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1) for s in mine)
             names = hf_names(model, stages)
             local = stages.state_dict()
             assert names.keys() == local.keys()

@@ -34,13 +34,13 @@ def test_split_is_the_strategys(model, ranks, chunks):
     from transformers import AutoModelForCausalLM
 
     from shardlab.training.models import build_hf_config
-    from shardlab.strategies.pipeline import _model_parts, split_blocks
+    from shardlab.strategies.pipeline import model_parts, split_blocks
 
     opts = {"pp_schedule": "interleaved-1f1b", "pp_chunks": chunks} if chunks > 1 else {}
     cfg = RunConfig(model=model, seq_len=1024, micro_batch=1, grad_accum=4, strategy="pipeline", strategy_options=opts)
     with torch.device("meta"):
         model_meta = AutoModelForCausalLM.from_config(build_hf_config(cfg))
-    _, _, blocks, _, _ = _model_parts(model_meta)
+    _, _, blocks, _, _ = model_parts(model_meta)
     expected = split_blocks(model_meta.config, len(blocks), cfg.seq_len, ranks * chunks)  # what PipelineStrategy.setup calls
     sp = pp_plan(cfg, ranks)
     assert sorted(tuple(b) for st in sp.stages for b in st["blocks"]) == expected
@@ -53,9 +53,9 @@ def test_split_is_the_strategys(model, ranks, chunks):
 
 @pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-bloom"])
 def test_parameters_per_gpu_are_the_real_stage_modules(model):
-    """Build the real model and the strategy's _Stage modules; count what each GPU would hold."""
+    """Build the real model and the strategy's Stage modules; count what each GPU would hold."""
     from shardlab.training.models import build_model
-    from shardlab.strategies.pipeline import _Stage
+    from shardlab.strategies.pipeline import Stage
 
     for ranks in (1, 2):
         cfg = RunConfig(model=model, device="cpu", seq_len=32, micro_batch=1, grad_accum=2, strategy="pipeline")
@@ -66,7 +66,7 @@ def test_parameters_per_gpu_are_the_real_stage_modules(model):
         for st in sp.stages:
             params = {}
             for s in st["stages"]:
-                stage = _Stage(real, *bounds[st["stages"].index(s)], first=s == 0, last=s == n_stages - 1)
+                stage = Stage(real, *bounds[st["stages"].index(s)], first=s == 0, last=s == n_stages - 1)
                 params.update({id(p): p.numel() for p in stage.parameters()})
             assert st["params"] == sum(params.values()), (model, ranks, st)
         # every parameter is on some GPU; a tied embedding is on two when first and last stage differ

@@ -7,7 +7,7 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   The first stage holds the embedding, the last the final norm and LM head; a tied embedding is a
   second copy on the last GPU. The pipeline uses torch's AdamW over fp32 weights:
   4 (weights) + 4 (gradients) + 8 (m, v) bytes per parameter.
-* **Autocast inside each stage** (``_Stage.forward``) under bf16, over fp32 weights: the layers save what
+* **Autocast inside each stage** (``Stage.forward``) under bf16, over fp32 weights: the layers save what
   they save under dp's autocast (planner's 'autocast' mode), the residual stream between stages stays fp32,
   and the last stage's logits are bf16 (2·b·s·V) until the loss upcasts them. Each forward also leaves
   a 16-bit copy of the stage's matmul weights for its backward: one per micro-batch in flight, where dp
@@ -56,7 +56,7 @@ def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int,
     """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
     from ..strategies.pipeline import split_blocks
 
-    shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner._family tells Llama-style)
+    shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner.model_family tells Llama-style)
         hidden_size=arch.hidden, vocab_size=arch.vocab, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
         intermediate_size=arch.ffn, **({"rms_norm_eps": 1e-5} if arch.family == "llama" else {}))
     return split_blocks(shim, arch.layers, seq_len, n_stages)
@@ -84,8 +84,8 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         PROCESS_RSS_BYTES,
         GiB,
         StrategyPlan,
-        _embed_bytes,
-        _final_bytes,
+        embed_bytes,
+        final_bytes,
         activation_bytes,
         layer_backward_bytes,
     )
@@ -100,7 +100,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     schedule = cfg.strategy_options.pp_schedule
     bounds = pipeline_split(arch, cfg.seq_len, n_stages)
     b, s, h, vocab = micro, cfg.seq_len, arch.hidden, arch.vocab
-    mode = "fp32" if precision == "fp32" else "autocast"  # _Stage.forward's autocast (fp16 is refused by the strategy)
+    mode = "fp32" if precision == "fp32" else "autocast"  # Stage.forward's autocast (fp16 is refused by the strategy)
     act = activation_bytes(arch, micro, s, mode, device, checkpointing)
     r = 4  # fp32 residual stream: stage inputs, outputs and their gradients (fp32 under autocast too)
     pl = 4 if mode == "fp32" else 2  # the last stage's output: the logits, in the compute dtype
@@ -113,9 +113,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     saved, transient, buffers = [], [], []
     for k, (lo, hi) in enumerate(bounds):
         x = (hi - lo) * act.per_layer
-        x += _embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
+        x += embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
         # last: log-softmax out, and (when not kept in output_chunks) the logits in fwd_cache; else: the output in fwd_cache
-        x += (_final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else r * sbh
+        x += (final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else r * sbh
         if mode == "autocast":  # each forward casts the stage's matmul weights anew (the cache ends with the autocast
             # region) and autograd keeps those 16-bit copies until that micro-batch's backward; embeddings are not cast,
             # and checkpointed blocks keep only their input (the copies are made again in the recompute)

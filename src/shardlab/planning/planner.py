@@ -130,10 +130,10 @@ class Arch:
 
 
 def _pipeline_parts(model: Any) -> dict[str, Any] | None:
-    from ..strategies.pipeline import _model_parts, embedding_modules
+    from ..strategies.pipeline import model_parts, embedding_modules
 
     try:
-        family, trunk, blocks, ln_f, lm_head = _model_parts(model)
+        family, trunk, blocks, ln_f, lm_head = model_parts(model)
     except UserError:
         return None
     embed = list(embedding_modules(family, trunk).values())  # the token embedding first
@@ -145,7 +145,7 @@ def _pipeline_parts(model: Any) -> dict[str, Any] | None:
     }
 
 
-def _family(hf_config: Any) -> str:
+def model_family(hf_config: Any) -> str:
     mt = getattr(hf_config, "model_type", "")
     if mt == "gpt2":
         return "gpt2"
@@ -182,7 +182,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
     blocks = transformer_blocks(model)
     block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     in_blocks = sum(p.numel() for p in {id(p): p for b in blocks for p in b.parameters()}.values())  # a shared one once
-    family = _family(hf_config)
+    family = model_family(hf_config)
     c = hf_config
     hidden = int(getattr(c, "hidden_size", None) or getattr(c, "n_embd"))
     layers = int(getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer"))
@@ -208,12 +208,12 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
 
 def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
     """The attention implementation a CUDA run would get (flash and SDPA keep the same tensors)."""
-    from ..training.models import _causal_lm_class, _supports
+    from ..training.models import causal_lm_class, supports_attention
 
-    cls = _causal_lm_class(hf_config)
+    cls = causal_lm_class(hf_config)
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation
-    return "sdpa" if _supports(cls, "sdpa") else "eager"
+    return "sdpa" if supports_attention(cls, "sdpa") else "eager"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,10 +312,10 @@ def _shared_bias_bytes(arch: Arch, mode: str) -> float:
 
 def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
-    return _embed_bytes(arch, mode, device) + _final_bytes(arch, mode, device)
+    return embed_bytes(arch, mode, device) + final_bytes(arch, mode, device)
 
 
-def _embed_bytes(arch: Arch, mode: str, device: str) -> float:
+def embed_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h of the embedding (first pipeline stage): GPT-2's dropout mask, BLOOM's LayerNorm input."""
     p = 4 if mode == "fp32" else 2
     r = 2 if mode == "lp" else 4
@@ -327,7 +327,7 @@ def _embed_bytes(arch: Arch, mode: str, device: str) -> float:
     return 0
 
 
-def _final_bytes(arch: Arch, mode: str, device: str) -> float:
+def final_bytes(arch: Arch, mode: str, device: str) -> float:
     """Saved bytes per s·b·h of the final norm and the LM head input (last pipeline stage)."""
     p = 4 if mode == "fp32" else 2
     r = 2 if mode == "lp" else 4

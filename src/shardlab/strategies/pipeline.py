@@ -68,7 +68,7 @@ def stage_costs(n_layers: int, layer_cost: float, head_cost: float, n_stages: in
     return bounds[::-1]
 
 
-def _model_parts(model: nn.Module):
+def model_parts(model: nn.Module):
     """(family, trunk, decoder blocks, final norm, lm head) of a GPT-2, BLOOM or Llama-style model
     (Llama, Qwen2, Mistral, SmolLM: ``model.model`` with embed_tokens, layers, norm and rotary_emb)."""
     if hasattr(model, "transformer") and hasattr(model.transformer, "wpe"):
@@ -93,7 +93,7 @@ def embedding_modules(family: str, trunk: nn.Module) -> dict[str, nn.Module]:
     return {"wte": trunk.embed_tokens}
 
 
-class _Stage(nn.Module):
+class Stage(nn.Module):
     """One pipeline stage of a GPT-2, BLOOM or Llama-style model, built from the HF model's own submodules."""
 
     def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool, autocast_dtype: torch.dtype | None = None):
@@ -101,7 +101,7 @@ class _Stage(nn.Module):
         # bf16: the stage's forward runs under autocast over fp32 master weights, as dp does. The
         # residual stream stays fp32, so what travels between stages is fp32 and shapes/dtypes agree.
         self.autocast_dtype = autocast_dtype
-        self.family, trunk, blocks, ln_f, lm_head = _model_parts(model)
+        self.family, trunk, blocks, ln_f, lm_head = model_parts(model)
         self.config = model.config
         self.embed = nn.ModuleDict(embedding_modules(self.family, trunk)) if first else None
         self.blocks = nn.ModuleList(blocks[start:end])
@@ -203,9 +203,9 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    from ..planning.planner import _family
+    from ..planning.planner import model_family
 
-    gated = _family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
+    gated = model_family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
     # Megatron/Narayanan et al. 2021: 2 FLOPs per weight of the matmuls (q and o, k and v with GQA's fewer
     # heads, the MLP's 2 or 3 matrices) + attention; GPT-2/BLOOM: 24h^2 + 4sh.
     matmul_weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + (3 if gated else 2) * hidden * ffn
@@ -320,7 +320,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         opts, env = self.cfg.strategy_options, self.env
-        _, _, blocks, _, _ = _model_parts(model)
+        _, _, blocks, _, _ = model_parts(model)
         # The trainer's layout, from the same config (checked by the launcher's preflight), this schedule's M.
         self.parallel = ParallelLayout.from_config(self.cfg, env.world_size, layers=len(blocks), microbatches=self.grad_accum)
         self.n_ranks = self.parallel.stages  # ranks per pipeline
@@ -336,7 +336,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         pp_stages = []
         for s in my_stages:
             dtype = self.precision.dtype if self.precision.is_mixed else None
-            module = _Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype).to(env.device)
+            module = Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype).to(env.device)
             self.stage_modules.append(module)
             pp_stages.append(PipelineStage(module, s, n_stages, env.device, group=self.pp_group))
         self.is_first = 0 in my_stages
@@ -399,7 +399,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
             g.copy_(reduced)
 
     def _find_tied(self) -> bool:
-        family, trunk, _, _, lm_head = _model_parts(self.full_model)
+        family, trunk, _, _, lm_head = model_parts(self.full_model)
         return embedding_modules(family, trunk)["wte"].weight is lm_head.weight
 
     def _tied_param(self) -> nn.Parameter | None:

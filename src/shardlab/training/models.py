@@ -610,7 +610,7 @@ def _flash_attn_importable() -> bool:
     return True
 
 
-def _causal_lm_class(hf_config: Any) -> type | None:
+def causal_lm_class(hf_config: Any) -> type | None:
     """The transformers class AutoModelForCausalLM would build, or None (remote code, unknown)."""
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -620,7 +620,7 @@ def _causal_lm_class(hf_config: Any) -> type | None:
         return None
 
 
-def _supports(model_class: type | None, impl: str) -> bool:
+def supports_attention(model_class: type | None, impl: str) -> bool:
     if model_class is None or impl == "eager":
         return True
     if impl == "sdpa":  # BLOOM: through shardlab's ALiBi-bias SDPA attention (bloom_sdpa.py)
@@ -640,9 +640,9 @@ def resolve_attn_implementation(requested: str, device_type: str, model_class: t
     """
     name = model_class.__name__ if model_class is not None else "this model"
     if requested == "auto":
-        if device_type == "cuda" and _flash_attn_importable() and _supports(model_class, "flash_attention_2"):
+        if device_type == "cuda" and _flash_attn_importable() and supports_attention(model_class, "flash_attention_2"):
             return "flash_attention_2"
-        return "sdpa" if _supports(model_class, "sdpa") else "eager"
+        return "sdpa" if supports_attention(model_class, "sdpa") else "eager"
     if requested == "flash_attention_2":
         if not _flash_attn_importable():
             raise UserError(
@@ -651,11 +651,11 @@ def resolve_attn_implementation(requested: str, device_type: str, model_class: t
             )
         if device_type != "cuda":
             raise UserError("attn_implementation flash_attention_2 needs a CUDA GPU", "use --attn-implementation auto or sdpa")
-        if not _supports(model_class, requested):
+        if not supports_attention(model_class, requested):
             raise UserError(f"{name} does not support flash_attention_2", "use --attn-implementation auto")
         return requested
     if requested == "sdpa":
-        if not _supports(model_class, requested):
+        if not supports_attention(model_class, requested):
             raise UserError(f"{name} does not support sdpa attention", "use --attn-implementation auto (eager for this model)")
         return requested
     if requested == "eager":
@@ -686,7 +686,7 @@ def build_model(
     """
     hf_config = build_hf_config(cfg)  # validates the name, directory and seq_len first
     kind, obj = _classify(cfg.model)
-    model_class = _causal_lm_class(hf_config)
+    model_class = causal_lm_class(hf_config)
     attn = resolve_attn_implementation(cfg.attn_implementation, device_type or _device_type(cfg), model_class)
     if model_class is None and cfg.attn_implementation == "auto" and attn == "sdpa":
         attn = None  # remote/unknown class: let transformers pick its best supported implementation
@@ -824,7 +824,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     The one block finder: FSDP wraps each as a unit (strategies/fsdp.py), the planner sizes them
     (planner.arch_from_hf_config). The pipeline needs more than the blocks (embeddings, final norm,
-    head, per family) and names them itself (strategies/pipeline._model_parts)."""
+    head, per family) and names them itself (strategies/pipeline.model_parts)."""
     best: torch.nn.ModuleList | None = None
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) > 0:

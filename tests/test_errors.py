@@ -17,6 +17,7 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -99,10 +100,13 @@ def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def _main_in_process(argv: list[str]) -> tuple[int | None, str, str]:
-    """`shardlab.cli.main(argv)` with stdout/stderr sent to real files (faulthandler needs a file descriptor)."""
+    """`shardlab.cli.main(argv)` with stdout/stderr sent to real files (faulthandler needs a file descriptor).
+    os.environ is restored afterwards: a world-1 run that gets as far as the worker sets RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT for torch.distributed in this process, and a later `python -m shardlab --gpus 2` started from
+    here would inherit them and take itself for a worker."""
     from shardlab.cli import main
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with mock.patch.dict(os.environ), tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 code = main(argv)

@@ -295,7 +295,7 @@ def _failure(rank: int, exitcode: int, timestamp: int):
 
 
 def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second():
-    from shardlab.launch.launcher import WorkerFailed
+    from shardlab.launch.failures import WorkerFailed
     from shardlab.launch.preemption import REQUEUE_EXIT
 
     # rank 0 lost its peer and exited with its one-line error; rank 1 was SIGKILLed; one poll saw both

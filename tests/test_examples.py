@@ -1,9 +1,9 @@
 """examples/: every YAML loads, dry-runs offline through the real CLI, and quick-test trains for real.
 
-The dry-runs run `python -m shardlab train --config F --dry-run` in a subprocess, as a user would,
-with the Hugging Face offline switches set and a guard (a sitecustomize on PYTHONPATH) that makes
-any outgoing connection fail and reports whether `datasets` was imported: a dry run resolves the
-config and the DeepSpeed JSON only, so it must touch neither the network nor any dataset.
+The dry runs go through the real CLI entry point (`shardlab train --config F --dry-run`), all of them in one fresh
+interpreter, with the Hugging Face offline switches set and a guard (a sitecustomize on PYTHONPATH) that makes any
+outgoing connection fail; the driver notes whether `datasets` was imported by each: a dry run resolves the config and
+the DeepSpeed JSON only, so it must touch neither the network nor any dataset.
 """
 
 from __future__ import annotations
@@ -85,31 +85,55 @@ def test_ds_config_example_is_json_with_auto_values():
     assert data["train_batch_size"] == "auto"
 
 
-# Each dry run is a fresh interpreter (~10 CPU-seconds of imports): the fast tier dry-runs the demo's example and
-# one DeepSpeed example; every other example's dry run is in the slow tier (conftest.py: the tiers).
-FAST_DRY_RUNS = {"quick-test.yaml", "gpt2-medium-zero2.yaml"}
+# One fresh interpreter dry-runs every example in turn through the real CLI entry point (`shardlab.cli.main`), as
+# `shardlab train --config F --dry-run` would: a process per example cost ~10 CPU-seconds of imports each. After each
+# example the driver records whether `datasets` has been imported by then, so the first example that imports it is
+# the one named; the environment is restored between examples.
+DRIVER = """
+import contextlib, io, json, os, sys
+from shardlab.cli import main
+results = {}
+for path in sys.argv[2:]:
+    out, err, env = io.StringIO(), io.StringIO(), dict(os.environ)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["train", "--config", path, "--dry-run"])
+        except SystemExit as exc:
+            code = exc.code
+    os.environ.clear(); os.environ.update(env)
+    results[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "datasets": "datasets" in sys.modules}
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f)
+"""
 
 
-@pytest.mark.parametrize("path", [p if p.name in FAST_DRY_RUNS else pytest.param(p, marks=pytest.mark.slow) for p in YAMLS], ids=lambda p: p.name)
-def test_example_dry_run_offline(path: Path, guard_dir: Path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardlab", "train", "--config", str(path.relative_to(ROOT)), "--dry-run"],
-        cwd=ROOT, env=subprocess_env(guard_dir), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"dry run of {path.name} failed:\n{proc.stderr[-3000:]}"
-    assert DATASETS_MARK not in proc.stderr, f"dry run of {path.name} imported `datasets`"
+@pytest.fixture(scope="module")
+def dry_runs(guard_dir: Path, tmp_path_factory) -> dict[str, dict]:
+    result = tmp_path_factory.mktemp("dry-runs") / "results.json"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(result), *(str(p.relative_to(ROOT)) for p in YAMLS)],
+                          cwd=ROOT, env=subprocess_env(guard_dir), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "network access attempted" not in proc.stderr
-    resolved = yaml.safe_load(proc.stdout.split("# DeepSpeed config")[0])
+    return json.loads(result.read_text())
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_example_dry_run_offline(path: Path, dry_runs: dict[str, dict]):
+    run = dry_runs[str(path.relative_to(ROOT))]
+    assert run["code"] == 0, f"dry run of {path.name} failed:\n{run['stderr'][-3000:]}"
+    assert not run["datasets"], f"dry run of {path.name} imported `datasets`"
+    assert "network access attempted" not in run["stderr"]
+    resolved = yaml.safe_load(run["stdout"].split("# DeepSpeed config")[0])
     cfg = load_config(path)
     assert resolved["model"] == cfg.model and resolved["strategy"] == cfg.strategy
     assert resolved["micro_batch"] and resolved["grad_accum"] and resolved["global_batch"]
     if cfg.strategy.startswith("zero") or cfg.strategy == "infinity":
-        ds = json.loads(proc.stdout.split("# DeepSpeed config", 1)[1])
+        ds = json.loads(run["stdout"].split("# DeepSpeed config", 1)[1])
         assert ds["train_micro_batch_size_per_gpu"] == resolved["micro_batch"]
         assert ds["gradient_accumulation_steps"] == resolved["grad_accum"]
         assert ds["train_batch_size"] == resolved["global_batch"]
     else:
-        assert "# DeepSpeed config" not in proc.stdout
+        assert "# DeepSpeed config" not in run["stdout"]
 
 
 @pytest.mark.slow  # the fast tier's dp run is test_train_e2e's

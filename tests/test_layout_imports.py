@@ -144,3 +144,20 @@ def test_the_cli_does_not_import_torch():
     assert out.stdout.strip() == "[]", out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "shardlab.cli" in imported
+
+
+def test_the_supervising_parent_does_not_import_torch(tmp_path):
+    """`shardlab train`'s parent only waits for its child (launch/supervise.py): it must not spend seconds importing torch
+    before the child starts. The child is a stand-in that reports nothing; the parent's own modules are what is checked."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("SHARDLAB_SUPERVISED", None)
+    code = ("import sys\n"
+            "from shardlab.cli import report_errors, build_parser, config_from_args\n"
+            "from shardlab.launch.supervise import supervise\n"
+            f"args = build_parser().parse_args(['train', '--model', 'tiny-gpt2', '--output-dir', {str(tmp_path / 'run')!r}])\n"
+            "with report_errors():\n"
+            "    cfg = config_from_args(args)\n"
+            "    code = supervise(cfg.output_dir, cfg.strategy, [sys.executable, '-c', 'pass'])\n"
+            "print(code, sorted(m for m in ('torch', 'deepspeed', 'transformers', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "0 []", out.stdout + out.stderr

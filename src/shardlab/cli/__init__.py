@@ -98,7 +98,7 @@ class _Status:
 @contextlib.contextmanager
 def report_errors():
     """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
-    from ..launch.launcher import WorkerFailed
+    from ..launch.failures import WorkerFailed
     from ..launch.preemption import Preempted
 
     status = _Status()

@@ -19,6 +19,7 @@ import torch
 from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
+from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
@@ -295,47 +296,3 @@ def _run_id(cfg: RunConfig, port: int) -> str:
     return f"shardlab-{job}" if job else f"shardlab-{cfg.master_addr}-{port}"
 
 
-def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:
-    """Sort key of a launcher's failures: the first is the cause.
-
-    `timestamp` is when the launcher's poll (every monitor_interval) saw the exit, in whole seconds: a killed
-    rank and the survivor that then lost its peer are usually seen by the same poll, so the time cannot order
-    them and how each ended does. A signal death is the cause (a survivor exits on its own, with an error);
-    SIGABRT after the other signals (a native abort is also how a survivor may end while its broken group is
-    torn down); SIGTERM last of all, since it is how the launcher stops the ranks still running after a
-    failure; a checkpoint-and-stop exit (requeue) is the cause only when nothing else failed. Then the rank."""
-    code = failure.exitcode
-    if code == -signal.SIGTERM:
-        kind = 4
-    elif code < 0:
-        kind = 1 if code == -signal.SIGABRT else 0
-    else:
-        kind = 3 if code == requeue_exit else 2
-    return failure.timestamp, kind, rank
-
-
-class WorkerFailed(Exception):
-    """A worker exited non-zero. A worker that raised printed its own error; one that was killed is named here."""
-
-    def __init__(self, exitcode: int, message: str | None = None):
-        super().__init__(message or f"a worker process failed with exit code {exitcode} (its error is printed above)")
-        self.exitcode = exitcode if exitcode and exitcode > 0 else 1
-
-    @classmethod
-    def from_failures(cls, failures: dict) -> "WorkerFailed":
-        """The failure that caused the others, chosen by how each rank ended (see `_cause_order`)."""
-        from .preemption import REQUEUE_EXIT
-
-        if not failures:
-            return cls(1)
-        rank, first = min(failures.items(), key=lambda kv: _cause_order(kv[0], kv[1], REQUEUE_EXIT))
-        if first.exitcode == REQUEUE_EXIT:  # ranks stop at the same step, so the first to exit speaks for all
-            return cls(REQUEUE_EXIT, "the workers checkpointed and stopped on a signal (exit 75: requeue and resume with --resume auto)")
-        if first.exitcode < 0:  # killed by a signal: it could not say so itself
-            name = first.signal_name()
-            why = ""
-            if name == "SIGKILL":  # nobody on a cluster sends it by hand: usually the kernel's OOM killer or a job limit
-                why = (" (if nobody killed it: the host's out-of-memory killer or the job's memory limit; check `dmesg` or "
-                       "`sacct`, and lower --micro-batch, or use --no-pin-memory / a strategy that offloads less)")
-            return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped{why}")
-        return cls(first.exitcode, f"a worker process failed with exit code {first.exitcode} (rank {rank}; its error is printed above)")

@@ -13,6 +13,7 @@ test_config.py.
 from __future__ import annotations
 
 import json
+import os
 import math
 import statistics
 from pathlib import Path
@@ -112,6 +113,9 @@ def test_two_ranks_train_with_accumulation(runs, strategy):
     run = runs.strategy(strategy, gpus=2)
     assert_trained(run, steps=20, world=2, strategy=strategy, grad_accum=2)
     assert "launching 2 worker(s)" in run.stdout
+    # each rank computes with its share of the cores, not all of them (oversubscribed threads spin against each other)
+    cores = len(os.sched_getaffinity(0))
+    assert run.summary["cpu_threads"] == max(1, cores // 2) and run.summary["bound_cores"] == (cores // 2 if cores >= 2 else 0)
     # 3 warm-up steps: the lr logged after step k is the one step k+1 uses
     assert [r["lr"] for r in run.rows] == pytest.approx([2e-3 / 3] + [1e-3] * 19)
 

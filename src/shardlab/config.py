@@ -73,7 +73,7 @@ class StrategyOptions(_Strict):
     zenflow: bool = Field(
         False, description="zero1_offload/zero2_offload: DeepSpeed ZenFlow, NOT bit-exact AdamW: the top 10% gradient columns "
         "step on the GPU every step, the rest on the CPU asynchronously and less often (stale updates)")
-    bind_cores: bool = Field(True, description="CPU-optimizer strategies: pin each rank's threads to its share of the cores "
+    bind_cores: bool = Field(True, description="CPU-optimizer strategies and CPU-device runs: pin each rank's threads to its share of the cores "
                              "(what DeepSpeed's launcher does with --bind_cores_to_rank)")
     pp_stages: int | None = Field(None, gt=0, description="pipeline: number of ranks the layers are split over (default: all)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", description="pipeline schedule")

@@ -356,6 +356,19 @@ class Activations:
         return self.layers + self.embed_final + self.recompute + self.logits_peak
 
 
+def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float, float]:
+    """Liger's fused linear cross-entropy (loss_kernel=liger): no logits tensor. It computes the gradients in forward
+    and holds them until backward: the hidden states' (tokens x h, in the hidden states' dtype: fp32 out of autocast's
+    LayerNorm) and the head weight's (V x h, accumulated in fp32, then cast to a 16-bit weight's dtype). While it runs,
+    one chunk of logits (liger's chunk: next power of two of tokens / ceil(V / h) rows) in the matmul's dtype.
+    Returns (held at the end of forward, peak at the start of backward)."""
+    hidden_b = 2 if mode == "lp" else 4
+    weight_grad = 2.0 * vocab * h if mode == "lp" else 4.0 * vocab * h
+    saved = hidden_b * tokens * h + weight_grad
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / h)))))))
+    return saved, saved + (4 if mode == "fp32" else 2) * chunk * vocab
+
+
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
                      loss_kernel: str = "hf") -> Activations:
     b, s, h, a = micro, seq, arch.hidden, arch.heads
@@ -372,6 +385,8 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
     if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
         p = 4 if mode == "fp32" else 2
         logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
+    elif loss_kernel == "liger":
+        logits_saved, logits_peak = _liger_loss_bytes(b * s, h, arch.vocab, mode)
     else:
         logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
@@ -909,6 +924,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")
+    elif cfg.loss_kernel == "liger":
+        plan_notes.append("the loss is Liger-Kernel's fused linear cross-entropy (loss_kernel=liger): no logits; the head "
+                          "weight's gradient is held from forward to backward instead")
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
     nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..training.loss import resolve_loss_kernel
+from ..training.loss import CHUNK_MEM_CONST as LIGER_CHUNK_MEM_CONST, resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 
@@ -357,16 +357,19 @@ class Activations:
 
 
 def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float, float]:
-    """Liger's fused linear cross-entropy (loss_kernel=liger): no logits tensor. It computes the gradients in forward
-    and holds them until backward: the hidden states' (tokens x h, in the hidden states' dtype: fp32 out of autocast's
-    LayerNorm) and the head weight's (V x h, accumulated in fp32, then cast to a 16-bit weight's dtype). While it runs,
-    one chunk of logits (liger's chunk: next power of two of tokens / ceil(V / h) rows) in the matmul's dtype.
-    Returns (held at the end of forward, peak at the start of backward)."""
-    hidden_b = 2 if mode == "lp" else 4
-    weight_grad = 2.0 * vocab * h if mode == "lp" else 4.0 * vocab * h
-    saved = hidden_b * tokens * h + weight_grad
-    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / h)))))))
-    return saved, saved + (4 if mode == "fp32" else 2) * chunk * vocab
+    """Liger's fused linear cross-entropy (loss_kernel=liger, training.loss.HeadFusedLoss): no logits tensor.
+
+    In 16-bit runs the hidden states and the head weight go in cast once to 16 bits (autocast: a 2 V h copy of the
+    fp32 weight). The kernel computes the gradients in forward: the weight's accumulated in fp32 (4 V h), then cast
+    to the weight's dtype (2 V h, both alive at that moment), the hidden states' (tokens x h); one chunk of logits at a
+    time (the next power of two of tokens / ceil(V / (C h)) rows, C = loss.CHUNK_MEM_CONST). The two gradients are held
+    until backward. Returns (held at the end of forward, the loss' peak, inside its forward)."""
+    p = 4 if mode == "fp32" else 2
+    saved = p * tokens * h + p * vocab * h
+    weight_copy = 2.0 * vocab * h if mode == "autocast" else 0.0
+    accumulate = 4.0 * vocab * h if mode != "fp32" else 0.0  # fp32 weights: the accumulator is the gradient itself
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / (LIGER_CHUNK_MEM_CONST * h))))))))
+    return saved, saved + weight_copy + accumulate + p * chunk * vocab
 
 
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,

@@ -114,14 +114,29 @@ def check_loss_kernel(choice: str, strategy_spec, device_type: str, hf_config=No
                         "pip install 'liger-kernel>=0.8.5,<0.9' (shardlab's [gpu] extra)") from None
 
 
+# Liger's transient logits budget, in multiples of tokens x hidden (its own default is 1). Each chunk of tokens
+# re-reads and re-writes the whole fp32 weight-gradient accumulator (V x h), so the number of chunks, about V / (C h),
+# sets that traffic: with C = 1, 50 chunks for GPT-2 (V / h = 49) and 62 for BLOOM-7b1 (8 GB per chunk, ~0.5 TB a
+# step). C = 8 makes it 4-8 chunks, each holding about 8 x tokens x hidden logits (BLOOM micro 16: 1 GB in bf16,
+# against 8 GB for the whole logits tensor and as much again for its gradient).
+CHUNK_MEM_CONST = 8
+
+
 def fused_linear_cross_entropy() -> Callable:
     """Liger-Kernel's fused linear cross-entropy as ``fn(hidden (N, H), weight (V, H), targets (N,), bias) -> mean loss``.
     Imported on first use: it imports Triton."""
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction
 
-    # fp32 weight-gradient accumulation across chunks: 16-bit weights (DeepSpeed) would otherwise round it at each chunk
-    fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean", accum_dtype=torch.float32)
-    return lambda hidden, weight, targets, bias=None: fused(weight, hidden, targets, bias)
+    def fused(hidden, weight, targets, bias=None):
+        # the Function's positional arguments (liger 0.8.5): ce_weight, ignore_index, lse_square_scale, label_smoothing,
+        # reduction, softcap, return_z_loss, accum_dtype (fp32: 16-bit weights would be rounded at every chunk),
+        # use_token_scaling, return_token_accuracy, return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const
+        out = LigerFusedLinearCrossEntropyFunction.apply(
+            hidden, weight, targets, bias, None, IGNORE, 0.0, 0.0, "mean", None, False, torch.float32,
+            False, False, False, None, None, CHUNK_MEM_CONST)
+        return out[0]
+
+    return fused
 
 
 def reference_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -142,7 +157,15 @@ class HeadFusedLoss:
         if self._fused is None:
             self._fused = fused_linear_cross_entropy()
         shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # token t predicts t+1, as causal_lm_loss
-        return self._fused(hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1), head.bias)
+        weight, bias = head.weight, head.bias
+        if torch.is_autocast_enabled(hidden.device.type):
+            # What autocast would do for the head's linear, done once here: inside the kernel autocast would cast the
+            # fp32 weight again for every chunk (weight.t() is a view, which its cast cache skips). The cast's backward
+            # hands the fp32 parameter (and, tied, the embedding) the gradient, as the head's own cast does.
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        return self._fused(hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1), bias)
 
 
 def _skippable_forward(self, x):

@@ -6,11 +6,12 @@
 #    model's own loss (fp32) and the compiled loss (bf16), on tiny-gpt2.
 # 2. Interleaved repeats of: bare HF loop torch.compile (bare_reference.py), shardlab dp --compile with
 #    loss_kernel=compiled, the same with loss_kernel=liger; gpt2-medium, seq 1024, bf16, micro 16, synthetic data, no
-#    clipping, no eval (speed_gpu.py's *-noeval cells). Repeats go on while BUDGET_S lasts.
+#    clipping, no eval (speed_gpu.py's *-noeval cells). Repeats go on while BUDGET_S lasts; the bare loop runs in the
+#    first BARE_REPEATS of them.
 # Results: $OUT/liger/{gpu.txt,log.txt,bare.jsonl,speed.json,speed.md,runs.tar.gz (metrics.jsonl, summary.json, config.yaml)}.
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/liger"; mkdir -p "$R"
-BUDGET_S="${BUDGET_S:-520}"; REPEATS="${REPEATS:-3}"; RUNS=/tmp/shardlab-liger-runs
+BUDGET_S="${BUDGET_S:-520}"; REPEATS="${REPEATS:-3}"; BARE_REPEATS="${BARE_REPEATS:-$REPEATS}"; RUNS=/tmp/shardlab-liger-runs
 exec > >(tee -a "$R/log.txt") 2>&1
 bash benchmarks/install_gpu_deps.sh
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -23,7 +24,7 @@ if [[ "${GPU_TESTS:-1}" == 1 ]]; then
 fi
 for rep in $(seq 1 "$REPEATS"); do
   echo "=== repeat $rep, $(left) s left"
-  if (( $(left) > 90 )); then
+  if (( rep <= BARE_REPEATS && $(left) > 90 )); then
     python3 benchmarks/bare_reference.py --all --modes compile-bf16 --warmup 5 --steps 20 --out "$R/bare.jsonl" --timeout 200 \
       || echo "bare FAILED"
   fi

@@ -132,9 +132,10 @@ class RunConfig(_Strict):
         "auto", description="with --compile: 'model' = one graph of the whole model, 'blocks' = each decoder block compiled on "
         "its own (as torchtitan does; gradients appear block by block), 'auto' = blocks for ao_offload and "
         "--optimizer-in-backward, model otherwise (shardlab.training.compiling)")
-    loss_kernel: Literal["auto", "compiled", "hf"] = Field(
+    loss_kernel: Literal["auto", "compiled", "hf", "liger"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
-        "'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
+        "'liger' = Liger-Kernel's fused linear cross-entropy (the head inside the loss: no logits at all; CUDA, dp and "
+        "zero0-2), 'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
     # strategy
     strategy: str = DEFAULT_STRATEGY
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)

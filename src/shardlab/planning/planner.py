@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..training.loss import resolve_loss_kernel
+from ..training.loss import CHUNK_MEM_CONST as LIGER_CHUNK_MEM_CONST, resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 
@@ -356,6 +356,22 @@ class Activations:
         return self.layers + self.embed_final + self.recompute + self.logits_peak
 
 
+def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float, float]:
+    """Liger's fused linear cross-entropy (loss_kernel=liger, training.loss.HeadFusedLoss): no logits tensor.
+
+    In 16-bit runs the hidden states and the head weight go in cast once to 16 bits (autocast: a 2 V h copy of the
+    fp32 weight). The kernel computes the gradients in forward: the weight's accumulated in fp32 (4 V h), then cast
+    to the weight's dtype (2 V h, both alive at that moment), the hidden states' (tokens x h); one chunk of logits at a
+    time (the next power of two of tokens / ceil(V / (C h)) rows, C = loss.CHUNK_MEM_CONST). The two gradients are held
+    until backward. Returns (held at the end of forward, the loss' peak, inside its forward)."""
+    p = 4 if mode == "fp32" else 2
+    saved = p * tokens * h + p * vocab * h
+    weight_copy = 2.0 * vocab * h if mode == "autocast" else 0.0
+    accumulate = 4.0 * vocab * h if mode != "fp32" else 0.0  # fp32 weights: the accumulator is the gradient itself
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / (LIGER_CHUNK_MEM_CONST * h))))))))
+    return saved, saved + weight_copy + accumulate + p * chunk * vocab
+
+
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
                      loss_kernel: str = "hf") -> Activations:
     b, s, h, a = micro, seq, arch.hidden, arch.heads
@@ -372,6 +388,8 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
     if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
         p = 4 if mode == "fp32" else 2
         logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
+    elif loss_kernel == "liger":
+        logits_saved, logits_peak = _liger_loss_bytes(b * s, h, arch.vocab, mode)
     else:
         logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
@@ -909,6 +927,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")
+    elif cfg.loss_kernel == "liger":
+        plan_notes.append("the loss is Liger-Kernel's fused linear cross-entropy (loss_kernel=liger): no logits; the head "
+                          "weight's gradient is held from forward to backward instead")
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
     nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None

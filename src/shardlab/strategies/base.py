@@ -42,6 +42,7 @@ class Strategy(ABC):
         self.model: nn.Module | None = None  # what the loop calls forward on
         # None: the HF model computes its own loss from `labels`; else a fused loss on its logits.
         self.loss_fn = None if self.spec.own_loss else loss.build(cfg.loss_kernel, env.device.type)
+        self.loss_kernel = "hf" if self.loss_fn is None else loss.resolve_loss_kernel(cfg.loss_kernel, env.device.type)
         self.hf_model: nn.Module | None = None  # the unwrapped transformers model (config, save_pretrained)
         self.bound_cores: list[int] = []
         # Ranks that compute on the CPU (a CPU optimizer, or a CPU device) get their own share of the cores: with torch's
@@ -81,6 +82,10 @@ class Strategy(ABC):
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
         s = spec(cfg.strategy)
         optim.check_optimizer_options(cfg, cfg.strategy, world, accum, s.supports_8bit, s.supports_in_backward, device_type)
+        if cfg.loss_kernel == "liger":
+            from ..training.models import build_hf_config
+
+            loss.check_loss_kernel(cfg.loss_kernel, s, device_type, build_hf_config(cfg) if device_type == "cuda" else None)
 
     @staticmethod
     def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -128,6 +133,15 @@ class Strategy(ABC):
         assert self.model is not None
         # With a loss_fn the model gets no labels: it returns logits and computes no loss of its own.
         inputs = batch if self.loss_fn is None else {k: v for k, v in batch.items() if k != "labels"}
+        if isinstance(self.loss_fn, loss.HeadFusedLoss):
+            # liger: the model stops before its head (outputs.logits are the final hidden states) and the fused loss
+            # applies the head's weight; inside autocast, so that its matmuls run in 16 bits as the head's would.
+            head = loss.output_head(self.hf_model)
+            with self.autocast():
+                with loss.head_skipped(head):
+                    outputs = self.model(**inputs, use_cache=False)
+                return loss.model_loss(outputs, batch["labels"], lambda hidden, labels: self.loss_fn(hidden, labels, head),
+                                       self.hf_model)
         with self.autocast():
             outputs = self.model(**inputs, use_cache=False)  # no KV cache in training: it only costs memory and time
         if self.loss_fn is None:

@@ -576,7 +576,7 @@ class Trainer:
             # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
             "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
             **compile_clock.summary(),
-            "loss_kernel": "hf" if strategy.loss_fn is None else "compiled", "gradient_checkpointing": cfg.gradient_checkpointing,
+            "loss_kernel": strategy.loss_kernel, "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
             **self.evals.summary(),

@@ -18,12 +18,24 @@ def cfg(**kw) -> RunConfig:
 def test_auto_scope_follows_the_strategy_spec_and_in_backward():
     import shardlab.strategies.specs  # noqa: F401  (registers the names)
 
-    assert compiling.scope(cfg(compile=True), per_block=spec("dp").compile_per_block) == "model"
-    assert compiling.scope(cfg(compile=True), per_block=spec("ao_offload").compile_per_block) == "blocks"
+    assert not spec("dp").compile_per_block and spec("ao_offload").compile_per_block
+    assert compiling.scope(cfg(compile=True)) == "model"
+    assert compiling.scope(cfg(compile=True, strategy="ao_offload")) == "blocks"
     # stepping in gradient hooks needs the gradients block by block, whatever the strategy
-    assert compiling.scope(cfg(compile=True, optimizer_in_backward=True, max_grad_norm=None), per_block=False) == "blocks"
-    assert compiling.scope(cfg(compile=True, compile_scope="model"), per_block=True) == "model"
-    assert compiling.scope(cfg(compile=True, compile_scope="blocks"), per_block=False) == "blocks"
+    assert compiling.scope(cfg(compile=True, optimizer_in_backward=True, max_grad_norm=None)) == "blocks"
+    assert compiling.scope(cfg(compile=True, strategy="ao_offload", compile_scope="model")) == "model"
+    assert compiling.scope(cfg(compile=True, compile_scope="blocks")) == "blocks"
+
+
+def test_a_model_without_blocks_is_compiled_whole_and_says_so():
+    """'blocks' asked of a model with no repeated blocks: one whole graph, and the scope reported (summary.json's
+    compile_scope) is the one that ran."""
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    c = cfg(compile=True, compile_scope="blocks")
+    assert not transformer_blocks(flat)
+    assert compiling.scope(c, flat) == "model"
+    assert isinstance(compiling.compile_model(flat, c), torch._dynamo.eval_frame.OptimizedModule)
+    assert compiling.scope(c, build_model(cfg())) == "blocks"
 
 
 def test_blocks_scope_compiles_each_block_in_place_and_model_scope_wraps():

@@ -59,11 +59,8 @@ def test_cpu_run_is_refused_in_preflight_in_one_line_with_nothing_written(tmp_pa
     work.mkdir()
     monkeypatch.chdir(work)
     env_before = dict(os.environ)
-    try:
-        code = main(["train", "--model", "tiny-gpt2", "--device", "cpu", "--max-steps", "1", "--set", "loss_kernel=liger"])
-    finally:  # what the command set in this process (its start time) must not reach later tests
-        os.environ.clear()
-        os.environ.update(env_before)
+    code = main(["train", "--model", "tiny-gpt2", "--device", "cpu", "--max-steps", "1", "--set", "loss_kernel=liger"])
+    assert dict(os.environ) == env_before  # what the command set for itself (its start time) is gone
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err

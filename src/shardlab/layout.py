@@ -15,6 +15,7 @@ start torch.distributed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,12 @@ from .errors import UserError
 
 if TYPE_CHECKING:
     from .config import RunConfig
+
+
+def local_world_size() -> int:
+    """How many ranks of this job run on this node: torchrun's / shardlab's LOCAL_WORLD_SIZE, else srun's
+    SLURM_NTASKS_PER_NODE, else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
 
 
 class LayoutError(UserError):

@@ -9,6 +9,8 @@ torchrun / deepspeed (RANK, WORLD_SIZE, LOCAL_RANK set), and a SLURM task starte
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
 import socket
@@ -136,6 +138,43 @@ def bind_threads_to_rank_cores(local_rank: int, local_world: int) -> list[int]:
     os.environ["OMP_NUM_THREADS"] = str(per_rank)  # read by OpenMP runtimes (DeepSpeed's op) loaded after this
     torch.set_num_threads(per_rank)
     return mine
+
+
+# glibc's mallopt parameters (malloc.h) and their defaults.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+
+
+@contextlib.contextmanager
+def reuse_freed_heap(enabled: bool = True):
+    """While a CPU-device run trains, keep freed large buffers in the heap for the next step.
+
+    glibc serves every allocation above its largest mmap threshold (32 MB) with a fresh mmap and unmaps it on free, so
+    each step's big tensors (tiny-gpt2's logits at micro 8 x 128: 206 MB, and as much again for their gradient) are
+    page-faulted and zeroed by the kernel anew: such a run spent 12.5 of its 30 s in the kernel, and a step took 1.11 s
+    instead of 0.58 s with the heap reused. jemalloc and tcmalloc, which PyTorch's CPU performance guide recommends,
+    reuse memory the same way; this does it with the allocator every Linux has. The cost is a higher resident peak
+    (freed memory is not given back during the run). Restored afterwards, with the heap trimmed, so a notebook's
+    process that ran `shardlab.train()` gets its memory back. A no-op where the C library is not glibc."""
+    libc = None
+    if enabled and sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt  # noqa: B018 - glibc's, absent from musl
+        except (OSError, AttributeError):
+            libc = None
+    if libc is None:
+        yield False
+        return
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # both C ints: a larger Python int would be truncated
+    libc.mallopt(_M_MMAP_MAX, 0)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)  # the top of the heap is given back only above 2 GiB free
+    try:
+        yield True
+    finally:
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
 
 
 _group_broken = False

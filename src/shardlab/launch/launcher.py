@@ -100,7 +100,21 @@ def _check_pipeline(cfg: RunConfig, device_type: str) -> None:
 def train(cfg: RunConfig, force: bool = False):
     """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process.
 
-    ``force``: start even when the plan predicts more host RAM than this node has."""
+    ``force``: start even when the plan predicts more host RAM than this node has.
+
+    The process's environment is restored afterwards. A run sets variables for itself and the workers it spawns
+    (RANK, WORLD_SIZE, MASTER_PORT for a world-1 run in this process, the start time, the compile cache); left
+    behind, a second `shardlab.train()` in a notebook would reuse a port, and a multi-rank run launched after it
+    would take its own launcher for rank 0 of a running job."""
+    saved = dict(os.environ)
+    try:
+        return _train(cfg, force)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _train(cfg: RunConfig, force: bool):
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))

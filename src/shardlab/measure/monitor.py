@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import psutil
 
+from ..layout import local_world_size
+
 GPU_CSV = "gpu_memory.csv"
 CPU_CSV = "cpu_memory.csv"
 GPU_COLUMNS = ["timestamp", "index", "name", "memory.used [MiB]", "memory.total [MiB]", "utilization.gpu [%]"]
@@ -335,7 +337,7 @@ def start_gpu_sampler(path: Path, n_gpus: int | None, interval: float, ready: Ca
 def _tree_root(in_launched_job: bool) -> tuple[int, str]:
     """The process whose tree is this node's run, and what that tree is."""
     me = psutil.Process()
-    if in_launched_job and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+    if in_launched_job and local_world_size() > 1:
         try:
             parent = me.parent()
             cmd = " ".join(parent.cmdline()) if parent else ""

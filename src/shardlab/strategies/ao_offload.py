@@ -47,7 +47,7 @@ class AOOffloadStrategy(DDPStrategy):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = model.to(self.env.device)
         # Per block by default: the whole-model graph would hand torchao every gradient at the end of backward.
-        self.model = compiling.compile_model(self.hf_model, self.cfg, per_block=self.spec.compile_per_block)
+        self.model = compiling.compile_model(self.hf_model, self.cfg)
         cfg = self.cfg
         groups = optim.param_groups(self.hf_model, cfg.weight_decay)
         # With one micro-batch per step the device gradient is freed once its copy is done; accumulating needs it.

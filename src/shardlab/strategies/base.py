@@ -19,6 +19,7 @@ from torch import nn
 from ..training import loss, optim
 from ..config import RunConfig
 from ..launch.distributed import DistEnv
+from ..layout import local_world_size
 from ..training.optim import Precision
 from .spec import StrategySpec, spec
 
@@ -48,9 +49,7 @@ class Strategy(ABC):
         # Ranks that compute on the CPU (a CPU optimizer, or a CPU device) get their own share of the cores: with torch's
         # default of one thread per core in every rank, N ranks run N x cores threads that spin against each other
         # (2 ranks on 2 cores: 0.82 s a step for tiny-gpt2 instead of 0.23 s). torchrun sets OMP_NUM_THREADS=1 for this.
-        import os
-
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
+        local_world = local_world_size()
         if (self.cpu_optimizer(cfg) or (env.device.type == "cpu" and local_world > 1)) and cfg.strategy_options.bind_cores:
             from ..launch.distributed import bind_threads_to_rank_cores
 

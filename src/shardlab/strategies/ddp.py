@@ -23,7 +23,7 @@ class DDPStrategy(TorchOptimizerStrategy):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = model.to(self.env.device)
         wrapped: nn.Module = self.hf_model
-        whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg, per_block=self.spec.compile_per_block)
+        whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg)
         if self.env.is_distributed:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)

@@ -74,7 +74,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         on_meta = any(p.is_meta for p in model.parameters())
         if not self.cpu_optimizer(self.cfg) and not on_meta:
             model = model.to(self.env.device)
-        compiled_blocks = compiling.compile_blocks(model, self.cfg, per_block=self.spec.compile_per_block)  # before sharding, as torchtitan
+        compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)

@@ -24,30 +24,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..strategies.spec import spec
 from .models import transformer_blocks
 
 
-def scope(cfg, *, per_block: bool) -> str:
-    """'model' or 'blocks' for this run; ``per_block`` = the strategy acts on gradients or blocks in hooks."""
+def scope(cfg, model: nn.Module | None = None) -> str:
+    """'model' or 'blocks': what --compile compiles in this run. Under 'auto', 'blocks' for the strategies whose spec
+    says they act per block or per gradient in hooks (``compile_per_block``) and with the optimizer in backward.
+    Given the model, a model without repeated blocks is 'model': it falls back to one whole graph."""
     if cfg.compile_scope != "auto":
-        return cfg.compile_scope
-    return "blocks" if per_block or cfg.optimizer_in_backward else "model"
+        chosen = cfg.compile_scope
+    else:
+        chosen = "blocks" if spec(cfg.strategy).compile_per_block or cfg.optimizer_in_backward else "model"
+    if chosen == "blocks" and model is not None and not transformer_blocks(model):
+        return "model"
+    return chosen
 
 
-def compile_blocks(model: nn.Module, cfg, *, per_block: bool = False) -> bool:
+def compile_blocks(model: nn.Module, cfg) -> bool:
     """With --compile and scope 'blocks', compile each decoder block in place; True if done (then the caller must not
     compile the whole model too)."""
-    if not cfg.compile or scope(cfg, per_block=per_block) != "blocks":
+    if not cfg.compile or scope(cfg, model) != "blocks":
         return False
-    blocks = transformer_blocks(model)
-    for block in blocks:
+    for block in transformer_blocks(model):
         block.compile()
-    return bool(blocks)  # a model without repeated blocks falls back to one whole graph
+    return True
 
 
-def compile_model(model: nn.Module, cfg, *, per_block: bool = False) -> nn.Module:
+def compile_model(model: nn.Module, cfg) -> nn.Module:
     """The module the strategy calls: ``model`` itself (unchanged, or its blocks compiled in place) or
     ``torch.compile(model)``."""
-    if not cfg.compile or compile_blocks(model, cfg, per_block=per_block):
+    if not cfg.compile or compile_blocks(model, cfg):
         return model
     return torch.compile(model)

@@ -657,6 +657,11 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     lo = 2 if mixed else 4
     P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
+    if s.engine == "torchao" and accum > 1:
+        # strategies/ao_offload.py: offload_gradients only with one micro-batch a step; accumulating keeps the fp32
+        # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
+        # autocast copies below (benchmarks/results/2026-11-25-h100-offload).
+        grads = 4.0 * n
     if s.engine == "ddp":
         mode = "autocast" if mixed else "fp32"
     else:
@@ -688,6 +693,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
         from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
+
+        if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
+            temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
 
         buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer)  # what the engine gets (offload: model-sized)
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]

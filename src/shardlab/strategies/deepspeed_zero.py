@@ -456,7 +456,10 @@ class DeepSpeedStrategy(Strategy):
         lo = 4.0 if self.precision.name == "fp32" else 2.0
         if STAGE[self.cfg.strategy] == 3:
             return 2 * lo * self.grad_accum, lo * self.grad_accum
-        return lo, lo * self.grad_accum
+        if (getattr(self, "ds_json", None) or {}).get("data_types", {}).get("grad_accum_dtype") == "fp32" and lo == 2.0:
+            return lo, 4.0  # offload_grad_accum_fp32: the fp32 sum leaves the GPU once, at the boundary
+        # each micro-batch's gradient goes out; all but the first micro-batch's running sum comes back first
+        return lo * self.grad_accum, lo * self.grad_accum
 
     def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None) -> dict[str, Any]:
         """What DeepSpeed gets, both for the engine and for the ZeRO-3 build's zero.Init (a user's JSON merged in)."""

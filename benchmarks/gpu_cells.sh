@@ -12,6 +12,12 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 bash benchmarks/install_gpu_deps.sh >/dev/null || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks/diag PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export SHARDLAB_CACHE=/tmp/shardlab-cache
+if [[ "${PREBUILD_CPU_ADAM:-0}" == 1 ]]; then
+  # DeepSpeed's cpu_adam takes minutes to JIT-build on a fresh machine: start it now, beside the first cell's model
+  # build (torch's extension loader holds a lock file, so the cell that needs it waits for this build, not a second one).
+  python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam prebuilt')" \
+    > "$ROOT/prebuild-cpu_adam.log" 2>&1 &
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g | head -2; nproc
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
 grep -v '^\s*#' "$CELLS_FILE" | grep -v '^\s*$' | while read -r label limit flags; do

@@ -587,7 +587,11 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
         out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
         out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
-        if accum > 1:  # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps
+        from ..strategies.deepspeed_zero import offload_grad_accum_fp32
+
+        # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless bf16
+        # accumulates on the GPU, offload_grad_accum_fp32)
+        if accum > 1 and not (precision == "bf16" and offload_grad_accum_fp32(s.zero_stage, s.offload_optimizer, accum)):
             out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
     elif ds and s.offload_params is not None:
         part = math.ceil(n / d)
@@ -653,6 +657,11 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     lo = 2 if mixed else 4
     P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
     params, grads, optim = float(P * n), float(G * n), float(O * n)
+    if s.engine == "torchao" and accum > 1:
+        # strategies/ao_offload.py: offload_gradients only with one micro-batch a step; accumulating keeps the fp32
+        # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
+        # autocast copies below (benchmarks/results/2026-11-25-h100-offload).
+        grads = 4.0 * n
     if s.engine == "ddp":
         mode = "autocast" if mixed else "fp32"
     else:
@@ -683,7 +692,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-        from ..strategies.deepspeed_zero import overlap_comm, sized_buckets
+        from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
+
+        if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
+            temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
 
         buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer)  # what the engine gets (offload: model-sized)
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
@@ -698,6 +710,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
+            elif precision == "bf16" and offload_grad_accum_fp32(stage, s.offload_optimizer, accum):
+                # data_types.grad_accum_dtype=fp32: the micro-batches' gradients summed on the GPU, copied out once
+                persistent_temp["fp32 gradient accumulation partition (on the GPU)"] = 4.0 * n / d
             if d > 1:
                 notes.append(f"allgather_bucket_size {ab:,} is used in place (all_gather_into_tensor), no extra buffer counted")
         else:  # stage 3

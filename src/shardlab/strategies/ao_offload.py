@@ -66,7 +66,9 @@ class AOOffloadStrategy(DDPStrategy):
         self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=False)
 
     def transfer_bytes_per_param(self) -> tuple[float, float]:
-        return 4.0, 4.0 * self.grad_accum  # fp32 gradients out after every micro-batch's backward, fp32 weights back once
+        # fp32 weights back once; fp32 gradients out once: during backward with one micro-batch a step, at step()
+        # when accumulating (offload_gradients is off then, so the sum stays on the GPU until the step)
+        return 4.0, 4.0
 
     def _add_sq_norm(self, p: torch.Tensor) -> None:
         self._sq_norm += p.grad.detach().float().pow(2).sum()

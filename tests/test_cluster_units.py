@@ -337,3 +337,28 @@ def test_a_group_broken_by_a_dead_peer_is_not_torn_down(monkeypatch):
     with pytest.raises(SystemExit):  # only because os._exit is a stand-in here that returns
         distributed.exit_process(2)
     assert destroyed == [True] and exited == [2]
+
+
+class _RunsCode:
+    """Unpickling this calls os.mkdir: what a checkpoint file from elsewhere could do with weights_only=False."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_export_refuses_a_zero_checkpoint_whose_files_would_run_code(tmp_path):
+    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False: export opens every file weights-only first."""
+    from shardlab.checkpoint import export, reshard
+
+    source = tmp_path / "ckpt" / reshard.DS_TAG
+    source.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": _RunsCode(str(marker))}, source / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(UserError, match="weights-only load refuses") as err:
+        export._zero_weights(tmp_path / "ckpt")
+    assert not marker.exists() and "\n" not in err.value.message
+    with pytest.raises(UserError, match="holds no DeepSpeed ZeRO checkpoint"):
+        export._zero_weights(tmp_path)

@@ -3,14 +3,16 @@
 Runs in one process without GPUs or a process group: the shards are read offline.
     dp, fsdp, fsdp_offload,  torch.distributed.checkpoint read without a process group (a pipeline's stages are
     pipeline                 saved under the whole model's names, so one reader serves all of them)
-    zero1/2/3 (+ _offload)   DeepSpeed's universal checkpoint (reshard.py) -> full fp32 weights
+    zero1/2/3 (+ _offload)   DeepSpeed's zero_to_fp32: the ranks' fp32 master partitions, merged
     zero0                    the full module DeepSpeed stores in its model-states file
 The directory is written like the end-of-run export (checkpoint.save_hf: tmp dir, then rename).
 """
 
 from __future__ import annotations
 
-import tempfile
+import contextlib
+import io
+import pickle
 from pathlib import Path
 
 import torch
@@ -104,12 +106,29 @@ def _dcp_keys(path: Path) -> set[str]:
 
 
 def _zero_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    universal = ckpt / reshard.UNIVERSAL_DIR
-    if universal.is_dir():
-        return reshard.read_universal(universal, with_optimizer=False).model
-    with tempfile.TemporaryDirectory(prefix="shardlab-export-") as tmp:  # leave the checkpoint as it was
-        out = reshard.convert_to_universal(ckpt, Path(tmp) / reshard.UNIVERSAL_DIR)
-        return reshard.read_universal(out, with_optimizer=False).model
+    """Every weight, fp32, merged from the ranks' fp32 master partitions by DeepSpeed's own
+    `deepspeed.utils.zero_to_fp32` (any ZeRO stage, any number of ranks). It reads the master weights only (the files
+    memory-mapped, the Adam moments dropped) and writes nothing; the universal-checkpoint conversion used before wrote
+    every optimizer state to a temporary directory first (12 bytes a parameter: 85 GB for bloom-7b1).
+    DeepSpeed unpickles with weights_only=False, so each file is first opened with weights_only=True
+    (reshard.load_deepspeed_file, memory-mapped): a file that would run code is refused before DeepSpeed reads it."""
+    source = ckpt / reshard.DS_TAG
+    files = sorted(source.glob("*_optim_states.pt")) + sorted(source.glob("*_model_states.pt"))
+    if not files:
+        raise UserError(f"{str(ckpt)!r} holds no DeepSpeed ZeRO checkpoint ({reshard.DS_TAG}/*_optim_states.pt)",
+                        "pass a checkpoint written by a zero* strategy")
+    for file in files:
+        try:
+            reshard.load_deepspeed_file(file, mmap=True)
+        except pickle.UnpicklingError as err:
+            why = next((line.split("error:", 1)[-1].split(" was not")[0].strip() for line in str(err).splitlines() if "Unsupported" in line),
+                       str(err).splitlines()[0])
+            raise UserError(f"{str(file)!r} holds objects a weights-only load refuses ({why})",
+                            "export only checkpoints written by shardlab, which hold tensors and DeepSpeed's own classes") from None
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=reshard.DS_TAG)
 
 
 def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:

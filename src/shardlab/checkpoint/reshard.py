@@ -172,13 +172,15 @@ def _convert(source: Path, tmp: Path) -> None:
     _normalize(tmp / "zero")
 
 
-def load_deepspeed_file(path: Path) -> Any:
-    """A DeepSpeed checkpoint file, with weights_only=True plus the few DeepSpeed classes it pickles."""
+def load_deepspeed_file(path: Path, mmap: bool = False) -> Any:
+    """A DeepSpeed checkpoint file, with weights_only=True plus the few DeepSpeed classes it pickles (``mmap``: the
+    tensors stay on disk until read)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address  # (numel, start) of a ZeRO-1/2 parameter's slice
 
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def _normalize(zero: Path) -> None:

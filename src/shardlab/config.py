@@ -105,7 +105,8 @@ class RunConfig(_Strict):
     grad_accum: int | None = Field(None, gt=0)
     global_batch: int | None = Field(None, gt=0)
     cpu_memory_budget_gb: float | None = Field(
-        None, gt=0, description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available)"
+        None, gt=0, description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
+        "given, the run also keeps glibc's default of returning freed memory (launch.distributed.reuse_freed_heap)"
     )
     # length of training
     epochs: float | None = Field(None, gt=0)

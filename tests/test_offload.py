@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,25 +139,61 @@ def test_offload_transfer_estimates_follow_where_the_gradients_accumulate():
         assert ao.transfer_bytes_per_param() == (4.0, 4.0)
 
 
-# Measured on one H100 (benchmarks/results/2026-11-25-h100-offload, cells.md): max_memory_allocated in GiB.
+# Measured on one H100 (benchmarks/results/2026-11-25-h100-offload, cells.md): max_memory_allocated in GiB. seq 1024,
+# bf16, liger loss, except fsdp_offload, which refuses liger (the compiled loss ran).
+HOST_ACCUM_JSON = str(Path(__file__).resolve().parents[1] / "benchmarks" / "cells" / "ds-grad-accum-bf16.json")
 MEASURED_GPU_GIB = [
     (dict(model="bloom-3b", strategy="zero2_offload", micro_batch=16, global_batch=64), 60.51),
+    # call 2: a user JSON sets DeepSpeed's old bf16 host accumulation: no fp32 buffer on the GPU (planned 60.23 before)
+    (dict(model="bloom-3b", strategy="zero2_offload", micro_batch=16, global_batch=64, deepspeed_config=HOST_ACCUM_JSON), 49.32),
     (dict(model="bloom-3b", strategy="ao_offload", micro_batch=8, global_batch=64), 53.61),
     (dict(model="bloom-7b1", strategy="ao_offload", micro_batch=32, global_batch=32, gradient_checkpointing=True), 64.44),
+    # calls 2 and 5: FSDP2's unsharded fp32 gradients accumulated on the GPU, and every unit's 16-bit params kept
+    # gathered without resharding after forward (both planned 28.84 before)
+    (dict(model="bloom-3b", strategy="fsdp_offload", micro_batch=8, global_batch=64, loss_kernel="compiled"), 38.31),
+    (dict(model="bloom-3b", strategy="fsdp_offload", micro_batch=8, global_batch=64, loss_kernel="compiled",
+          strategy_options={"fsdp_reshard_after_forward": False}), 43.90),
 ]
 
 
-@pytest.mark.parametrize(("kw", "measured"), MEASURED_GPU_GIB, ids=lambda v: v.get("strategy") if isinstance(v, dict) else None)
+def _case_id(v):
+    if not isinstance(v, dict):
+        return None
+    extra = "-user-json" if "deepspeed_config" in v else "-no-reshard" if "strategy_options" in v else ""
+    return f"{v['model']}-{v['strategy']}{extra}"
+
+
+@pytest.mark.parametrize(("kw", "measured"), MEASURED_GPU_GIB, ids=_case_id)
 def test_plan_predicts_the_measured_gpu_peak_of_offload_runs_within_5_percent(kw, measured):
-    """The fp32 accumulation buffer (zero2_offload), ao_offload's autocast copies and its gradients kept while
-    accumulating are counted: before, ao_offload was planned 33% and 22% low."""
+    """The fp32 accumulation buffer (zero2_offload) as the run's DeepSpeed JSON decides it, ao_offload's autocast
+    copies and its gradients kept while accumulating, FSDP2's accumulated unsharded gradients and
+    fsdp_reshard_after_forward are counted: before, ao_offload was planned 33% and 22% low, the user-JSON zero2_offload
+    22% high and fsdp_offload 25% and 34% low."""
     from shardlab.planning.planner import GiB, plan
 
-    cfg = RunConfig(**kw, seq_len=1024, precision="bf16", gpus=1, loss_kernel="liger")
+    kw = {"loss_kernel": "liger", **kw}
+    cfg = RunConfig(**kw, seq_len=1024, precision="bf16", gpus=1)
     sp = plan(cfg, gpu_memory_gb=80, host_ram_gb=125, strategies=(kw["strategy"],)).strategies[kw["strategy"]]
     assert sp.gpu_peak / GiB == pytest.approx(measured, rel=0.05)
-    if kw["strategy"] == "zero2_offload":  # accumulated on the GPU, so no per-parameter host accumulation buffers
-        assert not any("accumulation buffers" in k for k in sp.cpu_detail)
+    if kw["strategy"] == "zero2_offload":  # accumulated on the GPU, or (user JSON: bf16) in per-parameter host buffers
+        host_buffers = any("accumulation buffers" in k for k in sp.cpu_detail)
+        assert host_buffers == ("deepspeed_config" in kw)
+
+
+def test_one_function_says_where_zero_offload_accumulates(tmp_path):
+    """offload_grad_accum_fp32 owns shardlab's choice (bf16 only); gpu_grad_accum_fp32 what runs, a user JSON on top."""
+    from shardlab.strategies.deepspeed_zero import gpu_grad_accum_fp32, offload_grad_accum_fp32
+
+    assert offload_grad_accum_fp32(2, "cpu", 4, "bf16")
+    assert not offload_grad_accum_fp32(2, "cpu", 4, "fp16") and not offload_grad_accum_fp32(2, "cpu", 4, "fp32")
+    cfg = RunConfig(strategy="zero2_offload")
+    assert gpu_grad_accum_fp32(cfg, "zero2_offload", "bf16", 4)
+    assert not gpu_grad_accum_fp32(cfg, "zero2_offload", "bf16", 1) and not gpu_grad_accum_fp32(cfg, "zero2", "bf16", 4)
+    user = tmp_path / "ds.json"
+    user.write_text('{"data_types": {"grad_accum_dtype": "bf16"}}')
+    assert not gpu_grad_accum_fp32(cfg.model_copy(update={"deepspeed_config": str(user)}), "zero2_offload", "bf16", 4)
+    user.write_text('{"data_types": {"grad_accum_dtype": "fp32"}}')  # DeepSpeed's compact buffer, whoever asks for it
+    assert gpu_grad_accum_fp32(cfg.model_copy(update={"deepspeed_config": str(user)}), "zero1_offload", "fp16", 4)
 
 
 def _tiny():

@@ -344,6 +344,9 @@ class Activations:
     logits_peak: float  # start of backward; hf: saved output + its grad + grad wrt logits (12 b s V); compiled: 2 p b s V
     recompute: float  # gradient checkpointing: one layer recomputed during backward
     per_layer: float = 0.0  # saved by one decoder layer (its input only with gradient checkpointing)
+    # once the loss' backward is done and the gradient reaches the LM head: hf/compiled, the logits' 16-bit gradient
+    # (p b s V; the loss' saved tensors are freed); liger, the two gradients it computed in forward
+    logits_grad: float = 0.0
 
     @property
     def saved_at_forward_end(self) -> float:
@@ -385,11 +388,13 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         layers = arch.layers * one_layer
         recompute = 0.0
     bsv = b * s * arch.vocab
+    p = 4 if mode == "fp32" else 2
+    logits_grad = p * bsv
     if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
-        p = 4 if mode == "fp32" else 2
         logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
     elif loss_kernel == "liger":
         logits_saved, logits_peak = _liger_loss_bytes(b * s, h, arch.vocab, mode)
+        logits_grad = logits_saved
     else:
         logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
@@ -399,6 +404,7 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         logits_peak=logits_peak,
         recompute=recompute,
         per_layer=layers / arch.layers if arch.layers else 0.0,
+        logits_grad=logits_grad,
     )
 
 
@@ -587,11 +593,11 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
         out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
         out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
-        from ..strategies.deepspeed_zero import offload_grad_accum_fp32
+        from ..strategies.deepspeed_zero import gpu_grad_accum_fp32
 
-        # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless bf16
-        # accumulates on the GPU, offload_grad_accum_fp32)
-        if accum > 1 and not (precision == "bf16" and offload_grad_accum_fp32(s.zero_stage, s.offload_optimizer, accum)):
+        # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless the sum is
+        # kept on the GPU in fp32: gpu_grad_accum_fp32, which also reads a user JSON's data_types)
+        if accum > 1 and not gpu_grad_accum_fp32(cfg, strategy, precision, accum):
             out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
     elif ds and s.offload_params is not None:
         part = math.ceil(n / d)
@@ -670,6 +676,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel)
     temp: dict[str, float] = {}  # live at the start of backward
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
+    at_head: dict[str, float] = {}  # live besides `temp` once the loss' backward is done and the gradient reaches the head
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
     stage = s.zero_stage
@@ -685,14 +692,28 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         if d > 1:
             persistent_temp["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
     elif s.engine == "fsdp2":
-        # unsharded 16-bit (or fp32) copies: the root unit (embeddings, final norm, head) stays
-        # unsharded through forward and backward; during backward one block's params, its
-        # unsharded 16-bit grads and their fp32 copy for reduce_dtype=fp32 (+ the prefetched next block)
-        temp["unsharded root params"] = float(lo * arch.root_params)
-        temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
+        from ..strategies.fsdp import accumulated_grad_bytes_per_param, params_gathered_through_backward
+
+        # Accumulating: the whole model's unsharded gradients stay on the GPU between micro-batches, in fp32, even
+        # under CPUOffloadPolicy (they replace the sharded ones, freed by zero_grad(set_to_none=True) at the step).
+        accumulated = accumulated_grad_bytes_per_param(accum) * n
+        if accumulated:
+            temp["unsharded fp32 gradients accumulated between micro-batches (whole model)"] = accumulated
+        # 16-bit (or fp32) unsharded copies. fsdp_reshard_after_forward=false: every unit's, from its forward to its
+        # backward, the whole model at the start of backward; then a block's unsharded grads and their fp32 upcast.
+        # The default reshards every unit after its forward, the root's too: none is gathered while the loss runs its
+        # backward; the root (embeddings, final norm, head) is gathered again when the gradient reaches the head, as
+        # are one block at a time in backward (params, 16-bit grads, their fp32 upcast, + the prefetched next block).
+        if params_gathered_through_backward(cfg):
+            temp["16-bit params kept gathered from forward to backward (fsdp_reshard_after_forward=false)"] = float(lo * n)
+            at_head["unsharded block grads and their fp32 upcast (backward)"] = float((lo + (4 if mixed else 0)) * arch.block_params)
+        else:
+            at_head["unsharded root params (gathered again for the head's backward)"] = float(lo * arch.root_params)
+            at_head["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
+        at_head["the head's unsharded 16-bit weight gradient (root unit)"] = float(lo * arch.root_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-        from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
+        from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, overlap_comm, sized_buckets
 
         if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
@@ -710,8 +731,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
-            elif precision == "bf16" and offload_grad_accum_fp32(stage, s.offload_optimizer, accum):
-                # data_types.grad_accum_dtype=fp32: the micro-batches' gradients summed on the GPU, copied out once
+            elif gpu_grad_accum_fp32(cfg, strategy, precision, accum):
+                # data_types.grad_accum_dtype=fp32 (shardlab's, or a user JSON's): the micro-batches' gradients summed
+                # on the GPU, copied out once. A user JSON's bf16 keeps DeepSpeed's host accumulation: no GPU buffer
+                # (bloom-3b m16 x 4: 49.32 GiB measured, planned 60.23 before this read the JSON)
                 persistent_temp["fp32 gradient accumulation partition (on the GPU)"] = 4.0 * n / d
             if d > 1:
                 notes.append(f"allgather_bucket_size {ab:,} is used in place (all_gather_into_tensor), no extra buffer counted")
@@ -744,25 +767,28 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     else:
         grads_counted_in_buffer = False
     g_fb = grads if (grads_live_fb and not grads_counted_in_buffer) else 0.0
+    if s.engine == "fsdp2":
+        g_fb = 0.0  # accumulating, FSDP2 keeps unsharded gradients instead of the shards: counted in `temp`
     g_end = 0.0 if grads_counted_in_buffer else grads
     static = params + optim + sum(persistent_temp.values())
     moment_fb = static + g_fb + act.peak + sum(temp.values())
+    # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers
+    moment_head = moment_fb - act.logits_peak + act.logits_grad + sum(at_head.values())
     moment_end = static + g_end + sum(temp_step.values())
-    if moment_fb >= moment_end:
-        peak, moment = moment_fb, "start of backward (activations + loss gradients)"
-    else:
-        peak, moment = moment_end, "optimizer step (all gradients + step buffers)"
+    peak, moment = max((moment_fb, "start of backward (activations + loss gradients)"),
+                       (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
+                       (moment_end, "optimizer step (all gradients + step buffers)"), key=lambda m: m[0])
     gpu = {
         "parameters": params,
         "gradients": (0.0 if grads_counted_in_buffer else grads),
         "optimizer": optim,
         "activations": act.layers + act.embed_final + act.recompute,
         "logits (loss)": act.logits_peak,
-        "temporary": sum(temp.values()) + sum(persistent_temp.values()),
+        "temporary": sum(temp.values()) + sum(persistent_temp.values()) + sum(at_head.values()),
         "step buffers": sum(temp_step.values()),
         "overhead (not in allocated)": float(CUDA_CONTEXT_BYTES),
     }
-    detail = {**temp, **persistent_temp, **temp_step}
+    detail = {**temp, **persistent_temp, **at_head, **temp_step}
     notes += [f"{k}: {v / GiB:.2f} GiB" for k, v in detail.items() if v]
     # CPU per node: the larger of the build moment and the training moment, per rank, times the ranks of a node
     states = host_states(strategy, arch, cfg, precision, d, accum, device)
@@ -907,7 +933,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         if s not in names():
             raise UserError(f"unknown strategy {s!r}", f"choose from {', '.join(names())}")
     if cfg.deepspeed_config:
-        notes_ds = "a user DeepSpeed JSON is not read by plan: buckets are shardlab's strategy_options"
+        notes_ds = ("of a user DeepSpeed JSON plan reads only data_types.grad_accum_dtype: buckets are shardlab's "
+                    "strategy_options")
     else:
         notes_ds = ""
     arch = _arch(cfg)  # an unknown model is the first problem to report, before a missing GPU

@@ -16,6 +16,33 @@ from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
 
 
+# ---- what the engine keeps on the GPU (read by planning/planner.py) ------------------------------------------
+
+
+def accumulated_grad_bytes_per_param(accum: int) -> float:
+    """GPU bytes per parameter *of the whole model* (not of a shard) that FSDP2 keeps between the micro-batches of
+    a step. ``accumulate`` turns gradient sync off for all but the last micro-batch; FSDP2 then keeps every unit's
+    *unsharded* gradient on the compute device (FSDPParam.unsharded_accumulated_grad), upcast after the unit's
+    backward to MixedPrecisionPolicy's reduce_dtype, fp32 (to_accumulated_grad_if_needed); fp32 runs keep the fp32
+    ``.grad`` itself. CPUOffloadPolicy does not change this: only reduce-scattered shards go to the host, on the
+    synced micro-batch. So 4 B/param, not divided by the world size, from the first micro-batch's backward until the
+    last one's reduce-scatter. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 GiB, planned 28.84 without it
+    (benchmarks/results/2026-11-25-h100-offload)."""
+    return 4.0 if accum > 1 else 0.0
+
+
+def params_gathered_through_backward(cfg) -> bool:
+    """Whether every unit keeps its unsharded 16-bit parameters from its forward until its backward.
+
+    ``setup`` passes ``reshard_after_forward`` to every ``fully_shard`` call, the root's included. torch leaves the
+    root gathered after forward only while the option is left at its default (FSDPState._auto_reshard_after_forward),
+    so given explicitly it holds for the root too: True frees every unit after its forward (gathered again in
+    backward, the root when the gradient reaches the LM head), False keeps the whole model's 16-bit copy (2 B/param
+    in bf16) until backward. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 -> 43.90 GiB with
+    ``fsdp_reshard_after_forward=false``, exactly 2 B x 3.0B parameters, root included."""
+    return not cfg.strategy_options.fsdp_reshard_after_forward
+
+
 class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
@@ -53,7 +80,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def transfer_bytes_per_param(self) -> tuple[float, float]:
         # CPUOffloadPolicy copies the fp32 shard to the GPU at every unshard (forward, and backward again after a
         # reshard), for every micro-batch; the fp32 gradient shard comes back once, after the synced backward.
-        gathers = 2 if self.cfg.strategy_options.fsdp_reshard_after_forward else 1
+        gathers = 1 if params_gathered_through_backward(self.cfg) else 2
         return 4.0 * gathers * self.grad_accum, 4.0
 
     def setup(self, model: nn.Module, total_steps: int) -> None:

@@ -18,7 +18,8 @@ How
   (see ``_model_states``): dp = torch autocast over fp32 weights (4 + 4 + 8 B/param); DeepSpeed
   bf16/fp16 = 16-bit params (2) + 16-bit grads (2) + fp32 master, m, v (12), sharded per stage;
   fp32 runs 4 + 4 + 8; FSDP2 with ``MixedPrecisionPolicy`` = fp32 sharded params, grads and
-  AdamW states plus 16-bit unsharded copies of the units being computed.
+  AdamW states plus 16-bit unsharded copies of the units being computed (all of them with
+  fsdp_reshard_after_forward=false) and, while accumulating, the whole model's unsharded fp32 gradients.
 * Activations are counted per architecture family from the HF config, tensor by tensor, as
   autograd saves them in the transformers 5 implementations (``_layer_bytes``). The starting
   point is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -705,7 +706,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         # backward; the root (embeddings, final norm, head) is gathered again when the gradient reaches the head, as
         # are one block at a time in backward (params, 16-bit grads, their fp32 upcast, + the prefetched next block).
         if params_gathered_through_backward(cfg):
-            temp["16-bit params kept gathered from forward to backward (fsdp_reshard_after_forward=false)"] = float(lo * n)
+            temp["unsharded params kept gathered from forward to backward (fsdp_reshard_after_forward=false)"] = float(lo * n)
             at_head["unsharded block grads and their fp32 upcast (backward)"] = float((lo + (4 if mixed else 0)) * arch.block_params)
         else:
             at_head["unsharded root params (gathered again for the head's backward)"] = float(lo * arch.root_params)

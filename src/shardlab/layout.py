@@ -64,6 +64,19 @@ def model_layers(hf_config) -> int | None:
     return getattr(hf_config, "n_layer", None) or getattr(hf_config, "num_hidden_layers", None) or None
 
 
+def model_family(hf_config) -> str:
+    """gpt2 | bloom | llama (Llama-style: RMSNorm, gated SiLU MLP, RoPE) | generic, from an HF config: how the planner
+    counts activations and how the pipeline strategy prices a block (strategies/pipeline.py)."""
+    mt = getattr(hf_config, "model_type", "")
+    if mt == "gpt2":
+        return "gpt2"
+    if mt == "bloom":
+        return "bloom"
+    if hasattr(hf_config, "intermediate_size") and hasattr(hf_config, "rms_norm_eps"):
+        return "llama"  # llama, mistral, qwen2, ... (RMSNorm, gated SiLU MLP, RoPE)
+    return "generic"
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     world: int

@@ -258,8 +258,8 @@ def _dry_run(cfg) -> None:
     import json
 
     from ..config import dump_config
-    from ..launch.distributed import pick_device_type
-    from ..launch.launcher import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
+    from ..launch.distributed import pick_device_type, processes_per_node
+    from ..launch.launcher import preflight, stale_run_files, with_user_deepspeed_json
     from ..training.optim import resolve_precision
 
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML

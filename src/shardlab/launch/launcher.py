@@ -20,25 +20,13 @@ from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
-from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
+from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
 from ..strategies.spec import spec
 from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
-
-
-def processes_per_node(cfg: RunConfig, device_type: str) -> int:
-    if device_type == "cuda":
-        visible = torch.cuda.device_count()
-        if cfg.gpus is None:
-            return visible
-        if cfg.gpus > visible:
-            raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
-        return cfg.gpus
-    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs (RunConfig refuses 0).
-    return cfg.gpus or 1
 
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:

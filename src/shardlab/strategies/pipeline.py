@@ -31,7 +31,7 @@ from torch import nn
 
 from ..measure import metrics
 from ..errors import UserError
-from ..layout import ParallelLayout
+from ..layout import ParallelLayout, model_family
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -203,8 +203,6 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    from ..planning.planner import model_family
-
     gated = model_family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
     # Megatron/Narayanan et al. 2021: 2 FLOPs per weight of the matmuls (q and o, k and v with GQA's fewer
     # heads, the MLP's 2 or 3 matrices) + attention; GPT-2/BLOOM: 24h^2 + 4sh.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import UserError
+from .strategies.spec import spec
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -39,8 +40,6 @@ def pipelined(cfg: "RunConfig", strategy: str | None = None) -> bool:
     """Whether the strategy splits the model into pipeline stages (even when --stages is 1).
 
     ``strategy``: ask for another strategy than ``cfg.strategy`` (the planner prices every strategy of one config)."""
-    from .strategies.spec import spec  # light (no torch): the registry owns which engine pipelines
-
     return spec(strategy or cfg.strategy).engine == "pipelining"
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..config import DatasetConfig
 from ..errors import UserError
 from .rows import RawSplits, Rows
+from .hub import load_hub
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -116,8 +117,6 @@ def load_rows(src: Source, ds: DatasetConfig) -> RawSplits:
         assert src.path is not None
         return _load_local(src.path)
     if src.kind == "hub":
-        from .hub import load_hub
-
         return load_hub(src.name, ds.hub_config)
     raise AssertionError(f"no rows for source kind {src.kind}")
 

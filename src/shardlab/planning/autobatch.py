@@ -40,6 +40,7 @@ from ..errors import OutOfMemory, UserError
 from ..launch.procgroup import run_group
 from ..measure.summary import RunSummary
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
+from ..strategies import strategy_class
 
 # Function-local imports below are lazy on purpose: launch.distributed imports torch and planner.py torch and
 # transformers; this module is imported by the CLI, which stays torch-free until a command needs it.
@@ -206,7 +207,6 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
     """Replace ``micro_batch: auto`` by the largest micro batch that runs (module docstring). Returns the
     config with the number filled in and what was tried. ``trial`` replaces the subprocess (tests)."""
     from ..launch.distributed import pick_device_type, processes_per_node
-    from ..strategies import strategy_class
 
     if cfg.micro_batch != "auto":
         raise ValueError("resolve_auto_micro_batch needs micro_batch 'auto'")
@@ -249,8 +249,6 @@ OFFLOAD_TOKENS_PER_STEP = 64 * 1024
 
 def offload_accumulation(cfg: RunConfig, dp: int, log: Callable[[str], None]) -> RunConfig:
     """With neither --grad-accum nor --global-batch given, an offload run accumulates up to OFFLOAD_TOKENS_PER_STEP."""
-    from ..strategies import strategy_class
-
     if cfg.grad_accum is not None or cfg.global_batch is not None or not strategy_class(cfg.strategy).cpu_optimizer(cfg):
         return cfg
     per_micro = cfg.micro_batch * cfg.seq_len * dp

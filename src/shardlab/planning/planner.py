@@ -51,9 +51,11 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
+import torch
+
 from ..config import RunConfig
 from ..errors import UserError
-from ..layout import model_family
+from ..layout import data_parallel_size, model_family
 from ..training.loss import resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
@@ -70,6 +72,8 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
+from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
+from ..training.optim import resolve_precision
 
 # Speed order measured on one H100 (benchmarks/results/h100-foundation.md, tok/s at gpt2-medium,
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
@@ -113,7 +117,6 @@ def _pipeline_parts(model: Any) -> dict[str, Any] | None:
 def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str = "sdpa", dropout: float | None = None,
                         persistence_threshold: int = 100_000) -> Arch:
     """Count parameters on the meta device and read the shape of ``hf_config``."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from ..training.models import transformer_blocks
@@ -334,7 +337,6 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
         out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
         out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
-        from ..strategies.deepspeed_zero import offload_grad_accum_fp32
 
         # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless bf16
         # accumulates on the GPU, offload_grad_accum_fp32)
@@ -437,7 +439,6 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-        from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
 
         if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
@@ -596,8 +597,6 @@ def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free
 
 def _detect_gpu_memory(cfg_device: str) -> float | None:
     try:
-        import torch
-
         if cfg_device != "cpu" and torch.cuda.is_available():
             return float(torch.cuda.get_device_properties(0).total_memory)
     except Exception:
@@ -609,8 +608,6 @@ def _gpus_per_node(cfg: RunConfig) -> int:
     if cfg.gpus is not None:
         return cfg.gpus
     try:
-        import torch
-
         return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
     except Exception:
         return 1
@@ -619,8 +616,6 @@ def _gpus_per_node(cfg: RunConfig) -> int:
 def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     """Ranks that see different data (the batch triple's world): all but a pipeline's stages. Not refused here: the
     pipeline row's shape is (plan_pipeline.pipeline_layout), so that a full plan can leave it out."""
-    from ..layout import data_parallel_size
-
     return data_parallel_size(cfg, world, strategy)
 
 
@@ -749,8 +744,6 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
     GPU: the detected (or given) GPU memory, with the CUDA context and fragmentation allowance of
     ``fits``. CPU: the whole run's predicted host memory (``cpu_run_bytes``) within ``cpu_budget`` bytes,
     at most microbatch.CPU_MAX_MICRO."""
-    from ..training.optim import resolve_precision
-
     arch = _arch(cfg)
     run_cfg = cfg.model_copy(update={"gpus": nproc})
     if device_type == "cpu":
@@ -787,8 +780,6 @@ CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
     """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
     StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
-    from ..training.optim import resolve_precision
-
     precision = resolve_precision(cfg.precision, "cpu").name
     arch = _arch(cfg)
     world = nproc * cfg.nodes

@@ -9,6 +9,7 @@ weights and fp32 gradient reduction.
 
 from __future__ import annotations
 
+import contextlib
 import torch
 from torch import nn
 
@@ -86,8 +87,6 @@ class FSDPStrategy(TorchOptimizerStrategy):
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 
     def accumulate(self, last_micro: bool):
-        import contextlib
-
         # Reduce-scatter only once per optimizer step, like DDP's no_sync.
         self.hf_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()

@@ -20,6 +20,7 @@ of another split, and exports like dp's; a dp or fsdp checkpoint resumes as a pi
 from __future__ import annotations
 
 import functools
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from ..measure import metrics
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
+from ..pipesim import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -171,8 +173,6 @@ def _causal_mask(config, x: torch.Tensor, position_ids: torch.Tensor | None, sli
 
     The KV-cache argument is named ``cache`` in transformers 5.2x and ``past_key_values`` before (with a
     ``cache_position``); each is passed under the name this version takes."""
-    import inspect
-
     from transformers import masking_utils
 
     fn = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
@@ -305,8 +305,6 @@ def step_keeps_outputs() -> bool:
     (pytorch/pytorch#159251) let the caller decline, and then each micro-batch's logits are freed at its
     backward. shardlab declines where it can (nothing reads the merged logits in training).
     """
-    import inspect
-
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     return not all("return_outputs" in inspect.signature(c.step).parameters for c in (PipelineScheduleSingle, PipelineScheduleMulti))
@@ -478,8 +476,6 @@ class PipelineStrategy(TorchOptimizerStrategy):
     def summary_extras(self) -> dict:
         """Per-stage forward/backward times measured in this run, fed to `shardlab pipeline simulate`,
         next to the measured schedule time and bubble. Collective over the pipeline group."""
-        from ..pipesim import simulate
-
         steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
         M = self.grad_accum
         mine = {

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..config import RunConfig
 
 # torch, transformers and shardlab's engine modules are imported in the functions: the CLI builds this
 # command's parser on every start, and `shardlab --help` imports no torch.
@@ -81,7 +82,6 @@ def model_dir(name: str) -> str:
 
 def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, preset or hub id."""
-    from ..config import RunConfig
     from .models import build_model, load_tokenizer
 
     source = model_dir(name)

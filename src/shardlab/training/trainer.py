@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -50,6 +51,9 @@ from .sampling import SeekableDistributedSampler
 from ..strategies import strategy_class
 from ..strategies.spec import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
+from ..data import build_datasets
+from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
+from .models import describe_weights, load_tokenizer, model_summary
 
 
 @dataclass
@@ -71,8 +75,6 @@ def seed_everything(seed: int) -> None:
 
 
 def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
-    import transformers
-
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
@@ -224,8 +226,6 @@ class Trainer:
         self.env.barrier()
 
     def _build_data(self, stage_dataset, tokenizer):
-        from ..data import build_datasets
-
         # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
         failure: UserError | None = None
         if self.env.is_main:
@@ -285,8 +285,6 @@ class Trainer:
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from .models import describe_weights, load_tokenizer, model_summary
-
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
         # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
@@ -403,16 +401,12 @@ class Trainer:
     def _samples(self, model, tokenizer) -> list[str] | str:
         """Greedy completions of the sample prompts by `model`, on the CPU where it was built; or, for a model built
         as shards only (FSDP2 on the meta device, ZeRO-3 partitions), the reason there are none."""
-        from .generate import SAMPLE_PROMPTS, complete_all
-
         if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
             return "the engine built only its shards of the model, so no rank holds it whole before training"
         return complete_all(model, tokenizer, self.cfg.sample_prompts or SAMPLE_PROMPTS)
 
     def _write_samples(self, before: list[str] | str, summary: dict[str, Any]) -> None:
         """samples.md: the completions before training and those of the exported model (rank 0)."""
-        from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, load, samples_markdown
-
         prompts = self.cfg.sample_prompts or SAMPLE_PROMPTS
         after, label = None, "no exported model: the run had --no-export"
         if summary.get("export_dir"):

@@ -22,6 +22,9 @@ from ..config import RunConfig, load_config
 from ..errors import UserError
 from ..strategies.torch_optim import CKPT_DIR
 
+# Lazy imports below: transformers, torch.distributed.checkpoint and deepspeed load only for the kind of checkpoint
+# being exported.
+
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoints/step-N directory, or a run directory (its newest complete checkpoint)."""

@@ -38,6 +38,8 @@ import torch
 from ..errors import UserError
 from ..strategies.spec import lookup
 
+# Lazy imports below: deepspeed (seconds to import) loads only when a DeepSpeed checkpoint is resharded.
+
 # Checkpoint formats (StrategySpec.checkpoint_format) this module converts between.
 TORCH_DCP = "torch_dcp"
 ZERO = "deepspeed_zero"

@@ -5,8 +5,8 @@ Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), 
 
 The package: this module (cli.py before the packages; `shardlab = shardlab.cli:main`) and cluster.py (the
 `slurm` and `export` subcommands). pipeline and bench parsers live in pipesim/cli.py and bench/cli.py.
-Commands import their modules inside the function that runs them, so that `shardlab --help` loads no torch
-(tests/test_layout_imports.py checks it).
+Commands that need torch or transformers (train, the dry run, plan) import their modules inside the function that
+runs them, so that `shardlab --help` loads no torch (tests/test_layout_imports.py checks it); the rest is imported above.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_repo
 from ..launch.failures import WorkerFailed
 from ..launch.preemption import Preempted
 from ..launch.supervise import exit_as, supervise, wanted
-from ..pipesim.cli import add_pipeline_parser
+from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
 from ..strategies import strategy_class
 from ..strategies.spec import spec
 from ..training.generate import add_generate_parser, cmd_generate
@@ -285,9 +285,7 @@ def _dry_run(cfg) -> None:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from ..pipesim.cli import cmd_pipeline as run
-
-    run(args)
+    run_pipeline(args)
 
 
 def _add_plan_parser(sub) -> None:

@@ -6,6 +6,8 @@ import argparse
 import shlex
 import sys
 
+# Lazy imports below: launch.slurm and checkpoint.export load torch, which `shardlab --help` must not (cli/__init__.py).
+
 
 def add_cluster_parsers(sub, add_run_flags) -> None:
     sl = sub.add_parser("slurm", help="write an sbatch script for a run (code and config snapshotted), print or submit it")

@@ -21,6 +21,9 @@ from ..errors import UserError
 from .rows import RawSplits, Rows
 from .hub import load_hub
 
+# Lazy imports below: datasets only for the sources that read through it; pydoc_data.topics (Python's 0.7 MB help
+# text, the offline corpus) only for the offline source.
+
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED = ", ".join([*TEXT_SUFFIXES, *RECORD_SUFFIXES])

@@ -39,6 +39,9 @@ from .nodes import resolve_nodes
 from .preemption import REQUEUE_EXIT, ForwardToWorkers
 from .supervise import note_for_kill, oom_kills, record_plan
 
+# Lazy imports below: transformers (training.models) loads when a model config is read, the trainer in the worker that
+# runs it, torch.distributed.elastic only when workers are spawned; `shardlab train --dry-run` needs none of the last two.
+
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
     """Checks that need no engine, done once in the launching process so users get errors before any spawn."""

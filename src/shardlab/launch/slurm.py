@@ -28,6 +28,9 @@ from .preemption import REQUEUE_EXIT
 from ..strategies.spec import spec
 from ..strategies import strategy_class
 
+# Lazy imports below: training.models (transformers) and data.cache (the data package) load only when a job script
+# needs the model's config or the cache directory.
+
 SCRIPT_NAME = "job.sbatch"
 
 

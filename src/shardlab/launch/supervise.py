@@ -32,6 +32,9 @@ from ..errors import say
 from ..strategies.spec import find, lookup
 from .preemption import ForwardToWorkers
 
+# Lazy imports below: the supervising parent imports as little as it can (no torch: tests/test_layout_imports.py);
+# psutil and the monitor's file name load only when a run was killed.
+
 # Set in the supervised child: the file it writes its plan record into (run_plan.py), read after a kill.
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
 # Set by the script `shardlab slurm` writes: this srun task is one node's launcher, not a rank.

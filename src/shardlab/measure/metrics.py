@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from . import mfu
 
+# Lazy import below: tensorboard is optional (the `tensorboard` extra) and slow to import; only --tensorboard runs need it.
+
 WARMUP_STEPS = 3
 GIB = 2**30
 

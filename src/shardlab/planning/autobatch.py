@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..config import RunConfig, dump_config
 from ..errors import OutOfMemory, UserError
 from ..launch.procgroup import run_group
@@ -42,8 +44,8 @@ from ..measure.summary import RunSummary
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from ..strategies import strategy_class
 
-# Function-local imports below are lazy on purpose: launch.distributed imports torch and planner.py torch and
-# transformers; this module is imported by the CLI, which stays torch-free until a command needs it.
+# Function-local imports below are lazy on purpose: launch.distributed and planner.py import torch (and the planner
+# transformers when it reads a model), which this module does not need until `auto` is resolved.
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
 TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
@@ -196,7 +198,6 @@ class AutoBatchResult:
 def cpu_budget_bytes(cfg: RunConfig) -> float:
     if cfg.cpu_memory_budget_gb is not None:
         return cfg.cpu_memory_budget_gb * 2**30
-    import psutil
 
     return psutil.virtual_memory().available / 2
 

@@ -52,6 +52,8 @@ from fractions import Fraction
 from typing import Any, Callable
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from ..config import RunConfig
 from ..errors import UserError
@@ -74,6 +76,9 @@ from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from ..strategies.deepspeed_zero import offload_grad_accum_fp32, overlap_comm, sized_buckets
 from ..training.optim import resolve_precision
+
+# Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
+# (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.
 
 # Speed order measured on one H100 (benchmarks/results/h100-foundation.md, tok/s at gpt2-medium,
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
@@ -850,9 +855,6 @@ def _limit(sp: StrategyPlan) -> str:
 
 
 def render(p: Plan, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     if console is None:
         console = Console()
         if console.width < 170:

@@ -24,7 +24,7 @@ class Plot:
 
 
 def _figure(width: float = 8.0, height: float = 4.2):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads only when a report draws (report tables need none)
 
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
@@ -37,7 +37,7 @@ def _run_ticks(ax, labels: list[str]) -> None:
 
 
 def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # as _figure's
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()

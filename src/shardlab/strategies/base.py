@@ -22,6 +22,10 @@ from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
 from ..training.optim import Precision
 from .spec import StrategySpec, spec
+from ..measure.timesplit import StepSplit
+
+# Lazy imports below: transformers (training.models) loads with the model, not with the strategy class (preflight and
+# the dry run and autobatch ask strategy classes about the layout).
 
 
 class Strategy(ABC):
@@ -52,7 +56,6 @@ class Strategy(ABC):
         local_world = local_world_size()
         if (self.cpu_optimizer(cfg) or (env.device.type == "cpu" and local_world > 1)) and cfg.strategy_options.bind_cores:
             self.bound_cores = bind_threads_to_rank_cores(env.local_rank, local_world)
-        from ..measure.timesplit import StepSplit
 
         self.time_split = StepSplit(env.device, self.cpu_optimizer(cfg))
 

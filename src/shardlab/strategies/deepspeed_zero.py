@@ -24,6 +24,9 @@ from .spec import all_specs, spec
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 from ..training.optim import resolve_precision
 
+# Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
+# or a DeepSpeed checkpoint read; hjson only for a user JSON, inside read_user_json's error handling.
+
 # Derived from the specs (strategies/specs/deepspeed_zero.py owns each name's stage).
 STAGE = {s.name: s.zero_stage for s in all_specs() if s.engine == "deepspeed"}
 CKPT_TAG = "deepspeed"

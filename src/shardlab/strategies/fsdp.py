@@ -16,6 +16,9 @@ from torch import nn
 from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
 
+# Lazy imports below: transformers (training.models, compiling) and torch.distributed's fsdp/checkpoint modules load
+# only when an FSDP engine is built or a checkpoint saved or loaded.
+
 
 class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:

@@ -36,6 +36,9 @@ from ..layout import ParallelLayout, model_family
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
 from ..pipesim import simulate
 
+# Lazy imports below: torch.distributed.pipelining/checkpoint and transformers' model modules load only when a
+# pipeline is built, saved or loaded (the planner imports this module for the stage split).
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 

@@ -19,6 +19,9 @@ from typing import Any
 from ..errors import UserError
 from ..config import RunConfig
 
+# Lazy imports below: the CLI imports this module for its `generate` parser; torch, transformers and the models load
+# only when generating.
+
 # torch, transformers and shardlab's engine modules are imported in the functions: the CLI builds this
 # command's parser on every start, and `shardlab --help` imports no torch.
 

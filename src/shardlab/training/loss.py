@@ -42,6 +42,8 @@ from torch.nn import functional as F
 from ..data.blocks import IGNORE  # transformers' ignore index: padding and (QA answer-only) prompt positions
 from ..errors import UserError
 
+# Lazy import below: liger_kernel is optional (the `gpu` extra) and CUDA-only.
+
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' ForCausalLMLoss (num_items_in_batch=None): mean token cross-entropy, fp32."""

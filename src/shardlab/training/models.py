@@ -51,6 +51,9 @@ from .bloom_sdpa import is_bloom, use_sdpa_attention
 from ..config import RunConfig
 from ..errors import UserError
 
+# Lazy imports below: optional or rarely needed backends (gguf, flash_attn's probe, safetensors, tokenizers,
+# huggingface_hub) and transformers submodules that transformers itself loads lazily, each only when its path runs.
+
 __all__ = [
     "Preset",
     "PRESETS",

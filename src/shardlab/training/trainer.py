@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from rich.console import Console
+from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
 
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
@@ -54,6 +57,8 @@ from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
 from .models import describe_weights, load_tokenizer, model_summary
+
+# Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 
 
 @dataclass
@@ -620,7 +625,6 @@ def progress_line(row: dict[str, Any], total_steps: int, eta_s: float) -> str:
 def _progress(env: DistEnv, total: int, done: int):
     if not env.is_main:
         return None
-    from tqdm.auto import tqdm
 
     # disable=None: tqdm draws only when its stream (stderr) is a terminal
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
@@ -633,9 +637,6 @@ def next_strategy(name: str) -> str:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"shardlab run: {summary['model']} / {summary['strategy']} / {summary['precision']}", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")

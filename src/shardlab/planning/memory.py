@@ -1,5 +1,5 @@
-"""The memory model's shared parts: the allowances, the architecture (``Arch``), what one layer saves for backward
-(``activation_bytes``) and one strategy's prediction (``StrategyPlan``).
+"""The memory model's shared parts: the allowances, the architecture (``Arch``), what a forward saves for backward
+(``activation_bytes``, layer by layer) and one strategy's prediction (``StrategyPlan``).
 
 Read by planner.py (every strategy) and pipeline.py (the pipeline strategy, per stage); planner.py's docstring says
 how the activations are counted and where each allowance comes from. torch-free: run_plan and autobatch read the

@@ -6,7 +6,7 @@ The **peak of ``torch.cuda.max_memory_allocated()``** per GPU (what ``shardlab t
 ``benchmarks/results/`` report as ``gpu_mem_peak_gib``). Memory that the caching allocator
 reserves but has not handed out (fragmentation) and the CUDA context (~0.5 GiB per process,
 never in torch's counters) are *not* in that number; they are added only when deciding
-whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED`` below).
+whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED``, in memory.py).
 
 How
 ---
@@ -20,7 +20,7 @@ How
   fp32 runs 4 + 4 + 8; FSDP2 with ``MixedPrecisionPolicy`` = fp32 sharded params, grads and
   AdamW states plus 16-bit unsharded copies of the units being computed.
 * Activations are counted per architecture family from the HF config, tensor by tensor, as
-  autograd saves them in the transformers 5 implementations (``_layer_bytes``). The starting
+  autograd saves them in the transformers 5 implementations (memory.py, ``_layer_bytes``). The starting
   point is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198), eq. (1): 34·s·b·h + 5·a·s²·b bytes per layer in 16-bit. The counts
   here differ where the implementation differs: fused SDPA/flash kernels keep no s² tensors
@@ -38,7 +38,7 @@ How
   (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
   backward / optimizer step (all gradients, step temporaries, no activations).
 
-Nothing here is fitted to measurements except the two allowances named below, whose source
+Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
 the H100 runs in ``benchmarks/results/`` (their figures: tests/data/h100_foundation_peaks.json).
 """

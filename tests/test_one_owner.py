@@ -25,7 +25,11 @@ OWNERS = {
     "set_dotted": "dotted.py",
     "run_group": "launch/procgroup.py",
     "end_group": "launch/procgroup.py",
-    "largest_that_fits": "planning/autobatch.py",
+    "largest_that_fits": "planning/microbatch.py",
+    "micro_candidates": "planning/microbatch.py",
+    "processes_per_node": "launch/distributed.py",
+    "model_family": "layout.py",
+    "activation_bytes": "planning/memory.py",
     "transformer_blocks": "training/models.py",
 }
 

@@ -35,7 +35,7 @@ def train(cfg: RunConfig):
 
 def plan(cfg: RunConfig, **kwargs):
     """Predict per-GPU/CPU/NVMe memory of every strategy for `cfg` (see shardlab.planning.planner.plan)."""
-    from .planning.planner import plan as _plan
+    from .planning.planner import plan as _plan  # torch loads only when planning
 
     return _plan(cfg, **kwargs)
 

@@ -9,7 +9,9 @@ source of truth for it.
 
 from __future__ import annotations
 
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +22,7 @@ from .dotted import set_dotted
 from .errors import UserError
 
 from .strategies.spec import DEFAULT_STRATEGY, names, spec
+from .layout import pipeline_stages
 
 # Every strategy name, in the registry's order (strategies/specs/): the choices listed by --help and errors.
 STRATEGIES = names()
@@ -263,7 +266,6 @@ class RunConfig(_Strict):
         Returns the config to run and the line to log (None when nothing was chosen)."""
         if spec(self.strategy).engine != "pipelining" or self.grad_accum is not None or world < 1:
             return self, None
-        from .layout import pipeline_stages
 
         stages = pipeline_stages(self, world)
         if world % stages or (isinstance(self.micro_batch, int) and self.global_batch is not None):
@@ -300,9 +302,6 @@ class RunConfig(_Strict):
 
 def _key_fix(loc: tuple) -> str:
     """The fix for an unknown key: the closest valid key at its level, or the valid keys there."""
-    import difflib
-    import typing
-
     model: Any = RunConfig
     for part in loc[:-1]:
         if isinstance(part, int):  # a list item (curriculum stages)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import UserError
+from .strategies.spec import spec
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -39,8 +40,6 @@ def pipelined(cfg: "RunConfig", strategy: str | None = None) -> bool:
     """Whether the strategy splits the model into pipeline stages (even when --stages is 1).
 
     ``strategy``: ask for another strategy than ``cfg.strategy`` (the planner prices every strategy of one config)."""
-    from .strategies.spec import spec  # light (no torch): the registry owns which engine pipelines
-
     return spec(strategy or cfg.strategy).engine == "pipelining"
 
 
@@ -62,6 +61,19 @@ def data_parallel_size(cfg: "RunConfig", world: int, strategy: str | None = None
 def model_layers(hf_config) -> int | None:
     """Decoder blocks of an HF config (GPT-2's n_layer, everyone else's num_hidden_layers); None when it says neither."""
     return getattr(hf_config, "n_layer", None) or getattr(hf_config, "num_hidden_layers", None) or None
+
+
+def model_family(hf_config) -> str:
+    """gpt2 | bloom | llama (Llama-style: RMSNorm, gated SiLU MLP, RoPE) | generic, from an HF config: how the planner
+    counts activations and how the pipeline strategy prices a block (strategies/pipeline.py)."""
+    mt = getattr(hf_config, "model_type", "")
+    if mt == "gpt2":
+        return "gpt2"
+    if mt == "bloom":
+        return "bloom"
+    if hasattr(hf_config, "intermediate_size") and hasattr(hf_config, "rms_norm_eps"):
+        return "llama"  # llama, mistral, qwen2, ... (RMSNorm, gated SiLU MLP, RoPE)
+    return "generic"
 
 
 @dataclass(frozen=True)

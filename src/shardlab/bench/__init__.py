@@ -15,6 +15,7 @@ from typing import Any
 
 from .matrix import Cell, Overrides, builtin_suites, expand, load_suite
 from .runner import BENCH_FILE, run_bench
+from ..report import write_report
 
 
 def plan_cells(suites: list[str], overrides: Overrides | None = None) -> list[Cell]:
@@ -28,8 +29,6 @@ def bench(suites: list[str], output_dir: str | Path, overrides: Overrides | None
     cells = plan_cells(suites, overrides)
     state = run_bench(cells, output_dir, suites=suites, timeout=timeout, rerun=rerun, echo=echo)
     if report:
-        from ..report import write_report
-
         written = write_report([Path(output_dir)], Path(output_dir) / "report")
         echo(f"[bench] report: {written['markdown']} and {written['html']}")
     return state

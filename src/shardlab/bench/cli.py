@@ -7,6 +7,9 @@ from pathlib import Path
 
 from ..config import parse_set
 from ..errors import UserError
+from . import Overrides, bench, builtin_suites, load_suite, plan_cells
+from ..report import write_report
+from .matrix import footing
 
 
 def _csv_list(typ):
@@ -54,9 +57,6 @@ def add_report_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from . import Overrides, bench, builtin_suites, load_suite, plan_cells
-    from .matrix import footing
-
     if args.list:
         for name, path in sorted(builtin_suites().items()):
             print(f"{name:16s} {load_suite(str(path)).description}")
@@ -89,8 +89,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from ..report import write_report
-
     paths = [Path(p) for p in args.paths]
     if args.output_dir:
         out = Path(args.output_dir)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -273,8 +274,6 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _label(cells: list[Cell], explicit: dict[str, str], idents: list[str]) -> None:
     """Name each cell by its strategy and what sets it apart: values of keys that vary across the bench,
     leaving out a value most cells share (the suite's base). Explicit labels win."""
-    from collections import Counter
-
     flats = []
     for c in cells:
         f = _flat(c.config)

@@ -20,6 +20,10 @@ import torch
 from . import store as checkpoint, reshard
 from ..config import RunConfig, load_config
 from ..errors import UserError
+from ..strategies.torch_optim import CKPT_DIR
+
+# Lazy imports below: transformers, torch.distributed.checkpoint and deepspeed load only for the kind of checkpoint
+# being exported.
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -89,8 +93,6 @@ def _complete(found: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
 def _dcp_weights(ckpt: Path, model) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from ..strategies.torch_optim import CKPT_DIR
 
     wanted = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}}
     # tied names may be stored once: load what is there, _complete fills the rest

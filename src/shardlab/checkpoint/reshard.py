@@ -24,6 +24,9 @@ RNG streams are per rank and continue only when the number of ranks is unchanged
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
 import shutil
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ import torch
 
 from ..errors import UserError
 from ..strategies.spec import lookup
+
+# Lazy imports below: deepspeed (seconds to import) loads only when a DeepSpeed checkpoint is resharded.
 
 # Checkpoint formats (StrategySpec.checkpoint_format) this module converts between.
 TORCH_DCP = "torch_dcp"
@@ -148,10 +153,6 @@ def convert_to_universal(directory: Path, out: Path) -> Path:
 
 
 def _convert(source: Path, tmp: Path) -> None:
-    import argparse
-    import contextlib
-    import io
-
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1, num_merge_workers=1,

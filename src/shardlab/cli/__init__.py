@@ -5,21 +5,33 @@ Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), 
 
 The package: this module (cli.py before the packages; `shardlab = shardlab.cli:main`) and cluster.py (the
 `slurm` and `export` subcommands). pipeline and bench parsers live in pipesim/cli.py and bench/cli.py.
-Commands import their modules inside the function that runs them, so that `shardlab --help` loads no torch
-(tests/test_layout_imports.py checks it).
+Commands that need torch or transformers (train, the dry run, plan) import their modules inside the function that
+runs them, so that `shardlab --help` loads no torch (tests/test_layout_imports.py checks it); the rest is imported above.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
+import json
 import os
 import sys
+import typing
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import STRATEGIES, parse_set
+from ..config import STRATEGIES, RunConfig, dump_config, load_config, parse_set
 from ..errors import UserError, say
+from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_report
+from ..launch.failures import WorkerFailed
+from ..launch.preemption import Preempted
+from ..launch.supervise import exit_as, supervise, wanted
+from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
+from ..strategies import strategy_class
+from ..strategies.spec import spec
+from ..training.generate import add_generate_parser, cmd_generate
+from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
 
 # (flag, config key, type, help). type "bool" gives --flag / --no-flag.
 FLAGS: list[tuple[str, str, Any, str]] = [
@@ -98,9 +110,6 @@ class _Status:
 @contextlib.contextmanager
 def report_errors():
     """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
-    from ..launch.failures import WorkerFailed
-    from ..launch.preemption import Preempted
-
     status = _Status()
     try:
         yield status
@@ -133,8 +142,6 @@ def _int_or_auto(value: str) -> int | str:
 
 def _field(key: str):
     """The pydantic field behind a dotted config key (``dataset.source`` -> DatasetConfig.source)."""
-    from ..config import RunConfig
-
     model, *parents = RunConfig, *key.split(".")[:-1]
     for part in parents:
         field = model.model_fields[part]
@@ -145,8 +152,6 @@ def _field(key: str):
 def _metavar(flag: str, key: str, typ: Any) -> str | None:
     """What a flag's value is, in the user's words: the choices of a Literal, else the key's own name
     (``--dataset SOURCE``, not argparse's ``DATASET__SOURCE``); the flag's name where two flags share a key."""
-    import typing
-
     if typ == "bool":
         return None
     choices = [a for t in (_field(key).annotation, *typing.get_args(_field(key).annotation)) for a in typing.get_args(t)
@@ -162,8 +167,6 @@ def _metavar(flag: str, key: str, typ: Any) -> str | None:
 
 def _with_default(key: str, help_text: str) -> str:
     """The help text with the config default appended, unless the text already explains it."""
-    import enum
-
     if "default" in help_text:
         return help_text
     field = _field(key)
@@ -193,8 +196,6 @@ def add_run_flags(parser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from ..config import load_config
-
     overrides = {key: getattr(args, key.replace(".", "__")) for _, key, _, _ in FLAGS}
     return load_config(args.config, overrides, parse_set(args.set))
 
@@ -228,17 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and DeepSpeed JSON, then exit")
     tr.add_argument("--force", action="store_true", help="start even when the plan predicts more host RAM than this node has")
     _add_plan_parser(sub)  # `plan`: predicted memory per strategy
-    from ..pipesim.cli import add_pipeline_parser
 
     add_pipeline_parser(sub, _Parser)  # `pipeline simulate`
-    from ..bench.cli import add_bench_parser, add_report_parser
 
     add_bench_parser(sub)  # `bench`: a matrix of runs
     add_report_parser(sub)  # `report`: tables, plots, HTML from run directories
-    from .cluster import add_cluster_parsers
 
     add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
-    from ..training.generate import add_generate_parser
 
     add_generate_parser(sub)  # `generate`: completions from a run's exported model
     return parser
@@ -255,11 +252,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _dry_run(cfg) -> None:
-    import json
-
-    from ..config import dump_config
-    from ..launch.distributed import pick_device_type
-    from ..launch.launcher import preflight, processes_per_node, stale_run_files, with_user_deepspeed_json
+    from ..launch.distributed import pick_device_type, processes_per_node
+    from ..launch.launcher import preflight, stale_run_files, with_user_deepspeed_json
     from ..training.optim import resolve_precision
 
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
@@ -278,8 +272,6 @@ def _dry_run(cfg) -> None:
         start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
         cfg = with_micro_batch(cfg, start)
-    from ..strategies import strategy_class
-    from ..strategies.spec import spec
 
     micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
@@ -293,9 +285,7 @@ def _dry_run(cfg) -> None:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from ..pipesim.cli import cmd_pipeline as run
-
-    run(args)
+    run_pipeline(args)
 
 
 def _add_plan_parser(sub) -> None:
@@ -335,14 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
         if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
-            from ..launch.supervise import exit_as, supervise, wanted
 
             if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)
                 cfg = config_from_args(args)  # a bad flag or config: one line here, before any child
                 return exit_as(supervise(cfg.output_dir, cfg.strategy))
-        from ..bench.cli import cmd_bench, cmd_report
-        from .cluster import cmd_export, cmd_slurm
-        from ..training.generate import cmd_generate
 
         commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
                     "export": cmd_export, "generate": cmd_generate, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
+
+# Lazy imports below: launch.slurm and checkpoint.export load torch, which `shardlab --help` must not (cli/__init__.py).
 
 
 def add_cluster_parsers(sub, add_run_flags) -> None:
@@ -26,8 +29,6 @@ def add_cluster_parsers(sub, add_run_flags) -> None:
 
 
 def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
-    import sys
-
     from ..launch.slurm import SlurmOptions, cpus_per_task, job_config, prepare, shared_paths, submit
 
     cfg = config_from_args(args)

@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 from ..errors import UserError
 from .rows import RawSplits
 
+# Lazy imports below: datasets and huggingface_hub take seconds to import; only hub sources need them.
+
 TRUE = {"1", "true", "yes", "on"}
 EVAL_SPLITS = ("validation", "valid", "dev", "test")
 PROBE_TIMEOUT_S = 3.0

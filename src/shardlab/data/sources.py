@@ -19,6 +19,10 @@ from typing import Any
 from ..config import DatasetConfig
 from ..errors import UserError
 from .rows import RawSplits, Rows
+from .hub import load_hub
+
+# Lazy imports below: datasets only for the sources that read through it; pydoc_data.topics (Python's 0.7 MB help
+# text, the offline corpus) only for the offline source.
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -116,8 +120,6 @@ def load_rows(src: Source, ds: DatasetConfig) -> RawSplits:
         assert src.path is not None
         return _load_local(src.path)
     if src.kind == "hub":
-        from .hub import load_hub
-
         return load_hub(src.name, ds.hub_config)
     raise AssertionError(f"no rows for source kind {src.kind}")
 

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+# Lazy import below: torch.utils.cpp_extension only when a build root is looked for; this module itself is torch-free.
+
 # cpu_adam builds in ~60-90 s on 2 cores; a lock this old that nobody here holds is left over.
 STALE_AFTER_S = 300.0
 

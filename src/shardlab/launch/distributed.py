@@ -16,13 +16,16 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UserError
 from .supervise import NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free supervise.py, used here and by others
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
 
 
 @dataclass
@@ -87,6 +90,19 @@ def pick_device_type(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def processes_per_node(cfg: RunConfig, device_type: str) -> int:
+    """Ranks this node starts: the visible GPUs (or --gpus of them); on a CPU, --gpus worker processes."""
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if cfg.gpus is None:
+            return visible
+        if cfg.gpus > visible:
+            raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
+        return cfg.gpus
+    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs (RunConfig refuses 0).
+    return cfg.gpus or 1
 
 
 def free_port() -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 
+from .preemption import REQUEUE_EXIT
+
 
 def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:
     """Sort key of a launcher's failures: the first is the cause.
@@ -38,8 +40,6 @@ class WorkerFailed(Exception):
     @classmethod
     def from_failures(cls, failures: dict) -> "WorkerFailed":
         """The failure that caused the others, chosen by how each rank ended (see `_cause_order`)."""
-        from .preemption import REQUEUE_EXIT
-
         if not failures:
             return cls(1)
         rank, first = min(failures.items(), key=lambda kv: _cause_order(kv[0], kv[1], REQUEUE_EXIT))

@@ -13,6 +13,7 @@ import datetime
 import os
 
 import torch
+from torch.distributed import TCPStore
 
 from ..errors import UserError
 
@@ -26,8 +27,6 @@ def is_comm_failure(err: BaseException) -> bool:
 
 
 def _store(host: str, port: int, timeout_s: float):
-    from torch.distributed import TCPStore
-
     return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 

@@ -9,9 +9,11 @@ or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worke
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,25 +22,25 @@ from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
-from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type
+from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
 from ..strategies.spec import spec
-from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
+from ..strategies.deepspeed_zero import adopt_user_json, check_nvme_path, resolved_ds_config, sanitize_cuda_arch_list
+from ..checkpoint.store import check_resume, find_resume_dir
+from ..measure.monitor import watch
+from ..measure.summary import merge_monitor
+from ..planning.autobatch import check_auto, resolve_auto_micro_batch
+from ..planning.run_plan import check_host_ram, plan_for_run, write_record
+from .guards import publish_failure
+from .nodes import resolve_nodes
+from .preemption import REQUEUE_EXIT, ForwardToWorkers
+from .supervise import note_for_kill, oom_kills, record_plan
 
-
-def processes_per_node(cfg: RunConfig, device_type: str) -> int:
-    if device_type == "cuda":
-        visible = torch.cuda.device_count()
-        if cfg.gpus is None:
-            return visible
-        if cfg.gpus > visible:
-            raise UserError(f"--gpus {cfg.gpus} but only {visible} GPU(s) are visible on this node", f"use --gpus {visible} or fewer (check CUDA_VISIBLE_DEVICES)")
-        return cfg.gpus
-    # On CPU, --gpus N means N worker processes (gloo), which is how shardlab tests multi-rank runs (RunConfig refuses 0).
-    return cfg.gpus or 1
+# Lazy imports below: transformers (training.models) loads when a model config is read, the trainer in the worker that
+# runs it, torch.distributed.elastic only when workers are spawned; `shardlab train --dry-run` needs none of the last two.
 
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
@@ -56,21 +58,17 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
     dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
     if cfg.micro_batch == "auto":
-        from ..planning.autobatch import check_auto
-
         check_auto(cfg, dp_world)
         accum = cfg.grad_accum or 1
     else:
         accum = cfg.resolve_batch(dp_world)[1]
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
-    from ..checkpoint.store import check_resume
 
     check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
     if cfg.deepspeed_config and s.engine != "deepspeed":
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
-        from ..strategies.deepspeed_zero import resolved_ds_config
 
         micro, accum, _ = cfg.resolve_batch(dp_world)
         resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
@@ -80,8 +78,6 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
         raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
     if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
         from transformers import AutoModelForCausalLM
-
-        from ..strategies.deepspeed_zero import check_nvme_path
 
         with torch.device("meta"):
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
@@ -118,7 +114,6 @@ def _train(cfg: RunConfig, force: bool):
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
-    from .nodes import resolve_nodes
 
     cfg = resolve_nodes(cfg)
     cfg = with_user_deepspeed_json(cfg)
@@ -131,25 +126,17 @@ def _train(cfg: RunConfig, force: bool):
     quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
-        from ..planning.autobatch import resolve_auto_micro_batch
 
         cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
     plan = None
     if _rank_zero():  # the rank that writes summary.json
-        from ..planning.run_plan import plan_for_run
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
         if not force:
-            from ..planning.run_plan import check_host_ram
-
             check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
 
-        from .supervise import record_plan
-
         record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed
-    from ..measure.monitor import watch
-    from .supervise import oom_kills
 
     result = None
     kills_before = oom_kills()
@@ -164,14 +151,12 @@ def _train(cfg: RunConfig, force: bool):
     except WorkerFailed as err:
         if err.exitcode != 128 + signal.SIGKILL:
             raise
-        from .supervise import note_for_kill
 
         note, _ = note_for_kill(cfg.output_dir, plan, kills_before, cfg.strategy)  # the monitor has closed its CSV
         raise WorkerFailed(err.exitcode, f"{err}; {note}") from None
     if watched.result and cfg.node_rank == 0 and _rank_zero():
         # The run ended well (a failure raised above), so summary.json is this run's: the trainer's, in memory when it ran
         # in this process, else the one its rank 0 just wrote. merge_monitor adds the monitor's figures and writes it once.
-        from ..measure.summary import merge_monitor
 
         merged = merge_monitor(cfg.output_dir, result.summary if result is not None else None, watched.result)
         if result is not None and merged is not None:
@@ -194,8 +179,6 @@ def stale_run_files(cfg: RunConfig) -> list[Path]:
     if not old:
         return []
     if cfg.resume:
-        from ..checkpoint.store import find_resume_dir
-
         found = find_resume_dir(cfg.resume, out)
         if found is not None and found.resolve().is_relative_to(out.resolve()):
             return []  # the same run, continued from its own checkpoint
@@ -209,8 +192,6 @@ def stale_run_files(cfg: RunConfig) -> list[Path]:
 
 
 def clear_stale_run_files(cfg: RunConfig) -> None:
-    import shutil
-
     old = stale_run_files(cfg)
     if old:
         why = "--overwrite" if cfg.overwrite else "--resume auto found no checkpoint of the earlier attempt"
@@ -226,8 +207,6 @@ def _rank_zero() -> bool:
 
 def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
     """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
-    from ..strategies.deepspeed_zero import adopt_user_json
-
     cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
     for note in notes if _rank_zero() else ():
         (say or (lambda m: print(f"[shardlab] {m}", flush=True)))(note)
@@ -251,7 +230,6 @@ def quiet_engines(device_type: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns it "could not detect" a GPU
     # DeepSpeed calls torch collectives that torch has deprecated; one warning per call per rank.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning:torch.distributed.c10d_logger")
-    import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
 
@@ -259,8 +237,6 @@ def quiet_engines(device_type: str) -> None:
 def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from .preemption import REQUEUE_EXIT, ForwardToWorkers
 
     port = cfg.master_port
     if cfg.nodes == 1 and port == RunConfig.model_fields["master_port"].default:
@@ -270,8 +246,6 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         cfg_file.write_text(dump_config(cfg))
         plan_args = []
         if plan is not None:
-            from ..planning.run_plan import write_record
-
             plan_args = [str(write_record(plan, Path(tmp) / "plan.json"))]
         launch = LaunchConfig(
             min_nodes=cfg.nodes,
@@ -294,7 +268,6 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         except ChildFailedError as err:
             failed = WorkerFailed.from_failures(err.failures)
             if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective
-                from .guards import publish_failure
 
                 publish_failure(cfg.master_addr, port, launch.run_id, f"on node {cfg.node_rank}, {failed}")
             raise failed from None

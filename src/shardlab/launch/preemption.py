@@ -17,6 +17,8 @@ import signal
 
 from ..errors import UserError, say
 
+# Lazy import below: psutil only when workers are signalled; the CLI imports this module for Preempted.
+
 # EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
 REQUEUE_EXIT = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

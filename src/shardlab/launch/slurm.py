@@ -26,6 +26,10 @@ from .distributed import NODE_AGENT_ENV
 from ..errors import UserError
 from .preemption import REQUEUE_EXIT
 from ..strategies.spec import spec
+from ..strategies import strategy_class
+
+# Lazy imports below: training.models (transformers) and data.cache (the data package) load only when a job script
+# needs the model's config or the cache directory.
 
 SCRIPT_NAME = "job.sbatch"
 
@@ -56,7 +60,6 @@ class SlurmJob:
 
 def _check(cfg: RunConfig, opts: SlurmOptions) -> None:
     from ..training.models import build_hf_config
-    from ..strategies import strategy_class
 
     if cfg.device != "cpu" and not cfg.gpus:
         raise UserError("shardlab slurm needs the number of GPUs per node", "pass --gpus N (and --nodes M)")

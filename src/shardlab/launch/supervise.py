@@ -17,8 +17,10 @@ This module stays free of torch: the supervising process imports it.
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -28,6 +30,10 @@ from typing import Any
 
 from ..errors import say
 from ..strategies.spec import find, lookup
+from .preemption import ForwardToWorkers
+
+# Lazy imports below: the supervising parent imports as little as it can (no torch: tests/test_layout_imports.py);
+# psutil and the monitor's file name load only when a run was killed.
 
 # Set in the supervised child: the file it writes its plan record into (run_plan.py), read after a kill.
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
@@ -127,8 +133,6 @@ FORWARDED = (signal.SIGHUP, signal.SIGQUIT, signal.SIGABRT)
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the supervisor dies (kill -9 of the PID a user started), so that the
     training stops as a SIGTERM stops it (checkpoint, exit) instead of running on unwatched."""
-    import ctypes
-
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -136,8 +140,6 @@ def _die_with_parent() -> None:
 def supervise(output_dir: str, strategy: str | None, command: list[str] | None = None) -> int:
     """Run ``command`` (default: this process's own command line again) as a child and wait for it. Returns its
     status as Popen does (negative: killed by that signal), after one line on stderr when a signal killed it."""
-    from .preemption import ForwardToWorkers
-
     with tempfile.TemporaryDirectory(prefix="shardlab-watch-") as tmp:
         plan_file = Path(tmp) / "plan.json"
         before = oom_kills()
@@ -171,7 +173,6 @@ def exit_as(code: int) -> int:
     would have seen without the supervisor), else return the exit status."""
     if code >= 0:
         return code
-    import resource
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -8,6 +8,9 @@ from ..cli import report_errors
 from ..config import load_config
 from .distributed import exit_process
 
+# The imports inside main() run inside report_errors, so that an error raised while they import is reported as one
+# raised while training is.
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv

@@ -19,6 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+# Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures;
+# data.cache (the data package) only when no TORCHINDUCTOR_CACHE_DIR is set.
+
 __all__ = ["use_persistent_cache", "CompileClock", "process_start_time", "mark_start", "START_ENV"]
 
 # Wall-clock time (time.time()) at which the user's command started; the launcher sets it for its workers.
@@ -40,7 +45,6 @@ def process_start_time() -> float:
     this process's creation time as the OS records it (so interpreter start-up and imports are included)."""
     if os.environ.get(START_ENV):
         return float(os.environ[START_ENV])
-    import psutil
 
     return psutil.Process(os.getpid()).create_time()
 

@@ -16,6 +16,11 @@ from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
+
+from . import mfu
+
+# Lazy import below: tensorboard is optional (the `tensorboard` extra) and slow to import; only --tensorboard runs need it.
 
 WARMUP_STEPS = 3
 GIB = 2**30
@@ -70,8 +75,6 @@ def gather_rank_memory(env) -> list[dict[str, float]]:
     values = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
     gathered = [values]
     if env.is_distributed:
-        import torch.distributed as dist
-
         gathered = [torch.zeros_like(values) for _ in range(env.world_size)]
         dist.all_gather(gathered, values)
     return [{"rank": r, **{k: round(v, 4) for k, v in zip(keys, t.tolist())}} for r, t in enumerate(gathered)]
@@ -83,8 +86,6 @@ def run_stats(summary: dict[str, Any], model_info: dict[str, Any], env, steps_pe
     Collective (every rank calls it). The epoch time is projected from the median step time
     (warm-up excluded), so runs capped by --max-steps still report a comparable "time per epoch".
     """
-    from . import mfu
-
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
     out = mfu.summary_fields(summary, model_info, device_name, tf32_enabled=torch.get_float32_matmul_precision() != "highest")
     med = summary.get("step_time_median_s")

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch.nn as nn
+
 
 @dataclass(frozen=True)
 class DevicePeak:
@@ -105,8 +107,6 @@ def peak_tflops(device_name: str | None, precision: str, tf32_enabled: bool = Fa
 
 def matmul_params(model: Any) -> int:
     """Parameters that take part in matmuls: all, minus embedding look-up tables not tied to the LM head."""
-    import torch.nn as nn
-
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_weight = getattr(out_emb, "weight", None)
     seen: set[int] = set()

@@ -34,6 +34,8 @@ import psutil
 
 from ..layout import local_world_size
 
+# Lazy import below: pynvml only on a machine with NVIDIA GPUs to watch.
+
 GPU_CSV = "gpu_memory.csv"
 CPU_CSV = "cpu_memory.csv"
 GPU_COLUMNS = ["timestamp", "index", "name", "memory.used [MiB]", "memory.total [MiB]", "utilization.gpu [%]"]

@@ -11,14 +11,14 @@ from .simulator import Event, Timeline, simulate
 
 def render_timeline(timeline, path, **kwargs):
     """Draw `timeline` to `path` (.png or .svg; no suffix: both). Returns the files written."""
-    from .diagrams import render_timeline as _render
+    from .diagrams import render_timeline as _render  # matplotlib loads only when drawing
 
     return _render(timeline, path, **kwargs)
 
 
 def tutorial_diagrams(out_dir):
     """The five tutorial figures (PNG + SVG) into `out_dir`. Returns the files written."""
-    from .diagrams import tutorial_diagrams as _tutorial
+    from .diagrams import tutorial_diagrams as _tutorial  # as above
 
     return _tutorial(out_dir)
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .schedules import SCHEDULES
+from . import render_timeline, simulate, tutorial_diagrams
 
 
 def add_pipeline_parser(sub, parser_class) -> None:
@@ -30,8 +31,6 @@ def add_pipeline_parser(sub, parser_class) -> None:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from . import render_timeline, simulate, tutorial_diagrams
-
     steps = args.steps if args.steps is not None else (DEFAULT_STEPS_ASYNC if args.schedule in ASYNC_SCHEDULES else 1)
     tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=steps, layers=args.layers)
     print(report(tl))

@@ -16,6 +16,8 @@ matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
+from .simulator import simulate
+
 if TYPE_CHECKING:
     from .simulator import Timeline
 
@@ -165,8 +167,6 @@ def utilisation_chart(timelines: list["Timeline"], path: str | Path, title: str)
 
 def tutorial_diagrams(out_dir: str | Path) -> list[Path]:
     """The five tutorial figures, each as PNG and SVG. Equal stages, fwd 1 / bwd 2, no comm."""
-    from .simulator import simulate
-
     out = Path(out_dir)
     files: list[Path] = []
     # 1. Naive model parallelism: one device works at a time -> 1/P = 25% for 4 devices.

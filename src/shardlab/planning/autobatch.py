@@ -35,15 +35,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..config import RunConfig, dump_config
 from ..errors import OutOfMemory, UserError
 from ..launch.procgroup import run_group
 from ..measure.summary import RunSummary
+from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
+from ..strategies import strategy_class
+
+# Function-local imports below are lazy on purpose: launch.distributed and planner.py import torch (and the planner
+# transformers when it reads a model), which this module does not need until `auto` is resolved.
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
 TRIAL_TIMEOUT_S = 900  # two steps; a trial that hangs (a rank died in a collective) is killed with its workers
-CPU_MAX_MICRO = 64
-MAX_MICRO = 4096
 OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
 
 
@@ -61,34 +66,6 @@ def check_auto(cfg: RunConfig, dp_world: int) -> None:
     if in_launched_job():
         raise UserError("--micro-batch auto needs shardlab's own launcher (it starts trial runs before the job), "
                         "not torchrun/srun", "run `shardlab train --micro-batch auto` once without them, then pass --micro-batch N")
-
-
-def check_auto_batch(cfg: RunConfig, dp_world: int) -> None:
-    """The batch triple around `auto`: something must be left for the micro batch to choose."""
-    if cfg.grad_accum is not None and cfg.global_batch is not None:
-        raise UserError(
-            f"--micro-batch auto with both --grad-accum {cfg.grad_accum} and --global-batch {cfg.global_batch}: "
-            "they already fix the micro batch",
-            "give only --global-batch (auto then keeps it by changing the accumulation) or only --grad-accum",
-        )
-    if cfg.global_batch is not None and cfg.global_batch % dp_world:
-        raise UserError(
-            f"global_batch {cfg.global_batch} is not divisible by the data-parallel world size {dp_world}",
-            f"use a global batch that is a multiple of {dp_world}, or change --gpus",
-        )
-
-
-def micro_candidates(cfg: RunConfig, dp_world: int, upper: int = MAX_MICRO) -> list[int]:
-    """Allowed micro batches, ascending, up to ``upper``: divisors of the per-rank batch when a global batch is given."""
-    if cfg.global_batch is not None:
-        per_rank = cfg.global_batch // dp_world
-        return [m for m in range(1, min(per_rank, upper) + 1) if per_rank % m == 0]
-    return list(range(1, max(1, upper) + 1))
-
-
-def with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
-    """``cfg`` with the micro batch fixed; a given global batch is kept (accumulation follows), else grad_accum is."""
-    return cfg.model_copy(update={"micro_batch": micro})
 
 
 # ---- one trial --------------------------------------------------------------------------------------------
@@ -157,59 +134,6 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
 # ---- the search -------------------------------------------------------------------------------------------
 
 
-def largest_that_fits(n: int, fits: Callable[[int], bool], start: int = 0) -> int:
-    """The largest index below ``n`` for which ``fits`` holds, or -1: the one "largest micro batch that
-    fits" search, over indices into a caller's ascending candidates. ``fits`` is asked at most once per
-    index; it may raise (the trials' search stops that way).
-
-    From ``start``, up while it fits (doubling the step, the largest index included), or down while it
-    does not (doubling), then bisection between the largest that fitted and the smallest that did not.
-    Used for the plan's predictions (planner: ``auto``'s start, each strategy's max micro batch;
-    run_plan: the advice) and for the trial runs (``search_micro_batch``). For a ``fits`` that holds up to
-    some index and not above it (as memory does) the answer is that index, whatever ``start``; the plan's
-    two former searches galloped from 1 too but did not try the largest candidate when a doubling passed
-    it (`_largest_micro` even stopped at a power of two below a ``max_search`` that was not one), the
-    advice's scanned down one by one: the same answers, with fewer predictions.
-    """
-    known: dict[int, bool] = {}
-
-    def ok(i: int) -> bool:
-        if i not in known:
-            known[i] = fits(i)
-        return known[i]
-
-    if n <= 0:
-        return -1
-    i, step = min(max(start, 0), n - 1), 1
-    if ok(i):
-        lo, hi = i, n  # largest index that fitted, smallest index known not to (n: none)
-        while hi == n:
-            nxt = min(lo + step, n - 1)
-            if nxt == lo:
-                break
-            if ok(nxt):
-                lo, step = nxt, step * 2
-            else:
-                hi = nxt
-    else:
-        hi = i
-        while True:
-            if hi == 0:
-                return -1
-            nxt = max(hi - step, 0)
-            if ok(nxt):
-                lo = nxt
-                break
-            hi, step = nxt, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def search_micro_batch(start: int, candidates: Sequence[int], trial: Callable[[int], Trial], *,
                        step_up: bool = True) -> tuple[int, list[Trial]]:
     """The largest candidate that runs, searched from ``start`` (the plan's value).
@@ -274,7 +198,6 @@ class AutoBatchResult:
 def cpu_budget_bytes(cfg: RunConfig) -> float:
     if cfg.cpu_memory_budget_gb is not None:
         return cfg.cpu_memory_budget_gb * 2**30
-    import psutil
 
     return psutil.virtual_memory().available / 2
 
@@ -284,9 +207,7 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
                              workdir: str | Path | None = None) -> tuple[RunConfig, AutoBatchResult]:
     """Replace ``micro_batch: auto`` by the largest micro batch that runs (module docstring). Returns the
     config with the number filled in and what was tried. ``trial`` replaces the subprocess (tests)."""
-    from ..launch.distributed import pick_device_type
-    from ..launch.launcher import processes_per_node
-    from ..strategies import strategy_class
+    from ..launch.distributed import pick_device_type, processes_per_node
 
     if cfg.micro_batch != "auto":
         raise ValueError("resolve_auto_micro_batch needs micro_batch 'auto'")
@@ -329,8 +250,6 @@ OFFLOAD_TOKENS_PER_STEP = 64 * 1024
 
 def offload_accumulation(cfg: RunConfig, dp: int, log: Callable[[str], None]) -> RunConfig:
     """With neither --grad-accum nor --global-batch given, an offload run accumulates up to OFFLOAD_TOKENS_PER_STEP."""
-    from ..strategies import strategy_class
-
     if cfg.grad_accum is not None or cfg.global_batch is not None or not strategy_class(cfg.strategy).cpu_optimizer(cfg):
         return cfg
     per_micro = cfg.micro_batch * cfg.seq_len * dp

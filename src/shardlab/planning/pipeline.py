@@ -25,7 +25,7 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   concatenates them at the end of the step (another M·p·b·s·V, p the logits' bytes).
 * **The loss** (transformers' ForCausalLMLoss) on the last stage: the fp32 log-softmax output (4·b·s·V) is
   saved per micro-batch in flight, and its backward holds two more b·s·V fp32 tensors. Every other backward holds
-  one layer's temporaries (planner.layer_backward_bytes) and, with checkpointing, one recomputed layer.
+  one layer's temporaries (memory.layer_backward_bytes) and, with checkpointing, one recomputed layer.
 * The peak of a GPU is the largest of: every forward's end, every backward's start (grads live after
   the first backward of the step), the merge of the logits at the end of the step, and the optimizer
   step (gradients flattened for the all-reduce across pipeline replicas when there are several).
@@ -38,12 +38,24 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from ..layout import LayoutError, ParallelLayout
+from ..pipesim.schedules import device_orders
 from ..strategies.spec import find
+from .memory import (
+    CPU_ADAMW_TEMP_TENSORS,
+    CUDA_CONTEXT_BYTES,
+    PROCESS_RSS_BYTES,
+    Arch,
+    GiB,
+    StrategyPlan,
+    activation_bytes,
+    embed_bytes,
+    final_bytes,
+    layer_backward_bytes,
+)
 
 if TYPE_CHECKING:
     from ..config import RunConfig
-    from ..layout import ParallelLayout
-    from .planner import Arch, StrategyPlan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v
 
@@ -54,9 +66,9 @@ class PipelineNotApplicable(UserError):
 
 def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int, int]]:
     """The [start, end) blocks of every (virtual) stage: strategies/pipeline.py's own split_blocks."""
-    from ..strategies.pipeline import split_blocks
+    from ..strategies.pipeline import split_blocks  # lazy: the strategy imports torch.distributed; a plan needs only its split
 
-    shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how planner.model_family tells Llama-style)
+    shim = SimpleNamespace(  # what split_blocks reads of an HF config (rms_norm_eps: how layout.model_family tells Llama-style)
         hidden_size=arch.hidden, vocab_size=arch.vocab, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
         intermediate_size=arch.ffn, **({"rms_norm_eps": 1e-5} if arch.family == "llama" else {}))
     return split_blocks(shim, arch.layers, seq_len, n_stages)
@@ -65,9 +77,6 @@ def pipeline_split(arch: "Arch", seq_len: int, n_stages: int) -> list[tuple[int,
 def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: int, microbatches: int) -> "ParallelLayout":
     """The layout `train --strategy pipeline` would run ``cfg`` in, its shape errors as PipelineNotApplicable (a full
     plan leaves the pipeline out). Any M is priced: what torch's schedules refuse, `train` refuses."""
-    from ..layout import LayoutError, ParallelLayout
-    from ..strategies.spec import find
-
     try:
         return ParallelLayout.from_config(cfg, gpus_per_node * nodes, nodes, layers, microbatches=microbatches, check_schedule=False,
                                           unit="GPUs", strategy=find(engine="pipelining"))  # a full plan prices the pipeline row of any config
@@ -77,19 +86,6 @@ def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: in
 
 def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
-    from ..pipesim.schedules import device_orders
-    from .planner import (
-        CPU_ADAMW_TEMP_TENSORS,
-        CUDA_CONTEXT_BYTES,
-        PROCESS_RSS_BYTES,
-        GiB,
-        StrategyPlan,
-        embed_bytes,
-        final_bytes,
-        activation_bytes,
-        layer_backward_bytes,
-    )
-
     parts = arch.pipeline_parts
     if parts is None:
         raise PipelineNotApplicable(f"pipeline parallelism in shardlab supports GPT-2, BLOOM and Llama-style models, not {arch.family}",
@@ -107,7 +103,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     sbh, bsv = float(s * b * h), float(b * s * vocab)
     last = n_stages - 1
 
-    from ..strategies.pipeline import step_keeps_outputs
+    from ..strategies.pipeline import step_keeps_outputs  # lazy, as split_blocks above
 
     keeps = step_keeps_outputs()  # the last stage's logits kept in output_chunks until the step ends
     saved, transient, buffers = [], [], []

@@ -6,7 +6,7 @@ The **peak of ``torch.cuda.max_memory_allocated()``** per GPU (what ``shardlab t
 ``benchmarks/results/`` report as ``gpu_mem_peak_gib``). Memory that the caching allocator
 reserves but has not handed out (fragmentation) and the CUDA context (~0.5 GiB per process,
 never in torch's counters) are *not* in that number; they are added only when deciding
-whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED`` below).
+whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED``, in memory.py).
 
 How
 ---
@@ -21,7 +21,7 @@ How
   AdamW states plus 16-bit unsharded copies of the units being computed (all of them with
   fsdp_reshard_after_forward=false) and, while accumulating, the whole model's unsharded fp32 gradients.
 * Activations are counted per architecture family from the HF config, tensor by tensor, as
-  autograd saves them in the transformers 5 implementations (``_layer_bytes``). The starting
+  autograd saves them in the transformers 5 implementations (memory.py, ``_layer_bytes``). The starting
   point is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198), eq. (1): 34·s·b·h + 5·a·s²·b bytes per layer in 16-bit. The counts
   here differ where the implementation differs: fused SDPA/flash kernels keep no s² tensors
@@ -39,7 +39,7 @@ How
   (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
   backward / optimizer step (all gradients, step temporaries, no activations).
 
-Nothing here is fitted to measurements except the two allowances named below, whose source
+Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
 the H100 runs in ``benchmarks/results/`` (their figures: tests/data/h100_foundation_peaks.json).
 """
@@ -52,32 +52,34 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
 from ..config import RunConfig
 from ..errors import UserError
-from ..training.loss import CHUNK_MEM_CONST as LIGER_CHUNK_MEM_CONST, resolve_loss_kernel
+from ..layout import data_parallel_size, model_family
+from ..training.loss import resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
+from .memory import (
+    CPU_ADAMW_TEMP_TENSORS,
+    CUDA_CONTEXT_BYTES,
+    PROCESS_RSS_BYTES,
+    RESERVED_OVER_ALLOCATED,
+    Activations,
+    Arch,
+    GiB,
+    StrategyPlan,
+    activation_bytes,
+)
+from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
+from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
+from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, overlap_comm, sized_buckets
+from ..training.optim import resolve_precision
 
-# torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
-# a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
-CPU_ADAMW_TEMP_TENSORS = 2
-
-# Every strategy (names(), read when planning: a strategy registered later is planned too); the
-# pipeline engine is modelled per stage in plan_pipeline.py.
-
-GiB = 2**30
-
-# The CUDA context (driver, kernels' modules, cuBLAS workspace) is outside the torch allocator:
-# ~0.5 GiB per process on H100 with torch 2.x; not in max_memory_allocated.
-CUDA_CONTEXT_BYTES = int(0.5 * GiB)
-# Allocated -> reserved (caching-allocator fragmentation). Measured ratio
-# gpu_mem_peak_reserved_gib / gpu_mem_peak_gib in benchmarks/results/h100-foundation-run2/foundation.json:
-# dp 1.053, zero2 1.140, zero3 1.130, zero2_offload 1.148, fsdp 1.133. The largest is used for "fits".
-RESERVED_OVER_ALLOCATED = 1.15
-# CPU resident memory of one training process besides the model (python, torch, CUDA libraries,
-# data loader): cpu_rss_max_rank_gib of the dp and fsdp cells in the same foundation.json is 1.95 GiB,
-# which includes gpt2-medium built in fp32 on the CPU (354,823,168 x 4 B = 1.32 GiB): 1.95 - 1.32 = 0.63 GiB.
-PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
+# Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
+# (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.
 
 # Speed order measured on one H100 (benchmarks/results/h100-foundation.md, tok/s at gpt2-medium,
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
@@ -98,36 +100,7 @@ INFINITY_PARAM_BUFFERS = 5 * 100_000_000 * 2
 
 
 # --------------------------------------------------------------------------------------------------
-# Architecture read from the config (and the meta-device model)
-
-
-@dataclass
-class Arch:
-    model: str
-    family: str  # gpt2 | bloom | llama | generic
-    n_params: int
-    largest_layer_params: int  # DeepSpeed's definition: max params held directly by one module
-    block_params: int  # largest transformer block (one FSDP unit)
-    root_params: int  # params outside the blocks (FSDP root unit: embeddings, final norm, head)
-    persistent_params: int  # params with numel <= stage3_param_persistence_threshold (kept whole by ZeRO-3)
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    attn_impl: str  # sdpa | flash_attention_2 | eager
-    attn_dropout: float
-    resid_dropout: float
-    embd_dropout: float
-    # What strategies/pipeline.py puts on each stage (GPT-2, BLOOM and Llama-style only, else None): parameter counts of
-    # the embedding modules (first stage), the final norm and the LM head (last stage), each block; tied head.
-    pipeline_parts: dict[str, Any] | None = None
-    # (numel, ndim) of every unique parameter: host buffers are allocated per parameter (FSDP2) or per
-    # parameter group (DeepSpeed: matrices decay, 1-D tensors do not; optim.param_groups), and pinned ones round up.
-    param_sizes: tuple[tuple[int, int], ...] = ()
-    # FSDP builds on the meta device (presets, matching local safetensors: models.meta_loadable), else in fp32.
-    meta_build: bool = True
+# Architecture read from the config (and the meta-device model): Arch itself is memory.py's
 
 
 def _pipeline_parts(model: Any) -> dict[str, Any] | None:
@@ -146,21 +119,10 @@ def _pipeline_parts(model: Any) -> dict[str, Any] | None:
     }
 
 
-def model_family(hf_config: Any) -> str:
-    mt = getattr(hf_config, "model_type", "")
-    if mt == "gpt2":
-        return "gpt2"
-    if mt == "bloom":
-        return "bloom"
-    if hasattr(hf_config, "intermediate_size") and hasattr(hf_config, "rms_norm_eps"):
-        return "llama"  # llama, mistral, qwen2, ... (RMSNorm, gated SiLU MLP, RoPE)
-    return "generic"
-
 
 def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str = "sdpa", dropout: float | None = None,
                         persistence_threshold: int = 100_000) -> Arch:
     """Count parameters on the meta device and read the shape of ``hf_config``."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from ..training.models import transformer_blocks
@@ -215,198 +177,6 @@ def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation
     return "sdpa" if supports_attention(cls, "sdpa") else "eager"
-
-
-# --------------------------------------------------------------------------------------------------
-# Activations
-
-
-def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, float]:
-    """Saved bytes of one decoder layer as (per s·b·h, per a·s²·b, per s·b).
-
-    ``mode``: 'fp32' (everything fp32), 'lp' (weights and compute in 16-bit: DeepSpeed, FSDP2
-    mixed precision) or 'autocast' (torch autocast over fp32 weights: shardlab's dp in bf16/fp16).
-    ``device``: 'cuda' (1-byte bool dropout masks, fused attention keeps no s² tensors) or 'cpu'
-    (masks as wide as the tensor; SDPA with dropout falls back to the math path computed in fp32).
-    Counts are per family, tensor by tensor (see the module docstring); the comments give the
-    tensors in units of s·b·h elements.
-    """
-    p = 4 if mode == "fp32" else 2  # compute dtype
-    r = 2 if mode == "lp" else 4  # residual stream / norm inputs (fp32 under autocast)
-    f = arch.ffn / arch.hidden
-    kv = arch.kv_heads / arch.heads
-    mask = (1 if device == "cuda" else p)
-    n_masks = 0
-    if arch.family == "gpt2":
-        # ln_1 in (r), c_attn in (p: LN out, or its 16-bit cast under autocast), q,k,v views of the
-        # fused c_attn output (3p), attention out = c_proj in (p), ln_2 in (r), c_fc in (p);
-        # gelu_new = 0.5*x*(1+tanh(c*(x+0.044715*x**3))) saves x**3's input, tanh out, (1+tanh), 0.5*x
-        # (4 x f): all p, or under autocast pow runs in fp32 -> 4+4+4+2 bytes; c_proj in (f x p).
-        gelu = {"fp32": 16, "lp": 8, "autocast": 14}[mode]
-        per_sbh = 2 * r + p + 3 * p + p + p + gelu * f + p * f
-        per_sb = 2 * 2 * 4  # two LayerNorms' fp32 mean and rstd
-        n_masks = 2 if arch.resid_dropout > 0 else 0  # attn resid dropout + mlp dropout
-    elif arch.family == "bloom":
-        # input_layernorm in (r), qkv in (p), q,k,v reshaped copies (3p), dense in (p),
-        # post_attention_layernorm in (r), h_to_4h in (p), BloomGelu saves its input (f x p),
-        # 4h_to_h in (f x p)
-        per_sbh = 2 * r + p + 3 * p + p + p + 2 * p * f
-        per_sb = 2 * 2 * 4
-        n_masks = 2 if arch.resid_dropout > 0 else 0  # two dropout_add
-    elif arch.family == "llama":
-        # RMSNorm (x2): pow's input as fp32 (4), normalised fp32 (p or 4), weight*normed = proj in
-        # (p, or 4 under autocast + its 16-bit cast 2); q, k, v after RoPE (p + 2kv p), attention out
-        # = o_proj in (p); MLP: gate, up, silu(gate), product = down in (4 f x p)
-        norm = {"fp32": 12, "lp": 8, "autocast": 10}[mode]
-        per_sbh = 2 * norm + (2 + 2 * kv) * p + 4 * f * p
-        per_sb = 2 * 4
-    else:
-        # Korthikanti et al. 2022 eq. (1): 34 s b h bytes in 16-bit (incl. masks), scaled to p
-        per_sbh = 34 * p / 2
-        per_sb = 0
-    per_sbh += n_masks * mask
-    # s² terms (per a·s²·b)
-    fused = arch.attn_impl in ("sdpa", "flash_attention_2")
-    if fused and device == "cuda":
-        per_as2b = 0.0
-        per_sb += 4 * arch.heads  # fp32 log-sum-exp per row and head
-    elif fused and device == "cpu":
-        if arch.attn_dropout > 0:  # CPU SDPA with dropout runs the math path in fp32: softmax, mask, dropped
-            per_as2b = 12.0
-        else:
-            per_as2b = 0.0
-            per_sb += 4 * arch.heads
-    else:  # eager: softmax out (fp32 where the model or autocast upcasts), cast copy or mask + dropped
-        if arch.family in ("bloom", "llama") or mode in ("fp32", "autocast"):
-            sm = 4
-        else:
-            sm = p
-        if arch.attn_dropout > 0:
-            per_as2b = sm + mask + p
-        else:
-            per_as2b = sm + (p if sm != p else 0)
-        if arch.family == "generic":
-            per_as2b = 5 * p / 2  # Korthikanti: 5 a s² b in 16-bit
-    return per_sbh, per_as2b, per_sb
-
-
-def layer_backward_bytes(arch: Arch, mode: str) -> float:
-    """Temporaries of one decoder layer's backward beyond what it saved, per s·b·h: the MLP activation's
-    gradient is computed through ffn-wide intermediates. Measured on CPU in fp32 (tests/test_plan_pipeline.py):
-    GPT-2's composite gelu_new backward keeps 2 ffn-wide tensors at its peak, BLOOM's hand-written
-    bloom_gelu_back 5 (tanh_out, ff and their products). Llama-style and others: 2, not measured.
-    The loss' 8·b·s·V at the LM head is far larger, so only the pipeline's stages without the head use it."""
-    p = 4 if mode == "fp32" else 2
-    f = arch.ffn / arch.hidden
-    return (5 if arch.family == "bloom" else 2) * f * p
-
-
-def _shared_bias_bytes(arch: Arch, mode: str) -> float:
-    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
-    SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
-    layers and saved by each layer's attention for the backward (the same storage). Kept also under
-    activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""
-    if arch.family == "bloom" and arch.attn_impl == "sdpa":
-        return 4 if mode == "fp32" else 2
-    return 0.0
-
-
-def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
-    """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
-    return embed_bytes(arch, mode, device) + final_bytes(arch, mode, device)
-
-
-def embed_bytes(arch: Arch, mode: str, device: str) -> float:
-    """Saved bytes per s·b·h of the embedding (first pipeline stage): GPT-2's dropout mask, BLOOM's LayerNorm input."""
-    p = 4 if mode == "fp32" else 2
-    r = 2 if mode == "lp" else 4
-    mask = (1 if device == "cuda" else p)
-    if arch.family == "gpt2":
-        return mask if arch.embd_dropout > 0 else 0
-    if arch.family == "bloom":
-        return r  # word_embeddings_layernorm in
-    return 0
-
-
-def final_bytes(arch: Arch, mode: str, device: str) -> float:
-    """Saved bytes per s·b·h of the final norm and the LM head input (last pipeline stage)."""
-    p = 4 if mode == "fp32" else 2
-    r = 2 if mode == "lp" else 4
-    if arch.family == "llama":
-        return {"fp32": 12, "lp": 8, "autocast": 10}[mode]  # final RMSNorm as in _layer_bytes
-    return r + p  # ln_f in, lm_head in
-
-
-@dataclass
-class Activations:
-    layers: float  # saved by all decoder layers at the end of forward
-    embed_final: float
-    logits_saved: float  # hf: fp32 log-softmax output saved by cross_entropy (4 b s V); compiled: the logits (p b s V)
-    logits_peak: float  # start of backward; hf: saved output + its grad + grad wrt logits (12 b s V); compiled: 2 p b s V
-    recompute: float  # gradient checkpointing: one layer recomputed during backward
-    per_layer: float = 0.0  # saved by one decoder layer (its input only with gradient checkpointing)
-    # once the loss' backward is done and the gradient reaches the LM head: hf/compiled, the logits' 16-bit gradient
-    # (p b s V; the loss' saved tensors are freed); liger, the two gradients it computed in forward
-    logits_grad: float = 0.0
-
-    @property
-    def saved_at_forward_end(self) -> float:
-        """What autograd holds when forward returns (comparable with saved-tensor hooks)."""
-        return self.layers + self.embed_final + self.logits_saved
-
-    @property
-    def peak(self) -> float:
-        """Activations plus the loss' transient at the start of backward."""
-        return self.layers + self.embed_final + self.recompute + self.logits_peak
-
-
-def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float, float]:
-    """Liger's fused linear cross-entropy (loss_kernel=liger, training.loss.HeadFusedLoss): no logits tensor.
-
-    In 16-bit runs the hidden states and the head weight go in cast once to 16 bits (autocast: a 2 V h copy of the
-    fp32 weight). The kernel computes the gradients in forward: the weight's accumulated in fp32 (4 V h), then cast
-    to the weight's dtype (2 V h, both alive at that moment), the hidden states' (tokens x h); one chunk of logits at a
-    time (the next power of two of tokens / ceil(V / (C h)) rows, C = loss.CHUNK_MEM_CONST). The two gradients are held
-    until backward. Returns (held at the end of forward, the loss' peak, inside its forward)."""
-    p = 4 if mode == "fp32" else 2
-    saved = p * tokens * h + p * vocab * h
-    weight_copy = 2.0 * vocab * h if mode == "autocast" else 0.0
-    accumulate = 4.0 * vocab * h if mode != "fp32" else 0.0  # fp32 weights: the accumulator is the gradient itself
-    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / (LIGER_CHUNK_MEM_CONST * h))))))))
-    return saved, saved + weight_copy + accumulate + p * chunk * vocab
-
-
-def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
-                     loss_kernel: str = "hf") -> Activations:
-    b, s, h, a = micro, seq, arch.hidden, arch.heads
-    per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
-    one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
-    r = 2 if mode == "lp" else 4
-    if checkpointing:  # HF checkpoints each decoder layer (non-reentrant): only its input is kept
-        layers = arch.layers * r * s * b * h
-        recompute = one_layer
-    else:
-        layers = arch.layers * one_layer
-        recompute = 0.0
-    bsv = b * s * arch.vocab
-    p = 4 if mode == "fp32" else 2
-    logits_grad = p * bsv
-    if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
-        logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
-    elif loss_kernel == "liger":
-        logits_saved, logits_peak = _liger_loss_bytes(b * s, h, arch.vocab, mode)
-        logits_grad = logits_saved
-    else:
-        logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
-    return Activations(
-        layers=layers,
-        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h + _shared_bias_bytes(arch, mode) * a * s * s * b,
-        logits_saved=logits_saved,
-        logits_peak=logits_peak,
-        recompute=recompute,
-        per_layer=layers / arch.layers if arch.layers else 0.0,
-        logits_grad=logits_grad,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -486,27 +256,6 @@ def _ds_zero3_formula(total_params, largest_layer_params, num_gpus_per_node=1, n
 
 # --------------------------------------------------------------------------------------------------
 # Per-strategy prediction
-
-
-@dataclass
-class StrategyPlan:
-    strategy: str
-    gpu: dict[str, float]  # bytes per GPU by component (parameters, gradients, optimizer, activations, temporary, overhead)
-    gpu_peak: float  # predicted max_memory_allocated per GPU
-    peak_moment: str
-    cpu_per_node: float
-    cpu_detail: dict[str, float]
-    nvme_per_node: float
-    model_state_bytes_per_param: float  # shardlab's parameters+gradients+optimizer states per GPU / n_params
-    paper_bytes_per_param: float | None
-    deepspeed_gpu: float | None  # DeepSpeed estimator, bytes per GPU (model states only)
-    deepspeed_cpu: float | None
-    fits: bool = False
-    headroom: float = 0.0  # bytes of GPU memory left after peak, context and fragmentation allowance
-    why: str = ""
-    max_micro_batch: int = 0
-    notes: list[str] = field(default_factory=list)
-    stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
 
 
 def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str = "adamw",
@@ -594,7 +343,6 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
         out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
         out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
-        from ..strategies.deepspeed_zero import gpu_grad_accum_fp32
 
         # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless the sum is
         # kept on the GPU in fp32: gpu_grad_accum_fp32, which also reads a user JSON's data_types)
@@ -654,8 +402,6 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     ``--micro-batch auto`` caps by a host-RAM budget."""
     s = spec(strategy)
     if s.engine == "pipelining":
-        from .pipeline import pipeline_strategy_plan
-
         return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
     n = arch.n_params
     d = gpus_per_node * nodes
@@ -714,7 +460,6 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         at_head["the head's unsharded 16-bit weight gradient (root unit)"] = float(lo * arch.root_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-        from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, overlap_comm, sized_buckets
 
         if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
@@ -878,8 +623,6 @@ def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free
 
 def _detect_gpu_memory(cfg_device: str) -> float | None:
     try:
-        import torch
-
         if cfg_device != "cpu" and torch.cuda.is_available():
             return float(torch.cuda.get_device_properties(0).total_memory)
     except Exception:
@@ -891,8 +634,6 @@ def _gpus_per_node(cfg: RunConfig) -> int:
     if cfg.gpus is not None:
         return cfg.gpus
     try:
-        import torch
-
         return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
     except Exception:
         return 1
@@ -901,8 +642,6 @@ def _gpus_per_node(cfg: RunConfig) -> int:
 def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     """Ranks that see different data (the batch triple's world): all but a pipeline's stages. Not refused here: the
     pipeline row's shape is (plan_pipeline.pipeline_layout), so that a full plan can leave it out."""
-    from ..layout import data_parallel_size
-
     return data_parallel_size(cfg, world, strategy)
 
 
@@ -951,8 +690,6 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     precision = cfg.precision if cfg.precision != "auto" else "bf16"  # plan is for GPUs: auto = bf16 (A100/H100)
     plan_notes: list[str] = []
     if cfg.micro_batch == "auto":
-        from .autobatch import check_auto_batch
-
         dp_main = _dp_size(cfg.strategy, cfg, d)
         check_auto_batch(cfg, dp_main)
         micro_auto, why = _auto_micro(arch, cfg, cfg.strategy, precision, gpus_per_node, dp_main,
@@ -988,8 +725,6 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         try:
             sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
         except UserError as err:
-            from .pipeline import PipelineNotApplicable
-
             if not isinstance(err, PipelineNotApplicable) or strategies:
                 raise
             plan_notes.append(f"{s} left out: {err.message}")
@@ -1013,10 +748,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
 
 def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_per_node: int, dp: int,
                 fits: Callable[[StrategyPlan], bool], device: str, upper: int) -> tuple[int, str]:
-    """Largest allowed micro batch (autobatch.micro_candidates: divisors of a given global batch) whose
+    """Largest allowed micro batch (microbatch.micro_candidates: divisors of a given global batch) whose
     prediction ``fits``, the accumulation following the batch triple; 0 when even the smallest does not."""
-    from .autobatch import largest_that_fits, micro_candidates, with_micro_batch
-
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
     cands = micro_candidates(cfg, dp, upper)
 
@@ -1037,10 +770,7 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
 
     GPU: the detected (or given) GPU memory, with the CUDA context and fragmentation allowance of
     ``fits``. CPU: the whole run's predicted host memory (``cpu_run_bytes``) within ``cpu_budget`` bytes,
-    at most autobatch.CPU_MAX_MICRO."""
-    from .autobatch import CPU_MAX_MICRO, MAX_MICRO
-    from ..training.optim import resolve_precision
-
+    at most microbatch.CPU_MAX_MICRO."""
     arch = _arch(cfg)
     run_cfg = cfg.model_copy(update={"gpus": nproc})
     if device_type == "cpu":
@@ -1077,8 +807,6 @@ CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
     """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
     StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
-    from ..training.optim import resolve_precision
-
     precision = resolve_precision(cfg.precision, "cpu").name
     arch = _arch(cfg)
     world = nproc * cfg.nodes
@@ -1100,8 +828,6 @@ def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
                    gpu_memory: float, ds_est, max_search: int) -> int:
     """Largest micro batch up to ``max_search`` whose predicted GPU need fits (peak is increasing in the micro batch): 0 if none."""
-    from .autobatch import largest_that_fits
-
     def ok(i: int) -> bool:  # index i: micro batch i + 1
         sp = _strategy_plan(strategy, arch, cfg, i + 1, accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
         return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory)
@@ -1151,9 +877,6 @@ def _limit(sp: StrategyPlan) -> str:
 
 
 def render(p: Plan, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     if console is None:
         console = Console()
         if console.width < 170:

@@ -20,11 +20,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..config import RunConfig
 from ..errors import UserError
+from ..strategies.spec import spec, speed_order
+from .memory import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, GiB
+from .microbatch import largest_that_fits, micro_candidates
+
+# Function-local imports below are lazy on purpose: torch, training.optim and planner.py (torch, transformers) load
+# only when a prediction is made; the worker (read_record) and the CLI (host_ram_gib) import this module without them.
 
 PLAN_KEYS = ("gpu_peak_gib", "cpu_gib", "fits", "strategy")
-GiB = 2**30
 
 
 def _gib(x: float | None) -> float | None:
@@ -40,8 +47,6 @@ def gpu_memory_gib(nproc: int) -> float:
 
 
 def host_ram_gib() -> float:
-    import psutil
-
     return psutil.virtual_memory().total / GiB
 
 
@@ -61,7 +66,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None) -> dict[str, Any]:
     from ..training.optim import resolve_precision
-    from .planner import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, plan, predict_cpu_run
+    from .planner import plan, predict_cpu_run
 
     # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
     precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
@@ -102,16 +107,12 @@ def _pipeline_fields(sp) -> dict[str, Any]:
 
 def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     """What the plan says would fit instead, fastest change first: one line."""
-    from .autobatch import micro_candidates
     from .planner import plan
-    from ..strategies.spec import speed_order
 
     sp = p.strategies[cfg.strategy]
     out = []
     per_rank = p.micro_batch * p.grad_accum
     if 0 < sp.max_micro_batch < p.micro_batch:
-        from .autobatch import largest_that_fits
-
         # divisors of the per-rank batch, from the largest; with accumulation the gradients live through forward too
         cands = micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)
 
@@ -138,8 +139,6 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
 def host_available_gib() -> float:
     """Host RAM a run may use on this node: what the OS has available plus what this process already
     holds (the prediction counts this process's baseline itself)."""
-    import psutil
-
     return (psutil.virtual_memory().available + psutil.Process().memory_info().rss) / GiB
 
 
@@ -175,8 +174,6 @@ def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float |
 
 def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc: int, avail: float) -> list[str]:
     """What the plan says fits this node's host RAM instead: unpinned buffers, then the fastest other strategy."""
-    from ..strategies.spec import spec, speed_order
-
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": record.get("precision") or cfg.precision})
     gpu_memory = record.get("gpu_memory_gib")
     out = []

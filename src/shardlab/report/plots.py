@@ -5,6 +5,7 @@ runs hold no data for it), so the HTML page can embed them and the report folder
 from __future__ import annotations
 
 import io
+import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -23,7 +24,7 @@ class Plot:
 
 
 def _figure(width: float = 8.0, height: float = 4.2):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads only when a report draws (report tables need none)
 
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
@@ -31,14 +32,12 @@ def _figure(width: float = 8.0, height: float = 4.2):
 def _run_ticks(ax, labels: list[str]) -> None:
     """One tick per run, its label wrapped at hyphens: a bench's labels (40+ characters) rotated in one line run
     past the figure's left edge, more than constrained layout can make room for."""
-    import textwrap
-
     wrapped = [textwrap.fill(label, 22, break_on_hyphens=True) for label in labels]
     ax.set_xticks(range(len(labels)), wrapped, rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
 
 
 def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # as _figure's
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import yaml
+
 from ..strategies.spec import lookup
 from .load import Cell, Run, Spread, spread
 
@@ -164,8 +166,6 @@ def _status(c: Cell) -> str:
 
 
 def _config_key(c: Cell, drop: tuple[str, ...]) -> str:
-    import yaml
-
     def strip(node: Any, prefix: str = "") -> Any:
         if isinstance(node, dict):
             return {k: strip(v, f"{prefix}{k}.") for k, v in node.items() if f"{prefix}{k}" not in drop}

@@ -18,10 +18,14 @@ from torch import nn
 
 from ..training import loss, optim
 from ..config import RunConfig
-from ..launch.distributed import DistEnv
-from ..layout import local_world_size
+from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
+from ..layout import data_parallel_size, local_world_size
 from ..training.optim import Precision
 from .spec import StrategySpec, spec
+from ..measure.timesplit import StepSplit
+
+# Lazy imports below: transformers (training.models) loads with the model, not with the strategy class (preflight and
+# the dry run and autobatch ask strategy classes about the layout).
 
 
 class Strategy(ABC):
@@ -51,10 +55,7 @@ class Strategy(ABC):
         # (2 ranks on 2 cores: 0.82 s a step for tiny-gpt2 instead of 0.23 s). torchrun sets OMP_NUM_THREADS=1 for this.
         local_world = local_world_size()
         if (self.cpu_optimizer(cfg) or (env.device.type == "cpu" and local_world > 1)) and cfg.strategy_options.bind_cores:
-            from ..launch.distributed import bind_threads_to_rank_cores
-
             self.bound_cores = bind_threads_to_rank_cores(env.local_rank, local_world)
-        from ..measure.timesplit import StepSplit
 
         self.time_split = StepSplit(env.device, self.cpu_optimizer(cfg))
 
@@ -89,8 +90,6 @@ class Strategy(ABC):
     @staticmethod
     def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
         """How many ranks see different data (the batch triple's world size); pipeline stages share data."""
-        from ..layout import data_parallel_size
-
         return data_parallel_size(cfg, world_size)
 
     # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------

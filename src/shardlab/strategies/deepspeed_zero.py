@@ -22,6 +22,10 @@ from ..errors import UserError
 from .base import Strategy
 from .spec import all_specs, spec
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
+from ..training.optim import resolve_precision
+
+# Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
+# or a DeepSpeed checkpoint read; hjson only for a user JSON, inside read_user_json's error handling.
 
 # Derived from the specs (strategies/specs/deepspeed_zero.py owns each name's stage).
 STAGE = {s.name: s.zero_stage for s in all_specs() if s.engine == "deepspeed"}
@@ -274,7 +278,6 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
     Returns the config to run and the lines to log."""
     if not cfg.deepspeed_config:
         return cfg, []
-    from ..training.optim import resolve_precision
 
     user = read_user_json(cfg.deepspeed_config)
     notes: list[str] = []
@@ -306,8 +309,6 @@ def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[s
 
 
 def _runs_on(precision: str, device_type: str) -> bool:
-    from ..training.optim import resolve_precision
-
     try:
         resolve_precision(precision, device_type)
     except UserError:

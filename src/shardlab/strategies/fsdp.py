@@ -9,11 +9,15 @@ weights and fp32 gradient reduction.
 
 from __future__ import annotations
 
+import contextlib
 import torch
 from torch import nn
 
 from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
+
+# Lazy imports below: transformers (training.models, compiling) and torch.distributed's fsdp/checkpoint modules load
+# only when an FSDP engine is built or a checkpoint saved or loaded.
 
 
 # ---- what the engine keeps on the GPU (read by planning/planner.py) ------------------------------------------
@@ -113,8 +117,6 @@ class FSDPStrategy(TorchOptimizerStrategy):
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 
     def accumulate(self, last_micro: bool):
-        import contextlib
-
         # Reduce-scatter only once per optimizer step, like DDP's no_sync.
         self.hf_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()

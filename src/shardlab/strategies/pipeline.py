@@ -20,6 +20,7 @@ of another split, and exports like dp's; a dp or fsdp checkpoint resumes as a pi
 from __future__ import annotations
 
 import functools
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -31,8 +32,12 @@ from torch import nn
 
 from ..measure import metrics
 from ..errors import UserError
-from ..layout import ParallelLayout
+from ..layout import ParallelLayout, model_family
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
+from ..pipesim import simulate
+
+# Lazy imports below: torch.distributed.pipelining/checkpoint and transformers' model modules load only when a
+# pipeline is built, saved or loaded (the planner imports this module for the stage split).
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -171,8 +176,6 @@ def _causal_mask(config, x: torch.Tensor, position_ids: torch.Tensor | None, sli
 
     The KV-cache argument is named ``cache`` in transformers 5.2x and ``past_key_values`` before (with a
     ``cache_position``); each is passed under the name this version takes."""
-    import inspect
-
     from transformers import masking_utils
 
     fn = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
@@ -203,8 +206,6 @@ def _layer_and_head_cost(model: nn.Module, seq_len: int) -> tuple[float, float]:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    from ..planning.planner import model_family
-
     gated = model_family(cfg) == "llama"  # Llama-style SwiGLU MLP: gate, up and down matrices
     # Megatron/Narayanan et al. 2021: 2 FLOPs per weight of the matmuls (q and o, k and v with GQA's fewer
     # heads, the MLP's 2 or 3 matrices) + attention; GPT-2/BLOOM: 24h^2 + 4sh.
@@ -307,8 +308,6 @@ def step_keeps_outputs() -> bool:
     (pytorch/pytorch#159251) let the caller decline, and then each micro-batch's logits are freed at its
     backward. shardlab declines where it can (nothing reads the merged logits in training).
     """
-    import inspect
-
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     return not all("return_outputs" in inspect.signature(c.step).parameters for c in (PipelineScheduleSingle, PipelineScheduleMulti))
@@ -480,8 +479,6 @@ class PipelineStrategy(TorchOptimizerStrategy):
     def summary_extras(self) -> dict:
         """Per-stage forward/backward times measured in this run, fed to `shardlab pipeline simulate`,
         next to the measured schedule time and bubble. Collective over the pipeline group."""
-        from ..pipesim import simulate
-
         steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
         M = self.grad_accum
         mine = {

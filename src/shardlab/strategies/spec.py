@@ -100,7 +100,7 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from . import specs
+    from . import specs  # here, not at the top: every spec module imports this one
 
     for info in pkgutil.iter_modules(specs.__path__):
         importlib.import_module(f"{specs.__name__}.{info.name}")

@@ -19,6 +19,8 @@ from ..training import optim
 from ..errors import UserError
 from .base import Strategy
 
+# Lazy imports below: torch.distributed.checkpoint loads only when a checkpoint is saved or loaded.
+
 CKPT_DIR = "torch_dcp"
 EXTRA_FILE = "torch_extra.pt"  # scheduler and GradScaler: plain state dicts, identical on every rank
 

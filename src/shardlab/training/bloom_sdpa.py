@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# Lazy imports below: transformers' BLOOM module loads only when a BLOOM model is patched.
+
 __all__ = ["use_sdpa_attention", "is_bloom", "alibi_bias"]
 
 _MEMO = "_shardlab_sdpa_bias"

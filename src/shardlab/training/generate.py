@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..config import RunConfig
+
+# Lazy imports below: the CLI imports this module for its `generate` parser; torch, transformers and the models load
+# only when generating.
 
 # torch, transformers and shardlab's engine modules are imported in the functions: the CLI builds this
 # command's parser on every start, and `shardlab --help` imports no torch.
@@ -81,7 +85,6 @@ def model_dir(name: str) -> str:
 
 def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, preset or hub id."""
-    from ..config import RunConfig
     from .models import build_model, load_tokenizer
 
     source = model_dir(name)

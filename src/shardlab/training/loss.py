@@ -40,6 +40,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..data.blocks import IGNORE  # transformers' ignore index: padding and (QA answer-only) prompt positions
+from ..errors import UserError
+
+# Lazy import below: liger_kernel is optional (the `gpu` extra) and CUDA-only.
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,6 @@ def router_aux_coef(model) -> float:
         value = getattr(owner, name, None)
         if isinstance(value, (int, float)):
             return float(value)
-    from ..errors import UserError
 
     raise UserError(f"{type(model).__name__} returns a router aux loss but no coefficient shardlab knows for it",
                     "train it with --set loss_kernel=hf (the model's own loss)")
@@ -91,7 +93,6 @@ def check_loss_kernel(choice: str, strategy_spec, device_type: str, hf_config=No
     """Preflight: one-line refusal of a loss kernel this run cannot use (before any process or file exists)."""
     if choice != "liger":
         return
-    from ..errors import UserError
 
     if device_type != "cuda":
         raise UserError(f"loss_kernel 'liger' needs a CUDA GPU (Liger-Kernel's fused linear cross-entropy is Triton code) "
@@ -179,8 +180,6 @@ def output_head(model: nn.Module) -> nn.Module:
     """The model's output head (lm_head), checked to be one the fused loss can replace: a linear map with a weight."""
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
-        from ..errors import UserError
-
         raise UserError(f"loss_kernel 'liger': {type(model).__name__} has no linear output head to fuse with the loss",
                         "use --set loss_kernel=compiled")
     return head

@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import importlib.util
+import json
 import os
+import re
+import shutil
 import socket
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +50,9 @@ from transformers import (
 from .bloom_sdpa import is_bloom, use_sdpa_attention
 from ..config import RunConfig
 from ..errors import UserError
+
+# Lazy imports below: optional or rarely needed backends (gguf, flash_attn's probe, safetensors, tokenizers,
+# huggingface_hub) and transformers submodules that transformers itself loads lazily, each only when its path runs.
 
 __all__ = [
     "Preset",
@@ -437,16 +445,12 @@ def packaged_gguf(hub_id: str) -> Path:
 
 
 def _file_key(path: Path) -> str:
-    import hashlib
-
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _gguf_bits(type_name: str) -> int | None:
     """Nominal bits per weight of a GGML tensor type: Q4_1 -> 4, IQ3_S -> 3, F16/BF16 -> 16, F32 -> 32."""
-    import re
-
     m = re.match(r"^(?:I?Q|TQ)(\d)", type_name)
     if m:
         return int(m.group(1))
@@ -463,10 +467,6 @@ def _gguf_cache(path: Path, part: str) -> Path:
     Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>/<part>``;
     written to a temporary directory and renamed, so concurrent ranks never see half of it.
     """
-    import json
-    import shutil
-    import tempfile
-
     root = os.environ.get("SHARDLAB_CACHE")
     base = (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "gguf" / f"{path.stem}-{_file_key(path)}"
     out = base / part
@@ -490,8 +490,6 @@ def _gguf_cache(path: Path, part: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=base))
     try:
         if reader is not None:
-            from collections import Counter
-
             types = Counter(t.tensor_type.name for t in reader.tensors)
             field = reader.fields.get("general.architecture")
             arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
@@ -514,8 +512,6 @@ def _gguf_cache(path: Path, part: str) -> Path:
 
 def gguf_summary(path: Path) -> str:
     """'Q4_1 (4-bit) for 210 of 272 tensors, Q8_0 1, F32 61': how the GGUF stores its weights."""
-    import json
-
     types = json.loads((_gguf_cache(path, "info") / "gguf.json").read_text())["tensor_types"]
     main, n = max(types.items(), key=lambda kv: kv[1])
     bits = _gguf_bits(main)

@@ -6,7 +6,9 @@ the same decay/no-decay split, the same AdamW hyper-parameters, the same schedul
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +96,6 @@ TORCHAO_HINT = "pip install 'shardlab[offload]' (torchao)"
 
 def torchao_optim():
     """torchao.optim, or a one-line error naming the extra that installs it (imported here: it is optional)."""
-    import logging
-    import warnings
-
     # torchao logs a warning per optional CUDA kernel library its wheel cannot load here (none of them
     # is used by torchao.optim) and torch warns about one of its enums: noise in every run's log.
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]

@@ -29,8 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
+from rich.console import Console
+from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
 
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
@@ -50,6 +54,11 @@ from .sampling import SeekableDistributedSampler
 from ..strategies import strategy_class
 from ..strategies.spec import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
+from ..data import build_datasets
+from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
+from .models import describe_weights, load_tokenizer, model_summary
+
+# Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 
 
 @dataclass
@@ -71,8 +80,6 @@ def seed_everything(seed: int) -> None:
 
 
 def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
-    import transformers
-
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
@@ -224,8 +231,6 @@ class Trainer:
         self.env.barrier()
 
     def _build_data(self, stage_dataset, tokenizer):
-        from ..data import build_datasets
-
         # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
         failure: UserError | None = None
         if self.env.is_main:
@@ -285,8 +290,6 @@ class Trainer:
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from .models import describe_weights, load_tokenizer, model_summary
-
         cfg, env = self.cfg, self.env
         seed_everything(cfg.seed)
         # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
@@ -403,16 +406,12 @@ class Trainer:
     def _samples(self, model, tokenizer) -> list[str] | str:
         """Greedy completions of the sample prompts by `model`, on the CPU where it was built; or, for a model built
         as shards only (FSDP2 on the meta device, ZeRO-3 partitions), the reason there are none."""
-        from .generate import SAMPLE_PROMPTS, complete_all
-
         if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
             return "the engine built only its shards of the model, so no rank holds it whole before training"
         return complete_all(model, tokenizer, self.cfg.sample_prompts or SAMPLE_PROMPTS)
 
     def _write_samples(self, before: list[str] | str, summary: dict[str, Any]) -> None:
         """samples.md: the completions before training and those of the exported model (rank 0)."""
-        from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, load, samples_markdown
-
         prompts = self.cfg.sample_prompts or SAMPLE_PROMPTS
         after, label = None, "no exported model: the run had --no-export"
         if summary.get("export_dir"):
@@ -626,7 +625,6 @@ def progress_line(row: dict[str, Any], total_steps: int, eta_s: float) -> str:
 def _progress(env: DistEnv, total: int, done: int):
     if not env.is_main:
         return None
-    from tqdm.auto import tqdm
 
     # disable=None: tqdm draws only when its stream (stderr) is a terminal
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
@@ -639,9 +637,6 @@ def next_strategy(name: str) -> str:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"shardlab run: {summary['model']} / {summary['strategy']} / {summary['precision']}", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")

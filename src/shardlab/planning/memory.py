@@ -1,0 +1,283 @@
+"""The memory model's shared parts: the allowances, the architecture (``Arch``), what a forward saves for backward
+(``activation_bytes``, layer by layer) and one strategy's prediction (``StrategyPlan``).
+
+Read by planner.py (every strategy) and pipeline.py (the pipeline strategy, per stage); planner.py's docstring says
+how the activations are counted and where each allowance comes from. torch-free: run_plan and autobatch read the
+allowances without loading torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
+# a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
+CPU_ADAMW_TEMP_TENSORS = 2
+
+GiB = 2**30
+
+# The CUDA context (driver, kernels' modules, cuBLAS workspace) is outside the torch allocator:
+# ~0.5 GiB per process on H100 with torch 2.x; not in max_memory_allocated.
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)
+# Allocated -> reserved (caching-allocator fragmentation). Measured ratio
+# gpu_mem_peak_reserved_gib / gpu_mem_peak_gib in benchmarks/results/h100-foundation-run2/foundation.json:
+# dp 1.053, zero2 1.140, zero3 1.130, zero2_offload 1.148, fsdp 1.133. The largest is used for "fits".
+RESERVED_OVER_ALLOCATED = 1.15
+# CPU resident memory of one training process besides the model (python, torch, CUDA libraries,
+# data loader): cpu_rss_max_rank_gib of the dp and fsdp cells in the same foundation.json is 1.95 GiB,
+# which includes gpt2-medium built in fp32 on the CPU (354,823,168 x 4 B = 1.32 GiB): 1.95 - 1.32 = 0.63 GiB.
+PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
+
+
+# --------------------------------------------------------------------------------------------------
+# The architecture (planner.arch_from_hf_config reads it from the config and the meta-device model)
+
+
+@dataclass
+class Arch:
+    model: str
+    family: str  # gpt2 | bloom | llama | generic
+    n_params: int
+    largest_layer_params: int  # DeepSpeed's definition: max params held directly by one module
+    block_params: int  # largest transformer block (one FSDP unit)
+    root_params: int  # params outside the blocks (FSDP root unit: embeddings, final norm, head)
+    persistent_params: int  # params with numel <= stage3_param_persistence_threshold (kept whole by ZeRO-3)
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    attn_impl: str  # sdpa | flash_attention_2 | eager
+    attn_dropout: float
+    resid_dropout: float
+    embd_dropout: float
+    # What strategies/pipeline.py puts on each stage (GPT-2, BLOOM and Llama-style only, else None): parameter counts of
+    # the embedding modules (first stage), the final norm and the LM head (last stage), each block; tied head.
+    pipeline_parts: dict[str, Any] | None = None
+    # (numel, ndim) of every unique parameter: host buffers are allocated per parameter (FSDP2) or per
+    # parameter group (DeepSpeed: matrices decay, 1-D tensors do not; optim.param_groups), and pinned ones round up.
+    param_sizes: tuple[tuple[int, int], ...] = ()
+    # FSDP builds on the meta device (presets, matching local safetensors: models.meta_loadable), else in fp32.
+    meta_build: bool = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+
+
+def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, float]:
+    """Saved bytes of one decoder layer as (per s·b·h, per a·s²·b, per s·b).
+
+    ``mode``: 'fp32' (everything fp32), 'lp' (weights and compute in 16-bit: DeepSpeed, FSDP2
+    mixed precision) or 'autocast' (torch autocast over fp32 weights: shardlab's dp in bf16/fp16).
+    ``device``: 'cuda' (1-byte bool dropout masks, fused attention keeps no s² tensors) or 'cpu'
+    (masks as wide as the tensor; SDPA with dropout falls back to the math path computed in fp32).
+    Counts are per family, tensor by tensor (see the module docstring); the comments give the
+    tensors in units of s·b·h elements.
+    """
+    p = 4 if mode == "fp32" else 2  # compute dtype
+    r = 2 if mode == "lp" else 4  # residual stream / norm inputs (fp32 under autocast)
+    f = arch.ffn / arch.hidden
+    kv = arch.kv_heads / arch.heads
+    mask = (1 if device == "cuda" else p)
+    n_masks = 0
+    if arch.family == "gpt2":
+        # ln_1 in (r), c_attn in (p: LN out, or its 16-bit cast under autocast), q,k,v views of the
+        # fused c_attn output (3p), attention out = c_proj in (p), ln_2 in (r), c_fc in (p);
+        # gelu_new = 0.5*x*(1+tanh(c*(x+0.044715*x**3))) saves x**3's input, tanh out, (1+tanh), 0.5*x
+        # (4 x f): all p, or under autocast pow runs in fp32 -> 4+4+4+2 bytes; c_proj in (f x p).
+        gelu = {"fp32": 16, "lp": 8, "autocast": 14}[mode]
+        per_sbh = 2 * r + p + 3 * p + p + p + gelu * f + p * f
+        per_sb = 2 * 2 * 4  # two LayerNorms' fp32 mean and rstd
+        n_masks = 2 if arch.resid_dropout > 0 else 0  # attn resid dropout + mlp dropout
+    elif arch.family == "bloom":
+        # input_layernorm in (r), qkv in (p), q,k,v reshaped copies (3p), dense in (p),
+        # post_attention_layernorm in (r), h_to_4h in (p), BloomGelu saves its input (f x p),
+        # 4h_to_h in (f x p)
+        per_sbh = 2 * r + p + 3 * p + p + p + 2 * p * f
+        per_sb = 2 * 2 * 4
+        n_masks = 2 if arch.resid_dropout > 0 else 0  # two dropout_add
+    elif arch.family == "llama":
+        # RMSNorm (x2): pow's input as fp32 (4), normalised fp32 (p or 4), weight*normed = proj in
+        # (p, or 4 under autocast + its 16-bit cast 2); q, k, v after RoPE (p + 2kv p), attention out
+        # = o_proj in (p); MLP: gate, up, silu(gate), product = down in (4 f x p)
+        norm = {"fp32": 12, "lp": 8, "autocast": 10}[mode]
+        per_sbh = 2 * norm + (2 + 2 * kv) * p + 4 * f * p
+        per_sb = 2 * 4
+    else:
+        # Korthikanti et al. 2022 eq. (1): 34 s b h bytes in 16-bit (incl. masks), scaled to p
+        per_sbh = 34 * p / 2
+        per_sb = 0
+    per_sbh += n_masks * mask
+    # s² terms (per a·s²·b)
+    fused = arch.attn_impl in ("sdpa", "flash_attention_2")
+    if fused and device == "cuda":
+        per_as2b = 0.0
+        per_sb += 4 * arch.heads  # fp32 log-sum-exp per row and head
+    elif fused and device == "cpu":
+        if arch.attn_dropout > 0:  # CPU SDPA with dropout runs the math path in fp32: softmax, mask, dropped
+            per_as2b = 12.0
+        else:
+            per_as2b = 0.0
+            per_sb += 4 * arch.heads
+    else:  # eager: softmax out (fp32 where the model or autocast upcasts), cast copy or mask + dropped
+        if arch.family in ("bloom", "llama") or mode in ("fp32", "autocast"):
+            sm = 4
+        else:
+            sm = p
+        if arch.attn_dropout > 0:
+            per_as2b = sm + mask + p
+        else:
+            per_as2b = sm + (p if sm != p else 0)
+        if arch.family == "generic":
+            per_as2b = 5 * p / 2  # Korthikanti: 5 a s² b in 16-bit
+    return per_sbh, per_as2b, per_sb
+
+
+def layer_backward_bytes(arch: Arch, mode: str) -> float:
+    """Temporaries of one decoder layer's backward beyond what it saved, per s·b·h: the MLP activation's
+    gradient is computed through ffn-wide intermediates. Measured on CPU in fp32 (tests/test_plan_pipeline.py):
+    GPT-2's composite gelu_new backward keeps 2 ffn-wide tensors at its peak, BLOOM's hand-written
+    bloom_gelu_back 5 (tanh_out, ff and their products). Llama-style and others: 2, not measured.
+    The loss' 8·b·s·V at the LM head is far larger, so only the pipeline's stages without the head use it."""
+    p = 4 if mode == "fp32" else 2
+    f = arch.ffn / arch.hidden
+    return (5 if arch.family == "bloom" else 2) * f * p
+
+
+def _shared_bias_bytes(arch: Arch, mode: str) -> float:
+    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
+    SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
+    layers and saved by each layer's attention for the backward (the same storage). Kept also under
+    activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""
+    if arch.family == "bloom" and arch.attn_impl == "sdpa":
+        return 4 if mode == "fp32" else 2
+    return 0.0
+
+
+def _embed_final_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h outside the layers (embedding dropout / norm, final norm, LM head input)."""
+    return embed_bytes(arch, mode, device) + final_bytes(arch, mode, device)
+
+
+def embed_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h of the embedding (first pipeline stage): GPT-2's dropout mask, BLOOM's LayerNorm input."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
+    mask = (1 if device == "cuda" else p)
+    if arch.family == "gpt2":
+        return mask if arch.embd_dropout > 0 else 0
+    if arch.family == "bloom":
+        return r  # word_embeddings_layernorm in
+    return 0
+
+
+def final_bytes(arch: Arch, mode: str, device: str) -> float:
+    """Saved bytes per s·b·h of the final norm and the LM head input (last pipeline stage)."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
+    if arch.family == "llama":
+        return {"fp32": 12, "lp": 8, "autocast": 10}[mode]  # final RMSNorm as in _layer_bytes
+    return r + p  # ln_f in, lm_head in
+
+
+@dataclass
+class Activations:
+    layers: float  # saved by all decoder layers at the end of forward
+    embed_final: float
+    logits_saved: float  # hf: fp32 log-softmax output saved by cross_entropy (4 b s V); compiled: the logits (p b s V)
+    logits_peak: float  # start of backward; hf: saved output + its grad + grad wrt logits (12 b s V); compiled: 2 p b s V
+    recompute: float  # gradient checkpointing: one layer recomputed during backward
+    per_layer: float = 0.0  # saved by one decoder layer (its input only with gradient checkpointing)
+    # once the loss' backward is done and the gradient reaches the LM head: hf/compiled, the logits' 16-bit gradient
+    # (p b s V; the loss' saved tensors are freed); liger, the two gradients it computed in forward
+    logits_grad: float = 0.0
+
+    @property
+    def saved_at_forward_end(self) -> float:
+        """What autograd holds when forward returns (comparable with saved-tensor hooks)."""
+        return self.layers + self.embed_final + self.logits_saved
+
+    @property
+    def peak(self) -> float:
+        """Activations plus the loss' transient at the start of backward."""
+        return self.layers + self.embed_final + self.recompute + self.logits_peak
+
+
+def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float, float]:
+    """Liger's fused linear cross-entropy (loss_kernel=liger, training.loss.HeadFusedLoss): no logits tensor.
+
+    In 16-bit runs the hidden states and the head weight go in cast once to 16 bits (autocast: a 2 V h copy of the
+    fp32 weight). The kernel computes the gradients in forward: the weight's accumulated in fp32 (4 V h), then cast
+    to the weight's dtype (2 V h, both alive at that moment), the hidden states' (tokens x h); one chunk of logits at a
+    time (the next power of two of tokens / ceil(V / (C h)) rows, C = loss.CHUNK_MEM_CONST). The two gradients are held
+    until backward. Returns (held at the end of forward, the loss' peak, inside its forward)."""
+    from ..training.loss import CHUNK_MEM_CONST as LIGER_CHUNK_MEM_CONST  # lazy: training.loss imports torch; this module stays torch-free
+
+    p = 4 if mode == "fp32" else 2
+    saved = p * tokens * h + p * vocab * h
+    weight_copy = 2.0 * vocab * h if mode == "autocast" else 0.0
+    accumulate = 4.0 * vocab * h if mode != "fp32" else 0.0  # fp32 weights: the accumulator is the gradient itself
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / (LIGER_CHUNK_MEM_CONST * h))))))))
+    return saved, saved + weight_copy + accumulate + p * chunk * vocab
+
+
+def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
+                     loss_kernel: str = "hf") -> Activations:
+    b, s, h, a = micro, seq, arch.hidden, arch.heads
+    per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
+    one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
+    r = 2 if mode == "lp" else 4
+    if checkpointing:  # HF checkpoints each decoder layer (non-reentrant): only its input is kept
+        layers = arch.layers * r * s * b * h
+        recompute = one_layer
+    else:
+        layers = arch.layers * one_layer
+        recompute = 0.0
+    bsv = b * s * arch.vocab
+    p = 4 if mode == "fp32" else 2
+    logits_grad = p * bsv
+    if loss_kernel == "compiled":  # shardlab.training.loss: the fused kernel keeps the logits, then their gradient, same dtype
+        logits_saved, logits_peak = p * bsv, 2.0 * p * bsv
+    elif loss_kernel == "liger":
+        logits_saved, logits_peak = _liger_loss_bytes(b * s, h, arch.vocab, mode)
+        logits_grad = logits_saved
+    else:
+        logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
+    return Activations(
+        layers=layers,
+        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h + _shared_bias_bytes(arch, mode) * a * s * s * b,
+        logits_saved=logits_saved,
+        logits_peak=logits_peak,
+        recompute=recompute,
+        per_layer=layers / arch.layers if arch.layers else 0.0,
+        logits_grad=logits_grad,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# One strategy's prediction
+
+
+@dataclass
+class StrategyPlan:
+    strategy: str
+    gpu: dict[str, float]  # bytes per GPU by component (parameters, gradients, optimizer, activations, temporary, overhead)
+    gpu_peak: float  # predicted max_memory_allocated per GPU
+    peak_moment: str
+    cpu_per_node: float
+    cpu_detail: dict[str, float]
+    nvme_per_node: float
+    model_state_bytes_per_param: float  # shardlab's parameters+gradients+optimizer states per GPU / n_params
+    paper_bytes_per_param: float | None
+    deepspeed_gpu: float | None  # DeepSpeed estimator, bytes per GPU (model states only)
+    deepspeed_cpu: float | None
+    fits: bool = False
+    headroom: float = 0.0  # bytes of GPU memory left after peak, context and fragmentation allowance
+    why: str = ""
+    max_micro_batch: int = 0
+    notes: list[str] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline

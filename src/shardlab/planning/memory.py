@@ -137,6 +137,49 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     return per_sbh, per_as2b, per_sb
 
 
+# The families whose compiled layers were traced (``_compiled_layer_bytes``); others are planned as eager.
+COMPILED_FAMILIES = ("gpt2", "llama", "bloom")
+
+
+def compiled_layers_modelled(arch: Arch) -> bool:
+    return arch.family in COMPILED_FAMILIES
+
+
+def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, float]:
+    """Saved bytes of one decoder layer under ``--compile``, as ``_layer_bytes`` counts them for eager runs.
+
+    Inductor's min-cut partitioner (torch._functorch.partitioners) saves what the backward's matmuls need (their
+    16-bit inputs, attention's q, k, v and output) and recomputes the cheap pointwise chains from them (GELU's
+    polynomial, the norms' normalisation, RoPE, SiLU), so the 4h-wide intermediates that eager autograd keeps
+    are gone. Counted from the saved tensors of compiled 2- and 4-layer stacks (benchmarks/compiled_activations.py,
+    torch 2.13 on CPU: benchmarks/results/2026-11-26-cpu-compiled-activations/), per family as ``c_r`` tensors of
+    the residual width (r: fp32 under autocast) and ``c_p`` of the compute dtype (p), s·b·h elements each:
+    GPT-2 2 r + (8 + 2f) p, Llama 2 r + (4 + 2kv + 3f) p, BLOOM 2 r + (8 + 2f) p, f = ffn/hidden,
+    kv = kv_heads/heads. Dropout keeps 1-byte bool masks (compiled on any device); fused attention keeps its
+    log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and a bool mask.
+    The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces a shape the
+    fit never saw."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
+    f = arch.ffn / arch.hidden
+    kv = arch.kv_heads / arch.heads
+    if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
+        return _layer_bytes(arch, mode, device)
+    c_p = 4 + 2 * kv + 3 * f if arch.family == "llama" else 8 + 2 * f
+    per_sbh = 2 * r + c_p * p
+    per_sbh += (2 if arch.resid_dropout > 0 else 0) * 1.0  # bool masks of the two residual dropouts
+    per_sb = 2 * 2 * 4 if arch.family != "llama" else 2 * 4  # the norms' fp32 statistics
+    fused = arch.attn_impl in ("sdpa", "flash_attention_2")
+    per_as2b = 0.0
+    if fused and device == "cpu" and arch.attn_dropout > 0:
+        per_as2b = 4.0 + 1.0  # CPU SDPA with dropout takes the math path: fp32 scores + bool mask
+    elif fused:
+        per_sb += 4 * arch.heads  # fp32 log-sum-exp per row and head
+    else:  # eager attention inside the graph: the softmax output (fp32 under autocast) and a bool dropout mask
+        per_as2b = (4 if mode != "lp" else p) + (1.0 if arch.attn_dropout > 0 else 0.0)
+    return per_sbh, per_as2b, per_sb
+
+
 def layer_backward_bytes(arch: Arch, mode: str) -> float:
     """Temporaries of one decoder layer's backward beyond what it saved, per s·b·h: the MLP activation's
     gradient is computed through ffn-wide intermediates. Measured on CPU in fp32 (tests/test_plan_pipeline.py):
@@ -226,9 +269,11 @@ def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float
 
 
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
-                     loss_kernel: str = "hf") -> Activations:
+                     loss_kernel: str = "hf", compiled: bool = False) -> Activations:
+    """Activation memory of one micro-batch; ``compiled``: the decoder layers as torch.compile saves them
+    (``_compiled_layer_bytes``), the embedding, final norm and loss as counted for eager runs."""
     b, s, h, a = micro, seq, arch.hidden, arch.heads
-    per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
+    per_sbh, per_as2b, per_sb = (_compiled_layer_bytes if compiled else _layer_bytes)(arch, mode, device)
     one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
     r = 2 if mode == "lp" else 4
     if checkpointing:  # HF checkpoints each decoder layer (non-reentrant): only its input is kept

@@ -29,6 +29,8 @@ How
   4h-wide tensors instead of one, RMSNorm saves a fp32 copy, torch autocast keeps the residual
   stream and LayerNorm in fp32, and CUDA dropout masks are 1-byte bools. The per-family counts
   were checked on CPU against the exact saved-tensor bytes (``tests/test_plan.py``).
+  Under ``--compile`` the layers are counted as inductor's partitioner saves them (``memory._compiled_layer_bytes``,
+  counted from compiled stacks on the CPU: ``benchmarks/compiled_activations.py``).
 * The loss: transformers' ``ForCausalLMLoss`` (``loss_kernel=hf``, and on CPUs) upcasts the logits
   to fp32 and calls ``cross_entropy``; log-softmax saves its fp32 output (4·b·s·V B) and its backward
   holds that, the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of
@@ -72,6 +74,7 @@ from .memory import (
     GiB,
     StrategyPlan,
     activation_bytes,
+    compiled_layers_modelled,
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
@@ -420,7 +423,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     else:
         mode = "lp" if mixed else "fp32"
     kernel = resolve_loss_kernel(cfg.loss_kernel, device)
-    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel)
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile)
     temp: dict[str, float] = {}  # live at the start of backward
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
     at_head: dict[str, float] = {}  # live besides `temp` once the loss' backward is done and the gradient reaches the head
@@ -594,6 +597,7 @@ class Plan:
     next_option: str | None
     predicts: str = "peak torch.cuda.max_memory_allocated per GPU (bytes); fits adds the CUDA context and x1.15 fragmentation"
     compile: bool = False
+    compile_modelled: bool | None = None  # --compile runs: whether their layers were planned as compiled (None: eager run)
     notes: list[str] = field(default_factory=list)  # caveats: --compile not modelled, strategies left out, micro 'auto'
 
     def to_dict(self) -> dict[str, Any]:
@@ -657,6 +661,14 @@ def _arch(cfg: RunConfig) -> Arch:
     return arch
 
 
+def compile_is_modelled(cfg: RunConfig, arch: Arch | None = None) -> bool | None:
+    """For a --compile run, whether its decoder layers are planned as compiled (memory.compiled_layers_modelled);
+    None for an eager run."""
+    if not cfg.compile:
+        return None
+    return compiled_layers_modelled(arch if arch is not None else _arch(cfg))
+
+
 def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
          nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096) -> Plan:
     """Predict memory for every strategy of ``cfg`` (its model, seq_len, micro batch, GPUs, precision).
@@ -698,12 +710,16 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         plan_notes.append(f"micro batch 'auto': planned at {cfg.micro_batch}, {why}; `shardlab train --micro-batch auto` "
                           "confirms it with short trial runs")
     micro, accum, _ = cfg.resolve_batch(_dp_size(cfg.strategy, cfg, d))
-    if cfg.compile:
+    compile_modelled = compile_is_modelled(cfg, arch)
+    if compile_modelled:
         plan_notes.append(
-            "--compile is NOT modelled: these are eager-mode predictions. Inductor fuses kernels and recomputes cheap "
-            "ops instead of saving them, so a compiled run usually needs less (measured on an H100, gpt2-medium dp "
-            f"micro 16: {MEASURED_H100_COMPILE['measured']:.1f} GiB compiled vs {MEASURED_H100_COMPILE['eager_prediction']:.0f} "
-            "GiB predicted for eager); treat the peaks as an upper bound, not a compiled prediction")
+            "--compile: the decoder layers are counted as inductor saves them (fewer, 16-bit tensors: planning/memory.py "
+            "_compiled_layer_bytes; gpt2-medium dp micro 16 on an H100: 23.6 GiB planned, 23.7 measured), the embedding "
+            "and the loss as in eager runs")
+    elif cfg.compile:
+        plan_notes.append(
+            f"--compile is NOT modelled for the {arch.family} family (its compiled layers were never traced): these are "
+            "eager-mode predictions, an upper bound; inductor recomputes cheap ops instead of saving them")
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")
@@ -742,7 +758,7 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=arch.attn_impl,
         gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=gpu_memory, gpu_memory_source=source,
         host_ram=host_ram, nvme_free=nvme_free, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
-        compile=cfg.compile, notes=plan_notes,
+        compile=cfg.compile, compile_modelled=compile_modelled, notes=plan_notes,
     )
 
 
@@ -937,10 +953,6 @@ def render(p: Plan, console=None) -> None:
 
 # Predicted vs measured, documented (not fitted): tests/test_plan.py::test_h100_foundation_errors, against
 # tests/data/h100_foundation_peaks.json (test data: the library does not use it).
-# dp --compile, micro 16, with shardlab's compiled loss (benchmarks/results/2026-11-21-h100-session3/
-# foundation-compile-call2/foundation.json): not modelled; the eager prediction for the same run is in
-# tests/test_plan.py::test_compile_is_flagged_not_modelled. Kept here: the plan's --compile note quotes it.
-MEASURED_H100_COMPILE = {"measured": 23.744, "eager_prediction": 40.1}
 
 
 __all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "render", "activation_bytes", "arch_from_hf_config",

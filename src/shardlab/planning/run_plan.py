@@ -66,7 +66,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None) -> dict[str, Any]:
     from ..training.optim import resolve_precision
-    from .planner import plan, predict_cpu_run
+    from .planner import compile_is_modelled, plan, predict_cpu_run
 
     # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
     precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
@@ -78,7 +78,7 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
             "cpu_gib": _gib(total), "per_rank_gib": _gib(sp.gpu_peak), "host_ram_gib": round(host_ram, 2),
             "precision": precision, "peak_moment": sp.peak_moment,
             "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
-            "compile_modelled": False if cfg.compile else None,
+            "compile_modelled": compile_is_modelled(run_cfg),
         }
         return out | _pipeline_fields(sp)
     gpu_memory = gpu_memory if gpu_memory is not None else gpu_memory_gib(nproc)
@@ -90,7 +90,7 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "max_micro_batch": sp.max_micro_batch,
         "need_gib": _gib(sp.gpu_peak * RESERVED_OVER_ALLOCATED + CUDA_CONTEXT_BYTES),
         "peak_moment": sp.peak_moment, "why": sp.why, "predicts": "peak torch.cuda.max_memory_allocated per GPU",
-        "compile_modelled": False if cfg.compile else None, "notes": p.notes,
+        "compile_modelled": p.compile_modelled, "notes": p.notes,
     }
     if not sp.fits:
         out["advice"] = advice(run_cfg, p, gpu_memory)

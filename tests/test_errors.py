@@ -101,9 +101,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def _main_in_process(argv: list[str]) -> tuple[int | None, str, str]:
     """`shardlab.cli.main(argv)` with stdout/stderr sent to real files (faulthandler needs a file descriptor).
-    os.environ is restored afterwards: a world-1 run that gets as far as the worker sets RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT for torch.distributed in this process, and a later `python -m shardlab --gpus 2` started from
-    here would inherit them and take itself for a worker."""
+    The library restores os.environ after an in-process run itself (launch/launcher.train; tests/test_process_hygiene.py
+    checks it); the patch here only keeps a bad case that fails before that point from leaking into the next one."""
     from shardlab.cli import main
 
     with mock.patch.dict(os.environ), tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

@@ -61,3 +61,17 @@ def test_help_shows_real_defaults_and_never_none(capsys, monkeypatch, command):
 
 def test_a_real_default_is_shown_by_the_formatter(capsys, monkeypatch):
     assert _flag_lines(_help(capsys, monkeypatch, "bench"))["--cell-timeout"].endswith("(default: 3600.0)")
+
+
+def test_flags_are_the_config_fields_own(capsys, monkeypatch):
+    """One source: each flag's help is its config field's description (config.cli names the flag), so the YAML key
+    and the flag cannot drift apart; a field that names no flag gets none (it stays a --set key)."""
+    from shardlab.cli import _field
+
+    for flag, key, _, text in FLAGS:
+        meta = _field(key).json_schema_extra["cli"]
+        assert text == (_field(key).description if flag == meta["flag"] else meta["also"][flag]), flag
+    lines = _flag_lines(_help(capsys, monkeypatch, "train"))
+    assert "Twin-Flow" in lines["--offload-ratio"]  # the description's words, not a second text
+    assert "10% gradient columns" in lines["--zenflow"]  # a literal % survives argparse's formatting
+    assert "--compile-scope" not in lines and RunConfig.model_fields["compile_scope"].json_schema_extra is None

@@ -28,6 +28,13 @@ from .layout import pipeline_stages
 STRATEGIES = names()
 
 
+def cli(flag: str, also: dict[str, str] | None = None) -> dict[str, Any]:
+    """A field's `shardlab train` flag (``json_schema_extra``): the CLI builds its flags from these and the fields'
+    descriptions (cli.FLAGS), so a setting's name, type, default and help live here once. ``also``: further flags
+    that set the same key, each with its own help (``--microbatches`` is ``grad_accum`` in pipeline words)."""
+    return {"cli": {"flag": flag, "also": dict(also or {})}}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
@@ -35,19 +42,20 @@ class _Strict(BaseModel):
 class DatasetConfig(_Strict):
     """Where examples come from and how they become token blocks."""
 
-    source: str = Field(
-        "offline",
-        description="'offline' (CPython docs corpus), 'synthetic', a hub name "
-        "(wikitext-2-raw-v1, squad, owner/name) or a local file/directory",
-    )
-    format: Literal["lm", "qa"] = "lm"
-    num_samples: int | None = Field(None, gt=0, description="keep only the first N training examples")
-    eval_split: float = Field(0.05, ge=0.0, lt=1.0, description="fraction held out when the source has no eval split")
+    source: str = Field("offline", json_schema_extra=cli("--dataset"),
+        description="'offline' (CPython docs corpus), 'synthetic', a hub name (wikitext-2-raw-v1, squad, owner/name) or a "
+        "local file/directory")
+    format: Literal["lm", "qa"] = Field("lm", json_schema_extra=cli("--format"),
+        description="lm (plain text) or qa (Question/Context/Answer)")
+    num_samples: int | None = Field(None, gt=0, json_schema_extra=cli("--num-samples"),
+        description="use only the first N training examples (default: all)")
+    eval_split: float = Field(0.05, ge=0.0, lt=1.0, json_schema_extra=cli("--eval-split"),
+        description="fraction held out for eval when the source has no eval split")
     eval_samples: int | None = Field(None, gt=0, description="cap on eval examples")
-    packing: Literal["pack", "pad"] = Field(
-        "pack", description="'pack' concatenates into full seq_len blocks; 'pad' pads/truncates each example"
-    )
-    answer_only_loss: bool = Field(False, description="qa format: compute loss on answer tokens only")
+    packing: Literal["pack", "pad"] = Field("pack", json_schema_extra=cli("--packing"),
+        description="'pack' concatenates into full seq_len blocks; 'pad' pads/truncates each example")
+    answer_only_loss: bool = Field(False, json_schema_extra=cli("--answer-only-loss"),
+        description="qa format: compute loss on answer tokens only")
     text_field: str | None = Field(None, description="column holding text (default: 'text')")
     hub_config: str | None = Field(None, description="hub dataset configuration name, e.g. wikitext-2-raw-v1")
     synthetic_tokens: int = Field(200_000, gt=0, description="synthetic source: number of random tokens")
@@ -56,8 +64,10 @@ class DatasetConfig(_Strict):
 class StrategyOptions(_Strict):
     """Knobs of the memory strategies; each is ignored by strategies it does not concern."""
 
-    pin_memory: bool = Field(True, description="page-locked CPU buffers for offload")
-    nvme_path: str | None = Field(None, description="infinity: directory on a fast local NVMe disk")
+    pin_memory: bool = Field(True, json_schema_extra=cli("--pin-memory"),
+        description="page-locked CPU buffers for offload")
+    nvme_path: str | None = Field(None, json_schema_extra=cli("--nvme-path"),
+        description="infinity: swap directory on local NVMe (no default: infinity needs it)")
     nvme_min_free_gb: float = Field(0.0, ge=0.0, description="infinity: extra free space to demand beyond the estimate")
     overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
     contiguous_gradients: bool = True
@@ -70,17 +80,20 @@ class StrategyOptions(_Strict):
         1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "
         "(DeepSpeed's default; below the model's size it lowers the peak at the start of backward, at the cost of re-gathering)")
     fsdp_reshard_after_forward: bool = True
-    offload_ratio: float = Field(
-        1.0, gt=0.0, le=1.0, description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest "
-        "stays on the GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")
-    zenflow: bool = Field(
-        False, description="zero1_offload/zero2_offload: DeepSpeed ZenFlow, NOT bit-exact AdamW: the top 10% gradient columns "
+    offload_ratio: float = Field(1.0, gt=0.0, le=1.0, json_schema_extra=cli("--offload-ratio"),
+        description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest stays on the "
+        "GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")
+    zenflow: bool = Field(False, json_schema_extra=cli("--zenflow"),
+        description="zero1_offload/zero2_offload: DeepSpeed ZenFlow, NOT bit-exact AdamW: the top 10% gradient columns "
         "step on the GPU every step, the rest on the CPU asynchronously and less often (stale updates)")
     bind_cores: bool = Field(True, description="CPU-optimizer strategies and CPU-device runs: pin each rank's threads to its share of the cores "
                              "(what DeepSpeed's launcher does with --bind_cores_to_rank)")
-    pp_stages: int | None = Field(None, gt=0, description="pipeline: number of ranks the layers are split over (default: all)")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", description="pipeline schedule")
-    pp_chunks: int = Field(2, gt=0, description="interleaved-1f1b: model chunks (virtual stages) per rank")
+    pp_stages: int | None = Field(None, gt=0, json_schema_extra=cli("--stages"),
+        description="pipeline: number of ranks the layers are split over (default: all)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", json_schema_extra=cli("--schedule"),
+        description="pipeline: gpipe, 1f1b or interleaved-1f1b")
+    pp_chunks: int = Field(2, gt=0, json_schema_extra=cli("--chunks"),
+        description="interleaved-1f1b: model chunks (virtual stages) per rank")
 
 
 class CurriculumStage(_Strict):
@@ -92,46 +105,66 @@ class CurriculumStage(_Strict):
 
 class RunConfig(_Strict):
     # model
-    model: str = Field("tiny-gpt2", description="preset name, hub id or local directory")
-    tokenizer: str | None = Field(None, description="hub id or local dir (default: the model's own)")
-    trust_remote_code: bool = False
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    gradient_checkpointing: bool = False
-    dropout: float | None = Field(None, ge=0.0, lt=1.0, description="override every dropout probability of the model")
+    model: str = Field("tiny-gpt2", json_schema_extra=cli("--model"),
+        description="preset (tiny-gpt2, gpt2-medium, bloom-560m, ...), hub id or local directory")
+    tokenizer: str | None = Field(None, json_schema_extra=cli("--tokenizer"),
+        description="tokenizer hub id or directory (default: the model's own / offline GPT-2 BPE)")
+    trust_remote_code: bool = Field(False, json_schema_extra=cli("--trust-remote-code"),
+        description="allow model code from the hub (off by default)")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", json_schema_extra=cli("--attn-implementation"),
+        description="auto, sdpa, eager or flash_attention_2")
+    gradient_checkpointing: bool = Field(False, json_schema_extra=cli("--gradient-checkpointing"),
+        description="recompute activations in backward")
+    dropout: float | None = Field(None, ge=0.0, lt=1.0, json_schema_extra=cli("--dropout"),
+        description="override the model's dropout probabilities (default: the model's own)")
     # data
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
-    seq_len: int = Field(128, gt=0)
+    seq_len: int = Field(128, gt=0, json_schema_extra=cli("--seq-len"),
+        description="tokens per sequence")
     # batch triple: any two determine the third (with the data-parallel world size)
-    micro_batch: int | Literal["auto"] | None = Field(
-        None, description="sequences per GPU per forward pass, or 'auto': the largest that fits (plan + short trial runs, shardlab.planning.autobatch)"
-    )
-    grad_accum: int | None = Field(None, gt=0)
-    global_batch: int | None = Field(None, gt=0)
-    cpu_memory_budget_gb: float | None = Field(
-        None, gt=0, description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
-        "given, the run also keeps glibc's default of returning freed memory (launch.distributed.reuse_freed_heap)"
-    )
+    micro_batch: int | Literal["auto"] | None = Field(None, json_schema_extra=cli("--micro-batch"),
+        description="sequences per GPU per forward pass, or 'auto' (largest that runs: plan + short trials) (default: 8, "
+        "or from --global-batch)")
+    grad_accum: int | None = Field(None, gt=0, json_schema_extra=cli("--grad-accum", also={
+        "--microbatches": "pipeline: micro-batches per step (the same setting as --grad-accum, and the same default)"}),
+        description="micro-batches accumulated per optimizer step (default: 1, or from --global-batch)")
+    global_batch: int | None = Field(None, gt=0, json_schema_extra=cli("--global-batch"),
+        description="sequences per optimizer step over all GPUs (default: micro x accum x world)")
+    cpu_memory_budget_gb: float | None = Field(None, gt=0, json_schema_extra=cli("--cpu-memory-budget-gb"),
+        description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
+        "given, the run also keeps glibc's default of returning freed memory "
+        "(launch.distributed.reuse_freed_heap)")
     # length of training
-    epochs: float | None = Field(None, gt=0)
-    max_steps: int | None = Field(None, gt=0)
+    epochs: float | None = Field(None, gt=0, json_schema_extra=cli("--epochs"),
+        description="epochs to train, fractions allowed (default: 1, unless --max-steps is given)")
+    max_steps: int | None = Field(None, gt=0, json_schema_extra=cli("--max-steps"),
+        description="stop after this many optimizer steps (default: no limit, the epochs decide)")
     # optimisation
-    lr: float = Field(5e-5, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    lr: float = Field(5e-5, gt=0, json_schema_extra=cli("--lr"),
+        description="peak learning rate")
+    warmup_steps: int = Field(0, ge=0, json_schema_extra=cli("--warmup-steps"),
+        description="linear warm-up steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=cli("--lr-schedule"),
+        description="cosine, linear or constant after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, json_schema_extra=cli("--weight-decay"),
+        description="AdamW weight decay (matrices only)")
     adam_beta1: float = Field(0.9, gt=0, lt=1)
     adam_beta2: float = Field(0.999, gt=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="'adamw' = exact fp32 AdamW; 'adamw8bit' = torchao's AdamW8bit (block-wise 8-bit moments, "
-        "2 B/param of state instead of 8; dp, fsdp)")
-    optimizer_in_backward: bool = Field(
-        False, description="step each parameter in its gradient hook and free its gradient at once (as torchtune does; dp on one "
+    max_grad_norm: float | None = Field(1.0, gt=0, json_schema_extra=cli("--max-grad-norm"),
+        description="gradient clipping norm")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", json_schema_extra=cli("--optimizer"),
+        description="'adamw' = exact fp32 AdamW; 'adamw8bit' = torchao's AdamW8bit (block-wise 8-bit moments, 2 B/param "
+        "of state instead of 8; dp, fsdp)")
+    optimizer_in_backward: bool = Field(False, json_schema_extra=cli("--optimizer-in-backward"),
+        description="step each parameter in its gradient hook and free its gradient at once (as torchtune does; dp on one "
         "rank, fsdp): no full set of gradients is ever held; needs grad_accum 1 and no global-norm clipping")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    compile: bool = False
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", json_schema_extra=cli("--precision"),
+        description="auto, bf16, fp16 or fp32")
+    compile: bool = Field(False, json_schema_extra=cli("--compile"),
+        description="torch.compile the model")
     compile_scope: Literal["auto", "model", "blocks"] = Field(
         "auto", description="with --compile: 'model' = one graph of the whole model, 'blocks' = each decoder block compiled on "
         "its own (as torchtitan does; gradients appear block by block), 'auto' = blocks for ao_offload and "
@@ -141,41 +174,70 @@ class RunConfig(_Strict):
         "'liger' = Liger-Kernel's fused linear cross-entropy (the head inside the loss: no logits at all; CUDA, dp and "
         "zero0-2), 'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
     # strategy
-    strategy: str = DEFAULT_STRATEGY
+    strategy: str = Field(DEFAULT_STRATEGY, json_schema_extra=cli("--strategy"),
+        description="one of: " + ", ".join(STRATEGIES))
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
-    deepspeed_config: str | None = Field(None, description="user DeepSpeed JSON; 'auto' values are filled from this config")
+    deepspeed_config: str | None = Field(None, json_schema_extra=cli("--deepspeed-config"),
+        description="your own DeepSpeed JSON, 'auto' values filled in (default: none, shardlab writes the whole JSON)")
     # where it runs
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    gpus: int | None = Field(None, description="processes (GPUs) per node, at least 1; default: all visible, 1 on CPU")
-    nodes: int = Field(1, gt=0)
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(29500, gt=0, lt=65536)
-    hostfile: str | None = Field(None, description="DeepSpeed-style hostfile ('host slots=N' lines): nodes, GPUs per node, master, this node's rank")
-    dist_timeout_s: int = Field(1800, gt=0, description="seconds a collective waits for a silent rank before the job fails")
-    seed: int = 42
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", json_schema_extra=cli("--device"),
+        description="auto, cuda or cpu")
+    gpus: int | None = Field(None, json_schema_extra=cli("--gpus"),
+        description="processes (GPUs) per node; on CPU the number of worker processes (default: every visible GPU; 1 on "
+        "CPU)")
+    nodes: int = Field(1, gt=0, json_schema_extra=cli("--nodes"),
+        description="number of nodes")
+    node_rank: int = Field(0, ge=0, json_schema_extra=cli("--node-rank"),
+        description="this node's index")
+    master_addr: str = Field("127.0.0.1", json_schema_extra=cli("--master-addr"),
+        description="address of node 0")
+    master_port: int = Field(29500, gt=0, lt=65536, json_schema_extra=cli("--master-port"),
+        description="port on node 0")
+    hostfile: str | None = Field(None, json_schema_extra=cli("--hostfile"),
+        description="DeepSpeed-style hostfile ('host slots=N'): nodes, GPUs per node, master, node rank (default: none, "
+        "the flags decide)")
+    dist_timeout_s: int = Field(1800, gt=0, json_schema_extra=cli("--dist-timeout"),
+        description="seconds a collective waits for a silent rank before the job fails")
+    seed: int = Field(42, json_schema_extra=cli("--seed"),
+        description="random seed")
     # outputs
-    output_dir: str = "runs/latest"
-    resume: str | None = Field(None, description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
-    overwrite: bool = Field(False, description="output_dir holds another run: delete its files first (else the run is refused)")
-    log_every: int = Field(10, gt=0)
-    eval_every: int | None = Field(None, gt=0, description="optimizer steps between evals (default: each epoch end)")
-    eval_at_start: bool = Field(True, description="evaluate once before the first step: summary.json's initial_eval_loss")
-    early_stopping_patience: int | None = Field(
-        None, gt=0, description="stop after this many evaluations in a row without a lower eval loss than the best so far")
-    save_best: bool = Field(False, description="keep the checkpoint of the lowest eval loss (checkpoints/best) and export that step, not the last")
-    samples: bool = Field(False, description="write samples.md: greedy completions of sample_prompts before and after training "
-                          "(rank 0, on the CPU, from the model as loaded and from the exported one)")
+    output_dir: str = Field("runs/latest", json_schema_extra=cli("--output-dir"),
+        description="run directory")
+    resume: str | None = Field(None, json_schema_extra=cli("--resume"),
+        description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    overwrite: bool = Field(False, json_schema_extra=cli("--overwrite"),
+        description="output_dir holds another run: delete its files first (else the run is refused)")
+    log_every: int = Field(10, gt=0, json_schema_extra=cli("--log-every"),
+        description="optimizer steps between metrics rows")
+    eval_every: int | None = Field(None, gt=0, json_schema_extra=cli("--eval-every"),
+        description="optimizer steps between evals (default: each epoch end)")
+    eval_at_start: bool = Field(True, json_schema_extra=cli("--eval-at-start"),
+        description="evaluate once before the first step: summary.json's initial_eval_loss")
+    early_stopping_patience: int | None = Field(None, gt=0, json_schema_extra=cli("--early-stopping-patience"),
+        description="stop after this many evaluations in a row without a lower eval loss than the best so far")
+    save_best: bool = Field(False, json_schema_extra=cli("--save-best"),
+        description="keep the checkpoint of the lowest eval loss (checkpoints/best) and export that step, not the last")
+    samples: bool = Field(False, json_schema_extra=cli("--samples"),
+        description="write samples.md: greedy completions of sample_prompts before and after training (rank 0, on the "
+        "CPU, from the model as loaded and from the exported one)")
     sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.training.generate.SAMPLE_PROMPTS)")
-    save_every: int | None = Field(None, gt=0, description="optimizer steps between checkpoints")
-    keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
-    save_each_epoch: bool = Field(False, description="also checkpoint at the end of every epoch")
-    nan_policy: Literal["stop", "skip"] = Field("stop", description="non-finite loss or gradients: stop naming the step, or skip that optimizer step")
-    export: bool = Field(True, description="save the final model in HF format under output_dir/model")
+    save_every: int | None = Field(None, gt=0, json_schema_extra=cli("--save-every"),
+        description="optimizer steps between checkpoints (default: no periodic checkpoints)")
+    keep_checkpoints: int = Field(2, gt=0, json_schema_extra=cli("--keep-checkpoints"),
+        description="how many recent checkpoints to keep")
+    save_each_epoch: bool = Field(False, json_schema_extra=cli("--save-each-epoch"),
+        description="also checkpoint at the end of every epoch")
+    nan_policy: Literal["stop", "skip"] = Field("stop", json_schema_extra=cli("--nan-policy"),
+        description="non-finite loss or gradients: stop naming the step, or skip that optimizer step")
+    export: bool = Field(True, json_schema_extra=cli("--export"),
+        description="save the final model in HF format under output_dir/model")
     monitor_interval_s: float = Field(0.5, gt=0, description="seconds between GPU (NVML) and process-tree (psutil) memory samples")
-    tensorboard: bool = False
-    wandb: bool = False
-    profile: bool = Field(False, description="torch.profiler trace of a few steady-state steps into output_dir/profile")
+    tensorboard: bool = Field(False, json_schema_extra=cli("--tensorboard"),
+        description="log to TensorBoard")
+    wandb: bool = Field(False, json_schema_extra=cli("--wandb"),
+        description="log to Weights & Biases")
+    profile: bool = Field(False, json_schema_extra=cli("--profile"),
+        description="torch.profiler trace + op table of a few steady-state steps (output_dir/profile)")
     wandb_project: str = "shardlab"
     curriculum: list[CurriculumStage] | None = None
 

@@ -1,7 +1,8 @@
 """The `shardlab` command line: thin parsing in front of library functions.
 
-Every `train` flag mirrors one RunConfig key (FLAGS below is the single table), so
-`--micro-batch 2` and `micro_batch: 2` in YAML are the same thing; flags override YAML.
+Every `train` flag is one RunConfig key: FLAGS is built from the config fields that name a flag (config.cli),
+with their descriptions as help and their defaults stated, so `--micro-batch 2` and `micro_batch: 2` in YAML are
+the same thing, documented once; flags override YAML.
 
 The package: this module (cli.py before the packages; `shardlab = shardlab.cli:main`) and cluster.py (the
 `slurm` and `export` subcommands). pipeline and bench parsers live in pipesim/cli.py and bench/cli.py.
@@ -17,9 +18,12 @@ import enum
 import json
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from ..config import STRATEGIES, RunConfig, dump_config, load_config, parse_set
 from ..errors import UserError, say
@@ -33,73 +37,40 @@ from ..strategies.spec import spec
 from ..training.generate import add_generate_parser, cmd_generate
 from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
 
-# (flag, config key, type, help). type "bool" gives --flag / --no-flag.
-FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--model", "model", str, "preset (tiny-gpt2, gpt2-medium, bloom-560m, ...), hub id or local directory"),
-    ("--tokenizer", "tokenizer", str, "tokenizer hub id or directory (default: the model's own / offline GPT-2 BPE)"),
-    ("--dataset", "dataset.source", str, "'offline', 'synthetic', wikitext-2-raw-v1, squad, a hub id or a local file/dir"),
-    ("--format", "dataset.format", str, "lm (plain text) or qa (Question/Context/Answer)"),
-    ("--num-samples", "dataset.num_samples", int, "use only the first N training examples (default: all)"),
-    ("--eval-split", "dataset.eval_split", float, "fraction held out for eval when the source has no eval split"),
-    ("--packing", "dataset.packing", str, "pack (full blocks, default) or pad (per example, as the tutorials do)"),
-    ("--answer-only-loss", "dataset.answer_only_loss", "bool", "qa: loss on answer tokens only"),
-    ("--seq-len", "seq_len", int, "tokens per sequence"),
-    ("--micro-batch", "micro_batch", "int|auto", "sequences per GPU per forward pass, or 'auto' (largest that runs: plan + short trials) (default: 8, or from --global-batch)"),
-    ("--grad-accum", "grad_accum", int, "micro-batches accumulated per optimizer step (default: 1, or from --global-batch)"),
-    ("--global-batch", "global_batch", int, "sequences per optimizer step over all GPUs (default: micro x accum x world)"),
-    ("--cpu-memory-budget-gb", "cpu_memory_budget_gb", float, "--micro-batch auto on CPU: host RAM the run may use (default: half the available)"),
-    ("--epochs", "epochs", float, "epochs to train, fractions allowed (default: 1, unless --max-steps is given)"),
-    ("--max-steps", "max_steps", int, "stop after this many optimizer steps (default: no limit, the epochs decide)"),
-    ("--lr", "lr", float, "peak learning rate"),
-    ("--warmup-steps", "warmup_steps", int, "linear warm-up steps"),
-    ("--lr-schedule", "lr_schedule", str, "cosine, linear or constant after warm-up"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
-    ("--max-grad-norm", "max_grad_norm", float, "gradient clipping norm"),
-    ("--optimizer", "optimizer", str, "adamw (exact fp32 AdamW) or adamw8bit (torchao 8-bit moments; dp, fsdp)"),
-    ("--optimizer-in-backward", "optimizer_in_backward", "bool", "step each parameter in its gradient hook, free its gradient at once (dp, fsdp)"),
-    ("--offload-ratio", "strategy_options.offload_ratio", float, "zero3_offload: fraction of optimizer states on the CPU (rest steps on the GPU)"),
-    ("--zenflow", "strategy_options.zenflow", "bool", "zero1/2_offload: DeepSpeed ZenFlow (faster, NOT bit-exact AdamW)"),
-    ("--precision", "precision", str, "auto, bf16, fp16 or fp32"),
-    ("--strategy", "strategy", str, ", ".join(STRATEGIES)),
-    ("--deepspeed-config", "deepspeed_config", str, "your own DeepSpeed JSON, 'auto' values filled in (default: none, shardlab writes the whole JSON)"),
-    ("--pin-memory", "strategy_options.pin_memory", "bool", "page-locked CPU buffers for offload"),
-    ("--nvme-path", "strategy_options.nvme_path", str, "infinity: swap directory on local NVMe (no default: infinity needs it)"),
-    ("--stages", "strategy_options.pp_stages", int, "pipeline: ranks the layers are split over (default: all)"),
-    ("--microbatches", "grad_accum", int, "pipeline: micro-batches per step (the same setting as --grad-accum, and the same default)"),
-    ("--schedule", "strategy_options.pp_schedule", str, "pipeline: gpipe, 1f1b or interleaved-1f1b"),
-    ("--chunks", "strategy_options.pp_chunks", int, "pipeline, interleaved-1f1b: model chunks per rank"),
-    ("--gradient-checkpointing", "gradient_checkpointing", "bool", "recompute activations in backward"),
-    ("--attn-implementation", "attn_implementation", str, "auto, sdpa, eager or flash_attention_2"),
-    ("--dropout", "dropout", float, "override the model's dropout probabilities (default: the model's own)"),
-    ("--trust-remote-code", "trust_remote_code", "bool", "allow model code from the hub (off by default)"),
-    ("--compile", "compile", "bool", "torch.compile the model"),
-    ("--device", "device", str, "auto, cuda or cpu"),
-    ("--gpus", "gpus", int, "processes (GPUs) per node; on CPU the number of worker processes (default: every visible GPU; 1 on CPU)"),
-    ("--nodes", "nodes", int, "number of nodes"),
-    ("--node-rank", "node_rank", int, "this node's index"),
-    ("--master-addr", "master_addr", str, "address of node 0"),
-    ("--master-port", "master_port", int, "port on node 0"),
-    ("--hostfile", "hostfile", str, "DeepSpeed-style hostfile ('host slots=N'): nodes, GPUs per node, master, node rank (default: none, the flags decide)"),
-    ("--dist-timeout", "dist_timeout_s", int, "seconds a collective waits for a silent rank before failing"),
-    ("--seed", "seed", int, "random seed"),
-    ("--output-dir", "output_dir", str, "run directory"),
-    ("--resume", "resume", str, "'auto' or a checkpoint directory (default: start fresh)"),
-    ("--overwrite", "overwrite", "bool", "the output dir holds another run: delete its files first (else refused)"),
-    ("--log-every", "log_every", int, "optimizer steps between metrics rows"),
-    ("--eval-every", "eval_every", int, "optimizer steps between evals (default: each epoch)"),
-    ("--eval-at-start", "eval_at_start", "bool", "evaluate before the first step (initial_eval_loss; default on)"),
-    ("--early-stopping-patience", "early_stopping_patience", int, "stop after N evaluations without a new best eval loss"),
-    ("--save-best", "save_best", "bool", "keep the best-eval checkpoint (checkpoints/best) and export that step"),
-    ("--samples", "samples", "bool", "write samples.md: greedy completions of fixed prompts before and after training"),
-    ("--save-every", "save_every", int, "optimizer steps between checkpoints (default: no periodic checkpoints)"),
-    ("--save-each-epoch", "save_each_epoch", "bool", "also checkpoint at the end of every epoch"),
-    ("--keep-checkpoints", "keep_checkpoints", int, "how many recent checkpoints to keep"),
-    ("--nan-policy", "nan_policy", str, "non-finite loss/gradients: stop (naming the step) or skip the step"),
-    ("--export", "export", "bool", "save the final model in HF format"),
-    ("--tensorboard", "tensorboard", "bool", "log to TensorBoard"),
-    ("--wandb", "wandb", "bool", "log to Weights & Biases"),
-    ("--profile", "profile", "bool", "torch.profiler trace + op table of a few steady-state steps (output_dir/profile)"),
-]
+def _flag_type(annotation: Any) -> Any:
+    """What argparse parses a field's value as: "bool" (--flag / --no-flag), "int|auto", or int, float, str."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = [a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)]
+    literals = [a for a in members if typing.get_origin(a) is typing.Literal]
+    if bool in members:
+        return "bool"
+    if int in members and literals:
+        return "int|auto"
+    for typ in (int, float, str):
+        if typ in members:
+            return typ
+    return type(typing.get_args(literals[0])[0])
+
+
+def _config_flags(model: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(flag, config key, type, help) of every field that names its flag (config.cli), nested sections in place,
+    in the config's order: the flags are the config's own, with its descriptions as their help."""
+    out = []
+    for name, field in model.model_fields.items():
+        nested = field.default_factory if field.default_factory is not None else field.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel):
+            out += _config_flags(nested, f"{prefix}{name}.")
+            continue
+        spec_ = (field.json_schema_extra or {}).get("cli") if isinstance(field.json_schema_extra, dict) else None
+        if spec_:
+            typ = _flag_type(field.annotation)
+            out.append((spec_["flag"], prefix + name, typ, field.description or ""))
+            out += [(flag, prefix + name, typ, text) for flag, text in spec_["also"].items()]
+    return out
+
+
+# Every `train` flag: (flag, config key, type, help); type "bool" gives --flag / --no-flag.
+FLAGS: list[tuple[str, str, Any, str]] = _config_flags()
 
 
 @dataclass
@@ -185,7 +156,8 @@ def add_run_flags(parser) -> None:
     parser.add_argument("--config", "-c", metavar="YAML", help="YAML run configuration (flags override it)")
     for flag, key, typ, help_text in FLAGS:
         dest = key.replace(".", "__")
-        text, metavar = _with_default(key, help_text), _metavar(flag, key, typ)
+        # argparse %-formats help: a literal % in a description ("top 10%") must be doubled
+        text, metavar = _with_default(key, help_text).replace("%", "%%"), _metavar(flag, key, typ)
         if typ == "bool":
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif typ == "int|auto":

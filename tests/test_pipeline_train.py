@@ -115,17 +115,21 @@ def test_pipeline_checkpoint_resumes_as_dp_and_fsdp(root, shared_runs, dp_gpt2, 
 
 
 @pytest.mark.slow
-def test_dp_checkpoint_resumes_as_pipeline(root, shared_runs, dp_gpt2, train_cli):
-    """dp's step-5 checkpoint, resumed as a 2-stage pipeline on 2 ranks: each stage reads its tensors by their names
-    in the whole model (the tied embedding too, on the first and the last stage); steps 6-10 within 1e-4 relative of
-    the uninterrupted dp and pipeline runs."""
+@pytest.mark.parametrize("source", ["dp", "fsdp"])
+def test_a_dp_or_fsdp_checkpoint_resumes_as_pipeline(root, shared_runs, dp_gpt2, train_cli, source):
+    """dp's (1 rank) or fsdp's (2 ranks) step-5 checkpoint, resumed as a 2-stage pipeline on 2 ranks: each stage
+    reads its tensors by their names in the whole model (the tied embedding too, on the first and the last stage);
+    steps 6-10 within 1e-4 relative of the uninterrupted dp and pipeline runs. With the pipeline -> dp/fsdp test
+    above, checkpoints go both ways between the pipeline and the data-parallel strategies."""
     straight = shared_runs.get(pp_gpt2("1f1b"), name="pp-1f1b").check()
     dp_gpt2.check()
+    first = dp_gpt2 if source == "dp" else shared_runs.get(
+        ["--model", "tiny-gpt2", *ARGS, *RESUMED_AS["fsdp-2rank"], "--save-every", "5", "--no-export"], name="fsdp-gpt2").check()
     run = train_cli(["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", "1f1b", *ARGS, "--no-export",
-                     "--resume", str(dp_gpt2.out / "checkpoints" / "step-0000005")], root / "pp-from-dp")  # fmt: skip
+                     "--resume", str(first.out / "checkpoints" / "step-0000005")], root / f"pp-from-{source}")  # fmt: skip
     run.check()
     assert [r["step"] for r in run.rows] == list(range(6, 11))
-    print(f"pipeline from dp step 5: max rel diff {max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp, "
+    print(f"pipeline from {source} step 5: max rel diff {max_rel_diff(run.losses, dp_gpt2.losses[5:]):.2e} vs dp, "
           f"{max_rel_diff(run.losses, straight.losses[5:]):.2e} vs the pipeline run")  # fmt: skip
     assert run.losses == pytest.approx(dp_gpt2.losses[5:], rel=1e-4)
     assert run.losses == pytest.approx(straight.losses[5:], rel=1e-4)

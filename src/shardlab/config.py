@@ -22,7 +22,7 @@ from .dotted import set_dotted
 from .errors import UserError
 
 from .strategies.spec import DEFAULT_STRATEGY, names, spec
-from .layout import pipeline_stages
+from .layout import data_parallel_size, pipeline_stages
 
 # Every strategy name, in the registry's order (strategies/specs/): the choices listed by --help and errors.
 STRATEGIES = names()
@@ -335,7 +335,7 @@ class RunConfig(_Strict):
         options = (2 * stages, stages)
         m = options[0]
         if self.global_batch is not None:
-            dp = world // stages
+            dp = data_parallel_size(self, world)
             if self.global_batch % dp:
                 return self, None  # resolve_batch reports it
             per_pipeline = self.global_batch // dp

@@ -388,7 +388,7 @@ WEAK_COLUMNS = [
 
 
 def _last_eval_speed(r: Run) -> float | None:
-    for e in reversed(r.summary.get("epochs") or []):
+    for e in reversed(r.typed.epochs or []):
         if e.get("eval_samples_per_s"):
             return e["eval_samples_per_s"]
     for row in reversed(r.metrics):
@@ -501,20 +501,20 @@ def plan_tables(cells: list[Cell]) -> list[Table]:
     GPU memory per GPU on a GPU run, host memory of the whole run on a CPU run (run_plan.py); all in GiB."""
     rows = []
     for c in cells:
-        plans = [r.summary.get("plan") for r in c.runs if isinstance(r.summary.get("plan"), dict)]
+        plans = [r.typed.plan for r in c.runs if r.typed.plan is not None]
         if not plans:
             continue
         p = plans[0]
         host = gib_from_gb(cpu(c, "real_peak"))
-        if p.get("gpu_peak_gib") is not None:
-            compared, predicted, measured = GPU_COMPARED, p["gpu_peak_gib"], torch_peak(c)
-            extra = {"predicted_host_gib": p.get("cpu_gib"), "measured_host_gib": host}
+        if p.gpu_peak_gib is not None:
+            compared, predicted, measured = GPU_COMPARED, p.gpu_peak_gib, torch_peak(c)
+            extra = {"predicted_host_gib": p.cpu_gib, "measured_host_gib": host}
         else:
-            compared, predicted, measured, extra = HOST_COMPARED, p.get("cpu_gib"), host, {}
+            compared, predicted, measured, extra = HOST_COMPARED, p.cpu_gib, host, {}
         m = med(measured)
         rows.append({"label": c.label, "strategy": c.strategy, "memory": compared, "predicted_gib": predicted, "measured_gib": measured,
                      "error_pct": (predicted - m) / m * 100.0 if predicted is not None and m else None, **extra,
-                     "fits": {True: "yes", False: "no"}.get(p.get("fits"), "-" if compared == HOST_COMPARED else "?")})
+                     "fits": {True: "yes", False: "no"}.get(p.fits, "-" if compared == HOST_COMPARED else "?")})
     if not rows:
         return []
     return [Table("plan", "Memory planner: predicted vs measured peak memory", PLAN_COLUMNS, rows, [
@@ -541,7 +541,7 @@ BIG_MODEL_COLUMNS = [
 
 
 def _split(c: Cell, key: str) -> Spread | None:
-    return c.stat(lambda r: (r.summary.get("time_split") or {})[key])
+    return c.stat(lambda r: getattr(r.typed.time_split, key))  # no time_split: AttributeError, a figure the run lacks
 
 
 def big_model_tables(cells: list[Cell]) -> list[Table]:
@@ -551,10 +551,10 @@ def big_model_tables(cells: list[Cell]) -> list[Table]:
         rows = []
         for c in group:
             row = _basic_row(c)
-            plan = next((r.summary["plan"] for r in c.runs if isinstance(r.summary.get("plan"), dict)), {})
+            plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
             row.update(optimizer=c.first("optimizer", "?"), batch=f"{row['micro_batch']} x {c.first('grad_accum', '?')}",
-                       tokens_per_step=c.first("tokens_per_step"), predicted_gib=plan.get("gpu_peak_gib"),
-                       predicted_cpu_gib=plan.get("cpu_gib"), compute_s=_split(c, "gpu_compute_s"),
+                       tokens_per_step=c.first("tokens_per_step"), predicted_gib=plan and plan.gpu_peak_gib,
+                       predicted_cpu_gib=plan and plan.cpu_gib, compute_s=_split(c, "gpu_compute_s"),
                        optimizer_s=_split(c, "cpu_optimizer_s"), idle_s=_split(c, "idle_s"), transfer_s=_split(c, "transfer_s"))
             rows.append(row)
         tables.append(Table("big-model", f"A model that does not fit: {_where(group[0])}", BIG_MODEL_COLUMNS, rows, [

@@ -229,7 +229,7 @@ def test_split_balances_compute_with_the_head_on_the_last_stage():
     bounds = stage_costs(24, 1.0, 20.0, 2)
     assert bounds[0][0] == 0 and bounds[-1][1] == 24 and bounds[0][1] == bounds[1][0]
     assert bounds[1][1] - bounds[1][0] == 2  # 22 blocks vs 2 blocks + head: max(22, 22)
-    with pytest.raises(Exception, match="only 2 layers"):
+    with pytest.raises(ValueError, match="only 2 layers"):  # the user meets ParallelLayout's LayoutError first
         stage_costs(2, 1.0, 0.0, 3)
 
 

@@ -51,8 +51,8 @@ def stage_costs(n_layers: int, layer_cost: float, head_cost: float, n_stages: in
     The LM head (vocab x hidden matmul) sits on the last stage and costs `head_cost` layer-equivalents:
     for BLOOM's 250k vocabulary that is ~20 layers of bloom-560m, so the last stage gets few blocks.
     """
-    if n_stages > n_layers:
-        raise UserError(f"{n_stages} pipeline stages but the model has only {n_layers} layers", f"use --stages {n_layers} or fewer")
+    if n_stages > n_layers:  # an internal invariant: ParallelLayout.from_config refuses such a shape for the user first
+        raise ValueError(f"{n_stages} pipeline stages but the model has only {n_layers} layers")
     # Dynamic programme over split points: cost(s, i) = minimal max-stage cost of layers [0, i) in s stages.
     inf = float("inf")
     cost = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]

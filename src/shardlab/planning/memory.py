@@ -159,15 +159,16 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, fl
     log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and a bool mask.
     The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces a shape the
     fit never saw."""
+    if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
+        return _layer_bytes(arch, mode, device)
     p = 4 if mode == "fp32" else 2
     r = 2 if mode == "lp" else 4
     f = arch.ffn / arch.hidden
     kv = arch.kv_heads / arch.heads
-    if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
-        return _layer_bytes(arch, mode, device)
     c_p = 4 + 2 * kv + 3 * f if arch.family == "llama" else 8 + 2 * f
     per_sbh = 2 * r + c_p * p
-    per_sbh += (2 if arch.resid_dropout > 0 else 0) * 1.0  # bool masks of the two residual dropouts
+    if arch.resid_dropout > 0:
+        per_sbh += 2  # 1-byte bool masks of the two residual dropouts
     per_sb = 2 * 2 * 4 if arch.family != "llama" else 2 * 4  # the norms' fp32 statistics
     fused = arch.attn_impl in ("sdpa", "flash_attention_2")
     per_as2b = 0.0

@@ -52,14 +52,19 @@ def _flag_type(annotation: Any) -> Any:
     return type(typing.get_args(literals[0])[0])
 
 
+def _section(field) -> type | None:
+    """The config model a field holds (``dataset`` -> DatasetConfig), or None for a plain value."""
+    model = field.default_factory if field.default_factory is not None else field.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
 def _config_flags(model: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(flag, config key, type, help) of every field that names its flag (config.cli), nested sections in place,
     in the config's order: the flags are the config's own, with its descriptions as their help."""
     out = []
     for name, field in model.model_fields.items():
-        nested = field.default_factory if field.default_factory is not None else field.annotation
-        if isinstance(nested, type) and issubclass(nested, BaseModel):
-            out += _config_flags(nested, f"{prefix}{name}.")
+        if _section(field) is not None:
+            out += _config_flags(_section(field), f"{prefix}{name}.")
             continue
         spec_ = (field.json_schema_extra or {}).get("cli") if isinstance(field.json_schema_extra, dict) else None
         if spec_:
@@ -115,8 +120,7 @@ def _field(key: str):
     """The pydantic field behind a dotted config key (``dataset.source`` -> DatasetConfig.source)."""
     model, *parents = RunConfig, *key.split(".")[:-1]
     for part in parents:
-        field = model.model_fields[part]
-        model = field.default_factory if field.default_factory is not None else field.annotation
+        model = _section(model.model_fields[part])
     return model.model_fields[key.split(".")[-1]]
 
 

@@ -161,6 +161,11 @@ class RunConfig(_Strict):
     optimizer_in_backward: bool = Field(False, json_schema_extra=cli("--optimizer-in-backward"),
         description="step each parameter in its gradient hook and free its gradient at once (as torchtune does; dp on one "
         "rank, fsdp): no full set of gradients is ever held; needs grad_accum 1 and no global-norm clipping")
+    master_weights: Literal["fp32", "bf16"] = Field("fp32", json_schema_extra=cli("--master-weights"),
+        description="the weights the optimizer updates: 'fp32' (autocast computes in --precision over fp32 weights), or "
+        "'bf16' = bf16 weights and gradients with no fp32 copy (2 + 2 B/param instead of 4 + 4; torchao's AdamW8bit rounds "
+        "each update into bf16 stochastically, as torchtune's bf16 recipes do; not bit-exact mixed precision; dp with "
+        "--optimizer adamw8bit --precision bf16)")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", json_schema_extra=cli("--precision"),
         description="auto, bf16, fp16 or fp32")
     compile: bool = Field(False, json_schema_extra=cli("--compile"),

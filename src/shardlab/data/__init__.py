@@ -45,12 +45,24 @@ def build_datasets(
     seq_len: int,
     seed: int,
     cache_dir: str | Path | None = None,
+    model_vocab: int | None = None,
 ) -> TokenizedSplits:
-    """Tokenized train (and eval) blocks of exactly ``seq_len`` tokens, from the cache when possible."""
+    """Tokenized train (and eval) blocks of exactly ``seq_len`` tokens, from the cache when possible.
+
+    ``model_vocab``: the model's embedding rows. A tokenizer with more tokens than that (a random-init preset whose
+    own tokenizer is not shipped, e.g. llama-2-13b's 32,000 rows with SmolLM2's 49,152-token tokenizer) would index
+    past the embedding on text: refused here in one line; synthetic ids are drawn below it instead."""
     if seq_len <= 0:
         raise UserError(f"seq_len must be positive, got {seq_len}", "set seq_len to e.g. 128")
     src = classify(ds)
     _check_format(ds, src)
+    vocab = len(tokenizer)
+    if model_vocab is not None and vocab > model_vocab:
+        if src.kind != "synthetic":
+            raise UserError(f"the tokenizer has {vocab:,} tokens but the model embeds only {model_vocab:,}: its ids would "
+                            "index past the embedding", "pass --tokenizer with the model's own tokenizer (a hub id or local "
+                            "directory), or use --dataset synthetic")
+        vocab = model_vocab
     key_parts = {
         "source": fingerprint(src),
         "dataset": ds.model_dump(mode="json", exclude={"source"}),  # every field that shapes the blocks
@@ -58,6 +70,8 @@ def build_datasets(
         "seed": seed,
         "tokenizer": cache.tokenizer_identity(tokenizer),
     }
+    if vocab != len(tokenizer):  # (only then: the keys of existing caches stay as they were)
+        key_parts["vocab"] = vocab
     key = cache.cache_key(key_parts)
     path = cache.cache_path(Path(cache_dir) if cache_dir is not None else default_cache_dir(), key, _label(src, ds, seq_len))
 
@@ -69,7 +83,7 @@ def build_datasets(
 
     started = time.perf_counter()
     if src.kind == "synthetic":
-        train, evals, stats = _build_synthetic(ds, tokenizer, seq_len, seed)
+        train, evals, stats = _build_synthetic(ds, vocab, seq_len, seed)
     else:
         train, evals, stats = _build_from_rows(src, ds, tokenizer, seq_len, seed)
     stats["build_seconds"] = round(time.perf_counter() - started, 3)
@@ -139,23 +153,23 @@ def _build_from_rows(
 
 
 def _build_synthetic(
-    ds: DatasetConfig, tokenizer: Any, seq_len: int, seed: int
+    ds: DatasetConfig, vocab: int, seq_len: int, seed: int
 ) -> tuple[Blocks, Blocks | None, dict[str, Any]]:
-    """Uniform random ids in [0, len(tokenizer)): a throughput workload with a known loss floor (ln V)."""
+    """Uniform random ids in [0, vocab): a throughput workload with a known loss floor (ln V)."""
     if ds.synthetic_tokens < seq_len:
         raise UserError(
             f"synthetic_tokens {ds.synthetic_tokens} is fewer than seq_len {seq_len}",
             "raise dataset.synthetic_tokens or lower seq_len",
         )
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, len(tokenizer), (ds.synthetic_tokens,), generator=gen, dtype=torch.int64)
+    tokens = torch.randint(0, vocab, (ds.synthetic_tokens,), generator=gen, dtype=torch.int64)
     blocks = blocks_from_tokens(tokens, seq_len)
     train_idx, eval_idx = held_out_indices(len(blocks), ds.eval_split, seed)
     train_idx = train_idx[: ds.num_samples] if ds.num_samples else train_idx
     eval_idx = eval_idx[: ds.eval_samples] if ds.eval_samples else eval_idx
     train = select_blocks(blocks, train_idx)
     evals = select_blocks(blocks, eval_idx) if eval_idx else None
-    desc = f"synthetic: {ds.synthetic_tokens} uniform random tokens (vocab {len(tokenizer)}, seed {seed})"
+    desc = f"synthetic: {ds.synthetic_tokens} uniform random tokens (vocab {vocab}, seed {seed})"
     stats = _stats(desc, ds, seq_len, train, evals, len(train), len(evals) if evals is not None else 0)
     stats["dropped_tail_tokens"] = blocks.dropped_tail_tokens
     return train, evals, stats

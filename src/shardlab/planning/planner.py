@@ -79,7 +79,7 @@ from .memory import (
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, overlap_comm, sized_buckets
-from ..training.optim import resolve_precision
+from ..training.optim import arithmetic, resolve_precision
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
 # (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.
@@ -262,20 +262,24 @@ def _ds_zero3_formula(total_params, largest_layer_params, num_gpus_per_node=1, n
 
 
 def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str = "adamw",
-                  in_backward: bool = False) -> tuple[Fraction, Fraction, Fraction, str]:
+                  in_backward: bool = False, master_weights: str = "fp32") -> tuple[Fraction, Fraction, Fraction, str]:
     """(params, grads, optimizer) bytes per parameter on each GPU and where the states live (what lives
     in host memory instead: ``host_states``). ``d`` = data-parallel world size. `optimizer`/`in_backward`
     (dp, fsdp): torchao's AdamW8bit keeps 1 B per moment plus an fp32 scale per 256-element block;
-    a step in backward frees each gradient as soon as it is applied (none left for a whole model)."""
+    a step in backward frees each gradient as soon as it is applied (none left for a whole model);
+    `master_weights='bf16'` (dp): bf16 weights and gradients, no fp32 copy anywhere."""
     F = Fraction
     mixed = precision != "fp32"
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
     master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
     adam = F(8)
     torch_adam = F(2) + F(2 * 4, 256) if optimizer == "adamw8bit" else adam
-    torch_grads = F(0) if in_backward else F(4)
+    weight = F(2) if master_weights == "bf16" else F(4)
+    torch_grads = F(0) if in_backward else weight
     s = spec(strategy)
     if s.engine == "ddp":
+        if master_weights == "bf16":
+            return weight, torch_grads, torch_adam, "bf16 weights and grads (no fp32 copy), 8-bit AdamW m and v on every GPU"
         return F(4), torch_grads, torch_adam, "fp32 weights, fp32 grads, fp32 AdamW m and v on every GPU"
     if s.engine == "torchao":  # torchao CPUOffloadOptimizer: device gradients freed once copied to the host
         return F(4), F(0), F(0), "fp32 weights on the GPU; AdamW states, step and host copies on the CPU"
@@ -380,11 +384,13 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
     return out
 
 
-def host_build(strategy: str, arch: Arch, precision: str, d: int) -> tuple[str, float]:
+def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights: str = "fp32",
+               device: str = "cuda") -> tuple[str, float]:
     """What one rank holds in host memory while the model is built (Strategy.build_model), before the
     engine moves it away: dp and pipeline build fp32; DeepSpeed stages 0-2 build in the engine's dtype;
     ZeRO-3 builds inside zero.Init (a partition per rank); FSDP2 builds on meta (shards only), unless the
-    model is a hub id or a checkpoint whose names differ (Arch.meta_build), then in fp32."""
+    model is a hub id or a checkpoint whose names differ (Arch.meta_build), then in fp32. dp with bf16 master
+    weights builds on meta and materialises on the GPU (strategies/ddp.py), else in bf16 on the CPU."""
     n = arch.n_params
     lo = 4 if precision == "fp32" else 2
     s = spec(strategy)
@@ -394,6 +400,10 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int) -> tuple[str, 
         return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
     if s.engine == "fsdp2" and arch.meta_build:
         return "model built on meta, shards materialised (load time)", 0.0
+    if s.engine == "ddp" and master_weights == "bf16":
+        if arch.meta_build and device == "cuda":
+            return "model built on meta, materialised on the GPU in bf16 (load time)", 0.0
+        return "model built in bf16 on the CPU (load time)", float(2 * n)
     return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 
 
@@ -411,16 +421,18 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     opts = cfg.strategy_options
     mixed = precision != "fp32"
     lo = 2 if mixed else 4
-    P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward)
+    bf16_master = cfg.master_weights == "bf16" and s.supports_bf16_master
+    P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward,
+                                   "bf16" if bf16_master else "fp32")
     params, grads, optim = float(P * n), float(G * n), float(O * n)
     if s.engine == "torchao" and accum > 1:
         # strategies/ao_offload.py: offload_gradients only with one micro-batch a step; accumulating keeps the fp32
         # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
         # autocast copies below (benchmarks/results/2026-11-25-h100-offload).
         grads = 4.0 * n
-    if s.engine == "ddp":
+    if s.engine == "ddp" and not bf16_master:
         mode = "autocast" if mixed else "fp32"
-    else:
+    else:  # the engine's 16-bit weights, or dp's bf16 master weights (no autocast: Strategy.autocast)
         mode = "lp" if mixed else "fp32"
     kernel = resolve_loss_kernel(cfg.loss_kernel, device)
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile)
@@ -437,7 +449,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
             d if s.engine == "fsdp2" else 1)
     if s.engine == "ddp":
-        if mixed:
+        if mixed and not bf16_master:
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
         if d > 1:
             persistent_temp["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
@@ -541,7 +553,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     notes += [f"{k}: {v / GiB:.2f} GiB" for k, v in detail.items() if v]
     # CPU per node: the larger of the build moment and the training moment, per rank, times the ranks of a node
     states = host_states(strategy, arch, cfg, precision, d, accum, device)
-    build_label, build = host_build(strategy, arch, precision, d)
+    build_label, build = host_build(strategy, arch, precision, d, "bf16" if bf16_master else "fp32", device)
     nvme = 0.0
     if s.offload_params == "nvme":
         nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
@@ -599,6 +611,10 @@ class Plan:
     compile: bool = False
     compile_modelled: bool | None = None  # --compile runs: whether their layers were planned as compiled (None: eager run)
     notes: list[str] = field(default_factory=list)  # caveats: --compile not modelled, strategies left out, micro 'auto'
+    # When no strategy fits with exact AdamW: the lightest-touch optimizer option that does (``_beyond_exact``), as the
+    # flags to add, and its prediction. None when something exact fits or the run already asks for such options.
+    recommended_flags: str | None = None
+    recommended_plan: StrategyPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -752,6 +768,13 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         sp.max_micro_batch = _largest_micro(s, arch, cfg, s_accum, precision, gpus_per_node, gpu_memory, ds_est, max_search)
         out[s] = sp
     rec, reason, nxt = _recommend(out, arch, cfg, gpus_per_node)
+    flags, option = None, None
+    if rec is None and not strategies:
+        found = _beyond_exact(arch, cfg, precision, gpus_per_node, gpu_memory, host_ram, nvme_free, ds_est, max_search)
+        if found is not None:
+            rec, flags, option, option_cfg = found
+            reason = f"no strategy fits with exact fp32 AdamW ({reason}); {rec} fits with {arithmetic(option_cfg)}"
+            nxt = None
     return Plan(
         model=cfg.model, family=arch.family, n_params=arch.n_params, largest_layer_params=arch.largest_layer_params,
         seq_len=cfg.seq_len, micro_batch=micro, grad_accum=accum, precision=precision,
@@ -759,7 +782,45 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=gpu_memory, gpu_memory_source=source,
         host_ram=host_ram, nvme_free=nvme_free, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
         compile=cfg.compile, compile_modelled=compile_modelled, notes=plan_notes,
+        recommended_flags=flags, recommended_plan=option,
     )
+
+
+# The optimizer options tried, in order, when nothing fits with exact AdamW: each drops more exactness for memory
+# (8-bit moments and the step in backward: 16 -> 6 B/param for dp; then bf16 weights: -> 4 B/param).
+BEYOND_EXACT = (
+    {"optimizer": "adamw8bit", "optimizer_in_backward": True},
+    {"optimizer": "adamw8bit", "optimizer_in_backward": True, "master_weights": "bf16"},
+)
+
+
+def _beyond_exact(arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int, gpu_memory: float, host_ram: float | None,
+                  nvme_free: float | None, ds_est, max_search: int) -> tuple[str, str, StrategyPlan, RunConfig] | None:
+    """(strategy, flags, prediction, the run's config with them) of the first BEYOND_EXACT option that fits, on one GPU (dp: the step in backward
+    needs one rank with DDP), for a run that asked for exact AdamW. The step in backward cannot accumulate, so the
+    micro batch is the whole per-GPU batch: the given global batch when it fits, else the largest that does."""
+    if gpus_per_node * cfg.nodes != 1 or cfg.optimizer != "adamw" or cfg.optimizer_in_backward or precision != "bf16":
+        return None
+    strategy = "dp"
+    micro, accum, _ = cfg.resolve_batch(1)
+    for option in BEYOND_EXACT:
+        c = cfg.model_copy(update={**option, "max_grad_norm": None, "micro_batch": 1, "grad_accum": 1, "global_batch": None})
+        if not spec(strategy).supports_bf16_master and c.master_weights == "bf16":
+            continue
+        largest = _largest_micro(strategy, arch, c, 1, precision, gpus_per_node, gpu_memory, ds_est, min(max_search, micro * accum))
+        if largest < 1:
+            continue
+        sp = _strategy_plan(strategy, arch, c, largest, 1, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+        sp.fits, sp.why = _fits(sp, gpu_memory, host_ram, nvme_free)
+        if not sp.fits:
+            continue
+        sp.headroom = _usable(gpu_memory) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
+        sp.max_micro_batch = largest
+        flags = " ".join(["--strategy dp --optimizer adamw8bit --optimizer-in-backward"]
+                         + (["--master-weights bf16"] if c.master_weights == "bf16" else [])
+                         + [f"--micro-batch {largest} --grad-accum 1 --set max_grad_norm=null"])
+        return strategy, flags, sp, c.model_copy(update={"micro_batch": largest})
+    return None
 
 
 def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_per_node: int, dp: int,
@@ -943,7 +1004,11 @@ def render(p: Plan, console=None) -> None:
                   "model-state formulas count activations, the loss' logits or communication buckets, which the peak column does.")
     for note in p.notes:
         console.print(f"[bold yellow]Note:[/bold yellow] {note}")
-    if p.recommendation:
+    if p.recommended_flags and p.recommended_plan is not None:
+        sp = p.recommended_plan
+        console.print(f"[bold green]Recommendation:[/bold green] {p.recommended_flags} - {p.reason}. "
+                      f"Predicted: GPU peak {g(sp.gpu_peak)} GiB, host {g(sp.cpu_per_node)} GiB per node.")
+    elif p.recommendation:
         console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation} - {p.reason}. "
                       f"Largest micro batch that fits: {p.strategies[p.recommendation].max_micro_batch}."
                       + (f" Next fastest that fits: {p.next_option}." if p.next_option else ""))

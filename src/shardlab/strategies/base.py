@@ -81,7 +81,7 @@ class Strategy(ABC):
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
         s = spec(cfg.strategy)
-        optim.check_optimizer_options(cfg, cfg.strategy, world, accum, s.supports_8bit, s.supports_in_backward, device_type)
+        optim.check_optimizer_options(cfg, s, world, accum, device_type)
         if cfg.loss_kernel == "liger":
             from ..training.models import build_hf_config
 
@@ -122,8 +122,9 @@ class Strategy(ABC):
         return 0.0, 0.0
 
     def autocast(self):
-        """Autocast context for forward passes (a no-op for engines that cast weights themselves)."""
-        if self.spec.uses_autocast and self.precision.is_mixed:
+        """Autocast context for forward passes (a no-op for engines that cast weights themselves, and for bf16
+        master weights: every op then runs in bf16 as under DeepSpeed and FSDP2, with no fp32 layer-norm outputs)."""
+        if self.spec.uses_autocast and self.precision.is_mixed and not optim.bf16_master(self.cfg):
             return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
         return contextlib.nullcontext()
 

@@ -20,7 +20,34 @@ from .torch_optim import TorchOptimizerStrategy
 class DDPStrategy(TorchOptimizerStrategy):
     plain_tensor_params = True
 
+    def build_model(self) -> nn.Module:
+        """fp32 on the CPU (autocast's master weights), or with ``--master-weights bf16`` the bf16 model: on a GPU
+        built on meta and materialised there by ``setup`` (a 13B model never passes through host memory: 26 GB of
+        weights, not 52 GB of fp32 on the CPU first), else built in bf16 on the CPU."""
+        from ..training import optim
+        from ..training.models import build_model, meta_loadable
+
+        if not optim.bf16_master(self.cfg):
+            return super().build_model()
+        if self.env.device.type == "cuda" and meta_loadable(self.cfg):
+            return build_model(self.cfg, dtype=torch.bfloat16, meta=True)
+        return build_model(self.cfg, dtype=torch.bfloat16)
+
+    def _materialise(self, model: nn.Module) -> None:
+        """Meta -> ``self.env.device``: transformers' initialisation drawn there (seeded; a GPU's generator draws
+        other numbers than the CPU's, so these weights differ from an fp32 build's), then a local directory's
+        files copied in one at a time."""
+        from ..training.models import init_weights, load_local_weights
+
+        model.to_empty(device=self.env.device)
+        model.tie_weights()  # to_empty gives the tied head a tensor of its own (meta -> device is not an in-place move)
+        torch.manual_seed(self.cfg.seed)
+        init_weights(model)
+        load_local_weights(model, self.cfg, lambda part: model.load_state_dict(part, strict=False))
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            self._materialise(model)
         self.hf_model = model.to(self.env.device)
         wrapped: nn.Module = self.hf_model
         whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg)
@@ -44,4 +71,6 @@ class DDPStrategy(TorchOptimizerStrategy):
         return {k: v.detach().cpu() for k, v in self.hf_model.state_dict().items()}
 
     def memory_note(self) -> str:
+        if self.cfg.master_weights == "bf16":
+            return "bf16 parameters and gradients, 8-bit AdamW states on every GPU (2 + 2 + 2 B/param + activations)"
         return "full fp32 parameters, gradients and AdamW states on every GPU (16 B/param + activations)"

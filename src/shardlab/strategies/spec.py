@@ -62,6 +62,7 @@ class StrategySpec:
     eval_whole_steps: bool = False  # eval batches hold a whole step's micro-batches (pipeline schedules)
     supports_8bit: bool = False  # --optimizer adamw8bit (optim.check_optimizer_options)
     supports_in_backward: bool = False  # --optimizer-in-backward
+    supports_bf16_master: bool = False  # --master-weights bf16 (optim.check_optimizer_options)
     supports_zenflow: bool = False  # DeepSpeed ZenFlow (needs a CPU optimizer with GPU-resident params)
     single_process: bool = False  # runs on one process only (the planner leaves it out of multi-GPU plans)
     # Rank in the planner's speed order (lower = faster); None: not ranked (its speed is not comparable).

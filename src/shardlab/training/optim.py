@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..strategies.spec import spec
+from ..strategies.spec import StrategySpec, spec
 
 
 @dataclass(frozen=True)
@@ -122,19 +122,23 @@ def arithmetic(cfg: RunConfig) -> str:
         base = "ZenFlow AdamW (DeepSpeed: important gradient columns every step on the GPU, the rest later on the CPU; not bit-exact AdamW)"
     if cfg.optimizer_in_backward:
         base += ", stepped in backward per parameter (no global-norm clipping)"
+    if bf16_master(cfg):
+        base += ", on bf16 weights and gradients (no fp32 master copy; each update rounded into bf16 stochastically)"
     return base
 
 
-def check_optimizer_options(cfg: RunConfig, strategy: str, world: int, accum: int, supports_8bit: bool, supports_in_backward: bool,
-                            device_type: str) -> None:
+def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: int, device_type: str) -> None:
     """One-line refusals of optimizer options a strategy or a setting cannot honour (launch preflight and setup)."""
+    strategy = s.name
     if cfg.optimizer == "adamw8bit":
-        if not supports_8bit:
+        if not s.supports_8bit:
             raise UserError(f"--optimizer adamw8bit is not supported with strategy {strategy!r}", "use --strategy dp or fsdp")
         torchao_optim()
+    if cfg.master_weights == "bf16":
+        check_bf16_master(cfg, s, device_type)
     if not cfg.optimizer_in_backward:
         return
-    if not supports_in_backward:
+    if not s.supports_in_backward:
         raise UserError(f"--optimizer-in-backward is not supported with strategy {strategy!r}", "use --strategy dp (one rank) or fsdp")
     if spec(strategy).engine == "ddp" and world > 1:
         # DDP all-reduces after the gradient hooks fire: a step there would use this rank's gradient only.
@@ -154,11 +158,37 @@ def check_optimizer_options(cfg: RunConfig, strategy: str, world: int, accum: in
                         "use --precision bf16 or fp32")
 
 
+def check_bf16_master(cfg: RunConfig, s: StrategySpec, device_type: str) -> None:
+    """--master-weights bf16: only where the weights stay plain tensors the optimizer rounds into (dp), with an
+    optimizer that rounds stochastically (torch's AdamW on bf16 weights keeps bf16 moments and drops every update
+    smaller than half a bf16 step), and with bf16 compute (the weights are bf16: fp32 or fp16 compute would be a cast
+    of every weight at every use)."""
+    if not s.supports_bf16_master:
+        raise UserError(f"--master-weights bf16 is not supported with strategy {s.name!r}", "use --strategy dp")
+    if cfg.optimizer != "adamw8bit":
+        raise UserError("--master-weights bf16 needs --optimizer adamw8bit (torchao's AdamW8bit rounds each update into the "
+                        "bf16 weights stochastically; torch's AdamW would lose updates smaller than bf16's step)",
+                        "add --optimizer adamw8bit, or drop --master-weights bf16")
+    if resolve_precision(cfg.precision, device_type).name != "bf16":
+        raise UserError(f"--master-weights bf16 needs bf16 compute, not {resolve_precision(cfg.precision, device_type).name}",
+                        "pass --precision bf16")
+
+
+def bf16_master(cfg: RunConfig) -> bool:
+    return cfg.master_weights == "bf16"
+
+
 def optimizer_class(cfg: RunConfig):
     """(class, extra kwargs) of the per-group optimizer the options ask for."""
     if cfg.optimizer == "adamw8bit":
-        return torchao_optim().AdamW8bit, {}
+        return torchao_optim().AdamW8bit, eight_bit_kwargs(cfg)
     return torch.optim.AdamW, {}
+
+
+def eight_bit_kwargs(cfg: RunConfig) -> dict:
+    # bf16 weights: round-to-nearest would drop every update below half a bf16 step (lr 1e-5 x a weight of 0.02 is
+    # ~1/500 of one); stochastic rounding keeps them in expectation (torchao optim/adam.py, torchtune's bf16 recipes).
+    return {"bf16_stochastic_round": True} if bf16_master(cfg) else {}
 
 
 def build(model: nn.Module, cfg: RunConfig, device_type: str, cpu_fused: bool = False) -> torch.optim.Optimizer:
@@ -167,7 +197,7 @@ def build(model: nn.Module, cfg: RunConfig, device_type: str, cpu_fused: bool = 
         return InBackwardOptimizer(model, cfg, device_type)
     if cfg.optimizer == "adamw8bit":
         return torchao_optim().AdamW8bit(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                         eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+                                         eps=cfg.adam_eps, weight_decay=cfg.weight_decay, **eight_bit_kwargs(cfg))
     return adamw(model, cfg, device_type, cpu_fused)
 
 
@@ -182,8 +212,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     checkpoint resumes into the same model; DCP's optimizer helpers do not understand it (see the strategies)."""
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device_type: str):
-        cls = torchao_optim().AdamW8bit if cfg.optimizer == "adamw8bit" else torch.optim.AdamW
-        kwargs = {"fused": True} if cls is torch.optim.AdamW and device_type == "cuda" else {}
+        cls, kwargs = optimizer_class(cfg)
+        if cls is torch.optim.AdamW and device_type == "cuda":
+            kwargs = {**kwargs, "fused": True}
         self.names = {p: n for n, p in model.named_parameters()}
         self.optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
         for group in param_groups(model, cfg.weight_decay):

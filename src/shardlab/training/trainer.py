@@ -56,7 +56,7 @@ from ..strategies.spec import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
-from .models import describe_weights, load_tokenizer, model_summary
+from .models import build_hf_config, describe_weights, load_tokenizer, model_summary
 
 # Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 
@@ -235,7 +235,8 @@ class Trainer:
         failure: UserError | None = None
         if self.env.is_main:
             try:
-                splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
+                splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed,
+                                        model_vocab=build_hf_config(self.cfg).vocab_size)
             except UserError as err:
                 failure = err
         if self.env.is_distributed:  # tell the others, instead of leaving them to crash in a barrier
@@ -407,7 +408,7 @@ class Trainer:
         """Greedy completions of the sample prompts by `model`, on the CPU where it was built; or, for a model built
         as shards only (FSDP2 on the meta device, ZeRO-3 partitions), the reason there are none."""
         if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
-            return "the engine built only its shards of the model, so no rank holds it whole before training"
+            return "the model was built on the meta device for the engine to materialise (its shards, or on the GPU), so no rank holds it whole on the CPU before training"
         return complete_all(model, tokenizer, self.cfg.sample_prompts or SAMPLE_PROMPTS)
 
     def _write_samples(self, before: list[str] | str, summary: dict[str, Any]) -> None:

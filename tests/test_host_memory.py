@@ -113,6 +113,18 @@ def test_deepspeed_builds_what_the_engine_keeps(one_rank):
     assert not is_deepspeed_zero3_enabled()  # the HfDeepSpeedConfig lived only while building
 
 
+def test_zero3_sub_groups_are_sized_from_the_partitioned_model(one_rank):
+    """Under zero.Init every p.numel() is 0 (the full size is p.ds_numel): setup's bucket sizing must count ds_numel,
+    else ZeRO-3 got DeepSpeed's 1e9 sub_group_size instead of sized_buckets' tenth of the model."""
+    from shardlab.training.optim import Precision
+    from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy, model_numel
+
+    cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1)
+    model = DeepSpeedStrategy(cfg, one_rank, Precision("fp32"), 1, 1).build_model()
+    assert sum(p.numel() for p in model.parameters()) == 0
+    assert model_numel(model) == 3_382_080 == sum(p.ds_numel for p in model.parameters())
+
+
 # ---- the plan's host memory -------------------------------------------------------------------------
 
 

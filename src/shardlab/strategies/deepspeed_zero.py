@@ -67,6 +67,12 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     return out
 
 
+def model_numel(model: nn.Module) -> int:
+    """The model's parameter count, also once ZeRO-3 has partitioned it (zero.Init leaves each ``p.data`` empty and
+    records the full size in ``p.ds_numel``): what sizes the buckets (sized_buckets)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 def overlap_comm(opts, world: int, offload: str | None) -> bool:
     """Overlapping reduction with backward pays off only when there is communication to hide: other ranks,
     or (offload) the device->host gradient copies, which otherwise run after backward, serialised. On one
@@ -524,7 +530,7 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = model_numel(model)  # ZeRO-3's partitioned p.numel() is 0: its sub_group_size stayed at 1e9
         ds = self.ds_config(total_steps, n_params, hidden)  # (the NVMe path was checked in launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}

@@ -78,7 +78,8 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, overlap_comm, sized_buckets
+from ..strategies.deepspeed_zero import (gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
+                                         zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
@@ -310,9 +311,6 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
 # pin-memory/), peak RSS minus the DeepSpeed 0.19.8 host buffers counted by host_states: 1.93 GiB pinned
 # (16.60 - 14.67), 1.94 GiB unpinned (11.79 - 9.85). PROCESS_RSS_BYTES is the same process before CUDA is used.
 GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
-# DeepSpeed's default ZeRO-3 sub_group_size (zero/config.py): the fp32 optimizer partition is cut into
-# flat groups of at most this many elements, each with its own gradient buffer.
-DS_SUB_GROUP_SIZE = 1_000_000_000
 
 
 def pinned_bytes(nbytes: float, pinned: bool) -> float:
@@ -323,12 +321,38 @@ def pinned_bytes(nbytes: float, pinned: bool) -> float:
     return float(2 ** math.ceil(math.log2(nbytes)))
 
 
+def _ds_group_params(arch: Arch, weight_decay: float) -> list[list[int]]:
+    """Element counts of the parameters of DeepSpeed's parameter groups, in model order (optim.param_groups:
+    matrices decay, 1-D tensors not; one group without weight decay)."""
+    if not arch.param_sizes:
+        return [[arch.n_params]]
+    if weight_decay == 0:
+        return [[k for k, _ in arch.param_sizes]]
+    groups = ([k for k, dim in arch.param_sizes if dim >= 2], [k for k, dim in arch.param_sizes if dim < 2])
+    return [g for g in groups if g]
+
+
 def _ds_groups(arch: Arch, weight_decay: float) -> list[int]:
-    """Element counts of DeepSpeed's parameter groups (optim.param_groups: matrices decay, 1-D tensors not)."""
-    if weight_decay == 0 or not arch.param_sizes:
-        return [arch.n_params]
-    decay = sum(k for k, dim in arch.param_sizes if dim >= 2)
-    return [g for g in (decay, arch.n_params - decay) if g]
+    """Element counts of DeepSpeed's parameter groups."""
+    return [sum(g) for g in _ds_group_params(arch, weight_decay)]
+
+
+def zero3_optimizer_split(strategy: str, arch: Arch, cfg: RunConfig, d: int, device: str = "cuda") -> tuple[list[int], list[int]]:
+    """A ZeRO-3 offload rank's optimizer sub-groups (elements each), as (kept on the GPU, on the host).
+
+    The sub-groups are DeepSpeed's cut (strategies.deepspeed_zero.zero3_sub_groups) at the sub_group_size the strategy
+    writes into the JSON (sized_buckets). Partial offload (``--offload-ratio``, DeepSpeed's ``offload_optimizer.ratio``,
+    zero3_offload only) keeps the first ``twin_flow_gpu_sub_groups`` of them on the accelerator. On a CPU-only run
+    DeepSpeed's "accelerator" is the CPU (cpu_accelerator.py: ``_name = 'cpu'``), so every sub-group is host memory
+    and steps in CPU Adam whatever the ratio."""
+    s = spec(strategy)
+    parts = [[math.ceil(k / d) for k in g] for g in _ds_group_params(arch, cfg.weight_decay)]
+    size = sized_buckets(cfg.strategy_options, arch.n_params, arch.hidden, s.offload_optimizer)["sub_group_size"]
+    subs = zero3_sub_groups(parts, size)
+    on_gpu = 0
+    if device == "cuda" and s.offload_optimizer == "cpu":  # build_ds_config writes the ratio for CPU offload only
+        on_gpu = twin_flow_gpu_sub_groups(len(subs), cfg.strategy_options.offload_ratio)
+    return subs[:on_gpu], subs[on_gpu:]
 
 
 def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: int, accum: int,
@@ -357,12 +381,32 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
             out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
     elif ds and s.offload_params is not None:
         part = math.ceil(n / d)
-        subs = [DS_SUB_GROUP_SIZE] * (part // DS_SUB_GROUP_SIZE) + ([part % DS_SUB_GROUP_SIZE] if part % DS_SUB_GROUP_SIZE else [])
+        # DeepSpeed 0.19.8 runtime/zero/stage3.py. The sub-groups kept on the GPU by partial offload (--offload-ratio;
+        # zero3_optimizer_split) hold their fp32 master, gradient and AdamW m, v there (_strategy_plan); only the
+        # host's sub-groups have the three below. Unchanged by the ratio: the 16-bit gradient flat buffer (all of the
+        # partition's gradients land there first, l.791-795 and partition_grads l.2022-2025) and the 16-bit params
+        # (offload_param: the GPU sub-groups' updates are copied back into them, l.2854-2860).
+        on_gpu, subs = zero3_optimizer_split(strategy, arch, cfg, d, device)
+        # initialize_optimizer_states l.1337-1342: one gradient buffer per sub-group, made on the host (pinned with
+        # pin_memory) and moved to the sub-group's device
         out["fp32 gradient buffer per sub-group"] = sum(pinned_bytes(4 * k, pin) for k in subs)
+        if pin and on_gpu:
+            # ... so a GPU sub-group's pinned buffer is freed once copied, and torch's pinned allocator keeps the block
+            # cached; a later (host) sub-group's buffer of the same power-of-two size reuses it, other sizes do not.
+            cached = {pinned_bytes(4 * k, True) for k in on_gpu} - {pinned_bytes(4 * k, True) for k in subs}
+            if cached:
+                out["pinned gradient staging of GPU sub-groups, kept cached"] = float(sum(cached))
         out["16-bit gradient partition flat buffer"] = pinned_bytes(lo * part, pin)
         if s.offload_params == "cpu":
-            out["fp32 master partition"] = 4.0 * part  # a clone, never pinned
-            out["AdamW m, v (CPU Adam)"] = 8.0 * part
+            # _create_fp32_partitions l.1157-1160: the host sub-groups' fp32 master is a clone, never pinned;
+            # CPU Adam's m and v exist for the host sub-groups only (the GPU ones step in torch AdamW, l.1249-1258)
+            out["fp32 master partition"] = 4.0 * sum(subs)
+            out["AdamW m, v (CPU Adam)"] = 8.0 * sum(subs)
+            if on_gpu and lo == 2:
+                # the step's copy of a GPU sub-group's fp32 master into the host 16-bit params (l.2858-2859) is a
+                # blocking GPU->CPU copy with a dtype change: torch converts on the CPU, through an fp32 host
+                # temporary of the sub-group (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda), one at a time
+                out["fp32 host staging of a GPU sub-group's update (optimizer step)"] = 4.0 * max(on_gpu)
             # param_groups_fp16_flat_cpu_memory is pinned whatever pin_memory says (on a GPU)
             out["16-bit param partition (flat, always pinned)"] = sum(
                 pinned_bytes(lo * math.ceil(g / d), device == "cuda") for g in _ds_groups(arch, cfg.weight_decay))
@@ -425,6 +469,20 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     P, G, O, where = _model_states(strategy, n, d, precision, cfg.optimizer, cfg.optimizer_in_backward,
                                    "bf16" if bf16_master else "fp32")
     params, grads, optim = float(P * n), float(G * n), float(O * n)
+    on_gpu: list[int] = []
+    if s.engine == "deepspeed" and s.offload_params == "cpu":
+        on_gpu, on_host = zero3_optimizer_split(strategy, arch, cfg, d, device)
+    if on_gpu:
+        # Partial offload (Twin-Flow; DeepSpeed 0.19.8 runtime/zero/stage3.py): a GPU sub-group keeps its fp32 master
+        # (_create_fp32_partitions l.1157-1160), its fp32 gradient buffer (initialize_optimizer_states l.1337-1342;
+        # never freed under offload: _release_sub_group l.2733-2734) and, from the first step, torch AdamW's m and v
+        # (the "backup" optimizer that steps the GPU sub-groups, l.313-326 and l.1249-1258): 16 B per element.
+        g = sum(on_gpu)
+        grads += 4.0 * g
+        optim += 12.0 * g
+        where = (f"Twin-Flow (offload ratio {opts.offload_ratio}): {len(on_gpu)} of {len(on_gpu) + len(on_host)} optimizer "
+                 f"sub-groups ({g:,} elements: fp32 master, grads, AdamW m, v) on the GPU; the rest, the 16-bit params "
+                 "and 16-bit grads on the CPU")
     if s.engine == "torchao" and accum > 1:
         # strategies/ao_offload.py: offload_gradients only with one micro-batch a step; accumulating keeps the fp32
         # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
@@ -521,7 +579,11 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                     gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
             temp[label] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
-    grads_live_fb = accum > 1  # set_to_none=True frees grads between steps; accumulation keeps them
+            if on_gpu:
+                # torch AdamW's foreach step (torch/optim/adam.py _multi_tensor_adam: every update in place but
+                # exp_avg_sq_sqrt = _foreach_sqrt(v)), one GPU sub-group at a time (stage3.py step l.2909-2927)
+                temp_step["AdamW sqrt(v) of the largest GPU sub-group (Twin-Flow step)"] = 4.0 * max(on_gpu)
+    grads_live_fb = accum > 1 or bool(on_gpu)  # set_to_none=True frees grads between steps; accumulation keeps them
     if stage == 3 and not s.offloads:
         grads_live_fb = True  # the flat buffer is persistent; counted in persistent_temp, grads are views of it
         grads_counted_in_buffer = True
@@ -563,7 +625,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
     cpu_total = gpus_per_node * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
-    ms_bpp = float(P + G + O)
+    ms_bpp = float(P + G + O) + 16.0 * sum(on_gpu) / n
     paper = paper_bytes_per_param(strategy, d)
     # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in
     est = ds_est.get(strategy) or ({} if s.offload_params != "nvme" else ds_est.get(_ds_name(3, "cpu"), {}))

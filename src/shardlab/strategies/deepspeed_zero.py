@@ -67,6 +67,40 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     return out
 
 
+def zero3_sub_groups(group_partitions: list[list[int]], sub_group_size: int) -> list[int]:
+    """Element counts of ZeRO-3's optimizer sub-groups on one rank, as DeepSpeed 0.19.8 cuts them
+    (runtime/zero/stage3.py ``_create_fp16_sub_groups``, l.1210-1233). `group_partitions`: each optimizer param group's
+    per-parameter partition sizes (``partition_numel``: ceil(numel / ranks)), in the group's order. A group no larger
+    than `sub_group_size` is one sub-group; otherwise parameters are appended until the sub-group holds at least
+    `sub_group_size` elements (so it overshoots by up to one parameter) or the group ends. Groups never share one."""
+    out: list[int] = []
+    for parts in group_partitions:
+        if sub_group_size >= sum(parts):
+            out.append(sum(parts))
+            continue
+        size = 0
+        for i, k in enumerate(parts):
+            size += k
+            if size >= sub_group_size or i == len(parts) - 1:
+                out.append(size)
+                size = 0
+    return out
+
+
+def twin_flow_gpu_sub_groups(count: int, ratio: float) -> int:
+    """How many of ZeRO-3's `count` sub-groups partial offload (``offload_optimizer.ratio``) keeps on the accelerator:
+    the first ``int((1 - ratio) * count)``, rounded down as float arithmetic gives it (stage3.py
+    ``_create_fp32_partitions``, l.1100-1108: sub-group i goes to the CPU when i >= that). So ratio 0.5 of 11
+    sub-groups keeps 5, and 0.9 of 10 keeps none ((1 - 0.9) * 10 = 0.999...)."""
+    return int((1 - ratio) * count)
+
+
+def model_numel(model: nn.Module) -> int:
+    """The model's parameter count, also once ZeRO-3 has partitioned it (zero.Init leaves each ``p.data`` empty and
+    records the full size in ``p.ds_numel``): what sizes the buckets (sized_buckets)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 def overlap_comm(opts, world: int, offload: str | None) -> bool:
     """Overlapping reduction with backward pays off only when there is communication to hide: other ranks,
     or (offload) the device->host gradient copies, which otherwise run after backward, serialised. On one
@@ -524,7 +558,7 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = model_numel(model)  # ZeRO-3's partitioned p.numel() is 0: its sub_group_size stayed at 1e9
         ds = self.ds_config(total_steps, n_params, hidden)  # (the NVMe path was checked in launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}

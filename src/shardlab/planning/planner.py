@@ -863,7 +863,7 @@ def _beyond_exact(arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int
     micro batch is the whole per-GPU batch: the given global batch when it fits, else the largest that does."""
     if gpus_per_node * cfg.nodes != 1 or cfg.optimizer != "adamw" or cfg.optimizer_in_backward or precision != "bf16":
         return None
-    strategy = "dp"
+    strategy = find(engine="ddp")  # the one-GPU engine that takes every option below (DDP's own reduce needs one rank)
     micro, accum, _ = cfg.resolve_batch(1)
     for option in BEYOND_EXACT:
         c = cfg.model_copy(update={**option, "max_grad_norm": None, "micro_batch": 1, "grad_accum": 1, "global_batch": None})
@@ -878,7 +878,7 @@ def _beyond_exact(arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int
             continue
         sp.headroom = _usable(gpu_memory) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
         sp.max_micro_batch = largest
-        flags = " ".join(["--strategy dp --optimizer adamw8bit --optimizer-in-backward"]
+        flags = " ".join([f"--strategy {strategy} --optimizer adamw8bit --optimizer-in-backward"]
                          + (["--master-weights bf16"] if c.master_weights == "bf16" else [])
                          + [f"--micro-batch {largest} --grad-accum 1 --set max_grad_norm=null"])
         return strategy, flags, sp, c.model_copy(update={"micro_batch": largest})

@@ -238,6 +238,7 @@ class RunSummary(_Record):
     compile: bool | None = None
     compile_scope: str | None = None
     time_to_first_step_s: float | None = None
+    startup_s: dict[str, float] | None = None  # measure/startup.py: the phases of time_to_first_step_s
     compile_time_s: float | None = None
     compile_time_source: str | None = None
     compile_cache: dict[str, Any] | None = None

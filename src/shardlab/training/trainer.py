@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
+from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
 from . import compiling, optim
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
@@ -204,6 +205,7 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg: RunConfig, plan: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.startup = StartupClock()
         self.plan = plan  # the launcher's memory prediction (run_plan.py), written into summary.json as-is
         self.device_type = pick_device_type(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device_type)
@@ -292,12 +294,14 @@ class Trainer:
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         cfg, env = self.cfg, self.env
+        self.startup.mark("launch_and_imports")
         seed_everything(cfg.seed)
         # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
         tokenizer = load_tokenizer(cfg)
         stages = cfg.stages()
         stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
         stage_loaders = [self._loaders(sp) for sp in stage_data]
+        self.startup.mark("data")
         stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
         if cfg.curriculum and cfg.max_steps:  # a top-level --max-steps caps the whole curriculum
             stage_steps = _cap(stage_steps, cfg.max_steps)
@@ -323,7 +327,9 @@ class Trainer:
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
+        self.startup.mark("model_build")
         strategy.setup(model, total_steps)
+        self.startup.mark("engine_setup")
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
         state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
@@ -461,6 +467,7 @@ class Trainer:
             initial = evaluate(strategy, stage_loaders[0][2], env)  # the baseline; not a candidate for the best step
             self.evals.initial = initial.get("eval_loss")
             writer.log({"step": 0, **initial})
+            self.startup.mark("initial_eval")
         t_start = time.perf_counter()
         progress = _progress(env, total_steps, global_step)
         # A log file (SLURM, nohup, `> log`) gets no progress bar: one plain line per metrics row instead.
@@ -493,6 +500,8 @@ class Trainer:
                     profiler.step(timer.stop())
                     if first_step_done is None:
                         first_step_done = time.time()
+                        self.startup.mark("first_step")
+                        log0(env, self.startup.line() + (f" (compiling {compile_clock.seconds():.1f} s of it)" if compile_clock.seconds() else ""))
                     window_compile += compile_clock.seconds() - compiled_before
                     global_step += 1
                     useful_per_step.append(useful_total)
@@ -575,6 +584,7 @@ class Trainer:
             "compile_scope": compiling.scope(cfg, strategy.hf_model) if cfg.compile else None,
             # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
             "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
+            "startup_s": self.startup.phases() or None,  # measure/startup.py: where that time went
             **compile_clock.summary(),
             "loss_kernel": strategy.loss_kernel, "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,

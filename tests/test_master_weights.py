@@ -69,8 +69,10 @@ def test_plan_counts_bf16_weights_and_grads_without_autocast_copies():
     assert bf16.gpu["optimizer"] == fp32.gpu["optimizer"]  # the same 8-bit moments (2 B/param + block scales)
     assert not any("autocast" in note for note in bf16.notes) and any("autocast" in note for note in fp32.notes)
     # On a GPU the bf16 model is built on meta and materialised there: nothing on the host at load time
-    assert bf16.cpu_detail["model built on meta, materialised on the GPU in bf16 (load time)"] == 0
-    assert fp32.cpu_detail["model built in fp32 on the CPU by every rank (load time)"] == 4 * n
+    assert bf16.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
+    assert fp32.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
+    cpu, _ = planner.predict_cpu_run(RunConfig(**base, device="cpu", master_weights="bf16"), 1)
+    assert cpu.cpu_detail["model built in bf16 on the CPU (load time)"] == 2 * n
     assert bf16.gpu_peak < fp32.gpu_peak - 4 * n  # 2 B/param of weights, 2 of grads, and the 2 of autocast copies less
 
 
@@ -123,3 +125,38 @@ def test_a_bf16_master_run_trains_with_bf16_weights(tmp_path, train_cli):
     export = next((tmp_path / "bf16").rglob("model.safetensors"))
     with safe_open(str(export), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def _strategy(cls, cfg, device):
+    from types import SimpleNamespace
+
+    st = cls.__new__(cls)
+    st.cfg, st.env = cfg, SimpleNamespace(device=torch.device(device))
+    return st
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("tiny-gpt2", torch.float32), ("tiny-llama", torch.bfloat16), ("tiny-bloom", torch.float32)])
+def test_a_meta_skeleton_materialised_on_the_device_equals_the_ordinary_build(model, dtype):
+    """Strategy.build_on_device + materialise_on_device, run on the CPU as a GPU run runs them: the same tensors as
+    the ordinary build of the same seed, the tied head tied again."""
+    from shardlab.strategies.ddp import DDPStrategy
+    from shardlab.training.models import build_model
+
+    cfg = RunConfig(model=model, device="cpu")
+    built = _strategy(DDPStrategy, cfg, "cpu").materialise_on_device(build_model(cfg, dtype=dtype, meta=True))
+    ref = build_model(cfg, dtype=dtype)
+    assert list(built.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), ref.state_dict().values()))
+    out, inp = built.get_output_embeddings(), built.get_input_embeddings()
+    assert (out.weight is inp.weight) == (ref.get_output_embeddings().weight is ref.get_input_embeddings().weight)
+
+
+def test_gpu_runs_build_on_meta_unless_samples_need_the_model_before_training():
+    from shardlab.strategies.ddp import DDPStrategy
+    from shardlab.strategies.pipeline import PipelineStrategy
+
+    cfg = RunConfig(model="tiny-gpt2")
+    assert all(p.is_meta for p in _strategy(DDPStrategy, cfg, "cuda").build_model().parameters())
+    assert not any(p.is_meta for p in _strategy(DDPStrategy, cfg.model_copy(update={"samples": True}), "cuda").build_model().parameters())
+    assert not any(p.is_meta for p in _strategy(DDPStrategy, cfg, "cpu").build_model().parameters())
+    assert not any(p.is_meta for p in _strategy(PipelineStrategy, cfg, "cuda").build_model().parameters())

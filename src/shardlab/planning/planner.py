@@ -431,22 +431,22 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
 def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights: str = "fp32",
                device: str = "cuda") -> tuple[str, float]:
     """What one rank holds in host memory while the model is built (Strategy.build_model), before the
-    engine moves it away: dp and pipeline build fp32; DeepSpeed stages 0-2 build in the engine's dtype;
-    ZeRO-3 builds inside zero.Init (a partition per rank); FSDP2 builds on meta (shards only), unless the
-    model is a hub id or a checkpoint whose names differ (Arch.meta_build), then in fp32. dp with bf16 master
-    weights builds on meta and materialises on the GPU (strategies/ddp.py), else in bf16 on the CPU."""
+    engine moves it away. On a GPU, dp, ao_offload and DeepSpeed stages 0-2 build on meta and draw the weights
+    on the GPU (Strategy.build_on_device), FSDP2 its shards (both when the model is a preset or a checkpoint
+    whose names match: Arch.meta_build); ZeRO-3 builds inside zero.Init (a partition per rank). Otherwise, and
+    always for the pipeline, the model is built on the CPU: fp32 (dp's master weights, the pipeline), bf16 (dp's
+    --master-weights bf16) or the engine's dtype (DeepSpeed)."""
     n = arch.n_params
     lo = 4 if precision == "fp32" else 2
     s = spec(strategy)
-    if s.engine == "deepspeed" and s.zero_stage < 3:
-        return f"model built in {'fp32' if lo == 4 else '16-bit'} on the CPU (load time)", float(lo * n)
-    if s.engine == "deepspeed":
+    if s.engine == "deepspeed" and s.zero_stage == 3:
         return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
-    if s.engine == "fsdp2" and arch.meta_build:
-        return "model built on meta, shards materialised (load time)", 0.0
+    if arch.meta_build and (s.engine == "fsdp2" or (device == "cuda" and s.engine in ("ddp", "torchao", "deepspeed"))):
+        where = "shards materialised" if s.engine == "fsdp2" else "materialised on the GPU"
+        return f"model built on meta, {where} (load time)", 0.0
+    if s.engine == "deepspeed":
+        return f"model built in {'fp32' if lo == 4 else '16-bit'} on the CPU (load time)", float(lo * n)
     if s.engine == "ddp" and master_weights == "bf16":
-        if arch.meta_build and device == "cuda":
-            return "model built on meta, materialised on the GPU in bf16 (load time)", 0.0
         return "model built in bf16 on the CPU (load time)", float(2 * n)
     return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 

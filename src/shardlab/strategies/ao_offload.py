@@ -45,7 +45,7 @@ class AOOffloadStrategy(DDPStrategy):
             raise UserError("strategy 'ao_offload' does not support fp16 loss scaling", "use --precision bf16")
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
-        self.hf_model = model.to(self.env.device)
+        self.hf_model = self.materialise_on_device(model).to(self.env.device)
         # Per block by default: the whole-model graph would hand torchao every gradient at the end of backward.
         self.model = compiling.compile_model(self.hf_model, self.cfg)
         cfg = self.cfg

@@ -21,34 +21,14 @@ class DDPStrategy(TorchOptimizerStrategy):
     plain_tensor_params = True
 
     def build_model(self) -> nn.Module:
-        """fp32 on the CPU (autocast's master weights), or with ``--master-weights bf16`` the bf16 model: on a GPU
-        built on meta and materialised there by ``setup`` (a 13B model never passes through host memory: 26 GB of
-        weights, not 52 GB of fp32 on the CPU first), else built in bf16 on the CPU."""
+        """fp32 (autocast's master weights), or bf16 with ``--master-weights bf16`` (on the CPU, a bf16 build; on a
+        GPU, see ``build_on_device``: a 13B model never passes through host memory)."""
         from ..training import optim
-        from ..training.models import build_model, meta_loadable
 
-        if not optim.bf16_master(self.cfg):
-            return super().build_model()
-        if self.env.device.type == "cuda" and meta_loadable(self.cfg):
-            return build_model(self.cfg, dtype=torch.bfloat16, meta=True)
-        return build_model(self.cfg, dtype=torch.bfloat16)
-
-    def _materialise(self, model: nn.Module) -> None:
-        """Meta -> ``self.env.device``: transformers' initialisation drawn there (seeded; a GPU's generator draws
-        other numbers than the CPU's, so these weights differ from an fp32 build's), then a local directory's
-        files copied in one at a time."""
-        from ..training.models import init_weights, load_local_weights
-
-        model.to_empty(device=self.env.device)
-        model.tie_weights()  # to_empty gives the tied head a tensor of its own (meta -> device is not an in-place move)
-        torch.manual_seed(self.cfg.seed)
-        init_weights(model)
-        load_local_weights(model, self.cfg, lambda part: model.load_state_dict(part, strict=False))
+        return self.build_on_device(torch.bfloat16 if optim.bf16_master(self.cfg) else torch.float32)
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
-        if any(p.is_meta for p in model.parameters()):
-            self._materialise(model)
-        self.hf_model = model.to(self.env.device)
+        self.hf_model = self.materialise_on_device(model).to(self.env.device)
         wrapped: nn.Module = self.hf_model
         whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg)
         if self.env.is_distributed:

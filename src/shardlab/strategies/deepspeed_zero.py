@@ -539,7 +539,7 @@ class DeepSpeedStrategy(Strategy):
 
         dtype = self.precision.dtype
         if STAGE[self.cfg.strategy] < 3:
-            return build_model(self.cfg, dtype=dtype)
+            return self.build_on_device(dtype)  # the engine moves it to the GPU anyway: draw it there
         sanitize_cuda_arch_list()
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
@@ -556,6 +556,8 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model: nn.Module, total_steps: int) -> None:
         sanitize_cuda_arch_list()
         import deepspeed
+
+        model = self.materialise_on_device(model)
 
         hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
         n_params = model_numel(model)  # ZeRO-3's partitioned p.numel() is 0: its sub_group_size stayed at 1e9

@@ -315,6 +315,12 @@ def step_keeps_outputs() -> bool:
 
 class PipelineStrategy(TorchOptimizerStrategy):
 
+    def build_model(self) -> nn.Module:
+        """The whole fp32 model on the CPU: every rank cuts its own stages out of it and moves only those."""
+        from ..training.models import build_model
+
+        return build_model(self.cfg)
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 

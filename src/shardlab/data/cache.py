@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..cachedir import cache_root
 from .blocks import Blocks
 
 log = logging.getLogger(__name__)
@@ -26,12 +27,6 @@ log = logging.getLogger(__name__)
 # Bump when the way blocks are built changes, so stale caches are not reused.
 CACHE_VERSION = 2  # 2: qa without answer_only_loss has loss on every token (1 masked the prompt regardless); misplaced answers skipped
 _PROBE_TEXT = "Hello world\nQuestion: Why?\nAnswer: 42"
-
-
-def cache_root() -> Path:
-    """shardlab's cache directory: $SHARDLAB_CACHE, else ~/.cache/shardlab (data, compiled graphs)."""
-    root = os.environ.get("SHARDLAB_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab"
 
 
 def default_cache_dir() -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .bytecode import bytecode_env
 from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
@@ -113,6 +114,7 @@ def train(cfg: RunConfig, force: bool = False):
 def _train(cfg: RunConfig, force: bool):
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
+    os.environ.update(bytecode_env(os.environ))  # spawned workers keep their imports' bytecode (launch/bytecode.py)
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
 
     cfg = resolve_nodes(cfg)

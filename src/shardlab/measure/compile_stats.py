@@ -21,8 +21,9 @@ from typing import Any
 
 import psutil
 
-# Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures;
-# data.cache (the data package) only when no TORCHINDUCTOR_CACHE_DIR is set.
+from ..cachedir import cache_root
+
+# Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures.
 
 __all__ = ["use_persistent_cache", "CompileClock", "process_start_time", "mark_start", "START_ENV"]
 
@@ -34,8 +35,6 @@ def use_persistent_cache() -> Path:
     """Inductor's cache directory: $TORCHINDUCTOR_CACHE_DIR if set, else <shardlab cache>/inductor (set here,
     before anything compiles, so worker processes inherit it). Returns the directory in use."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from ..data.cache import cache_root
-
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 

@@ -4,6 +4,7 @@ cache directory so that a second run of the same configuration loads its graphs.
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 
@@ -78,3 +79,27 @@ def test_compiled_run_reports_compile_apart_and_second_run_hits_the_cache(train_
     second = train_cli(args, tmp_path / "second", timeout=1200).check()
     cache = second.summary["compile_cache"]
     assert cache["fx_graph_hit"] > 0 and cache["fx_graph_miss"] == 0 and cache["hit"] is True, cache
+
+
+def test_runs_without_compile_get_no_pool_of_inductor_workers_and_the_plan_counts_the_pool_of_those_with(monkeypatch):
+    from shardlab.config import RunConfig
+    from shardlab.measure import compile_stats
+    from shardlab.planning import planner
+
+    monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV, raising=False)
+    assert compile_stats.compile_workers(False) == 0 and compile_stats.compile_workers(True, cpus=16) == 16
+    assert compile_stats.compile_workers(True, cpus=64) == 32  # inductor's own cap
+    compile_stats.limit_compile_workers(True)
+    assert compile_stats.COMPILE_THREADS_ENV not in os.environ
+    compile_stats.limit_compile_workers(False)
+    assert os.environ[compile_stats.COMPILE_THREADS_ENV] == "1"
+    monkeypatch.setenv(compile_stats.COMPILE_THREADS_ENV, "4")
+    compile_stats.limit_compile_workers(False)  # the user's value stays
+    assert os.environ[compile_stats.COMPILE_THREADS_ENV] == "4" and compile_stats.compile_workers(False) == 4
+    monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV)
+    base = dict(model="gpt2", seq_len=128, micro_batch=2, precision="bf16")
+    eager = planner.plan(RunConfig(**base), gpu_memory_gb=80, host_ram_gb=100, strategies=("dp",)).strategies["dp"]
+    compiled = planner.plan(RunConfig(**base, compile=True), gpu_memory_gb=80, host_ram_gb=100, strategies=("dp",)).strategies["dp"]
+    pool = compile_stats.compile_workers(True) * compile_stats.COMPILE_WORKER_RSS_BYTES
+    assert not any("inductor" in k for k in eager.cpu_detail)
+    assert compiled.cpu_per_node - eager.cpu_per_node == pytest.approx(pool, abs=1) or pool == 0

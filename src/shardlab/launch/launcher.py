@@ -20,7 +20,7 @@ import torch
 
 from .bytecode import bytecode_env
 from .buildlocks import clear_stale_build_locks
-from ..measure.compile_stats import mark_start, use_persistent_cache
+from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
@@ -115,6 +115,7 @@ def _train(cfg: RunConfig, force: bool):
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
     os.environ.update(bytecode_env(os.environ))  # spawned workers keep their imports' bytecode (launch/bytecode.py)
+    limit_compile_workers(cfg.compile)  # no pool of inductor processes for the small graphs of runs without --compile
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
 
     cfg = resolve_nodes(cfg)

@@ -25,7 +25,8 @@ from ..cachedir import cache_root
 
 # Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures.
 
-__all__ = ["use_persistent_cache", "CompileClock", "process_start_time", "mark_start", "START_ENV"]
+__all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "COMPILE_WORKER_RSS_BYTES", "CompileClock",
+           "process_start_time", "mark_start", "START_ENV"]
 
 # Wall-clock time (time.time()) at which the user's command started; the launcher sets it for its workers.
 START_ENV = "SHARDLAB_START_TIME"
@@ -37,6 +38,35 @@ def use_persistent_cache() -> Path:
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+# Resident memory of one inductor compile worker (a Python with torch imported): H100 runs of 2026-11-26, process
+# tree minus the rank with 16 workers, 7.8-8.4 GiB (benchmarks/results/2026-11-26-h100-big-model/).
+COMPILE_WORKER_RSS_BYTES = int(0.5 * 2**30)
+COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def limit_compile_workers(compile_model: bool) -> None:
+    """Without ``--compile`` a run compiles only small graphs (the loss kernel, torchao's optimizer step), yet inductor
+    starts a pool of min(32, cores) worker processes for them, ~0.5 GiB of host memory each: 8 GiB on a 16-core node,
+    which pushed bloom-7b1 zero3_offload over the 125 GiB host it was planned to fit (OOM-killed at 128.2 GiB in its
+    first step). Those runs compile in-process instead (TORCHINDUCTOR_COMPILE_THREADS=1; set here before anything
+    compiles, inherited by the workers). A value the user set is kept; ``--compile`` runs keep the pool, whose
+    parallel compile pays for a whole model, and the planner counts it (``compile_workers``)."""
+    if not compile_model:
+        os.environ.setdefault(COMPILE_THREADS_ENV, "1")
+
+
+def compile_workers(compile_model: bool, cpus: int | None = None) -> int:
+    """Inductor compile worker processes per training process (the planner's host memory), as inductor decides them
+    (torch._inductor.config.decide_compile_threads) after ``limit_compile_workers``; 0 when it compiles in-process."""
+    if COMPILE_THREADS_ENV in os.environ:
+        threads = int(os.environ[COMPILE_THREADS_ENV])
+    elif not compile_model:
+        threads = 1
+    else:
+        threads = min(32, cpus or os.cpu_count() or 1)
+    return threads if threads > 1 else 0
 
 
 def process_start_time() -> float:

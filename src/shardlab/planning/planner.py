@@ -81,6 +81,7 @@ from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from ..strategies.deepspeed_zero import (gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
                                          zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
+from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
 # (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.
@@ -621,6 +622,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
         states["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS)
     baseline = GPU_PROCESS_RSS_BYTES if device == "cuda" else PROCESS_RSS_BYTES
+    workers = compile_workers(cfg.compile) if device == "cuda" else 0
+    if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
+        states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
     cpu_detail = {k: v * gpus_per_node for k, v in states.items()}
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)

@@ -140,7 +140,7 @@ def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: 
         return
     if not s.supports_in_backward:
         raise UserError(f"--optimizer-in-backward is not supported with strategy {strategy!r}", "use --strategy dp (one rank) or fsdp")
-    if spec(strategy).engine == "ddp" and world > 1:
+    if s.engine == "ddp" and world > 1:
         # DDP all-reduces after the gradient hooks fire: a step there would use this rank's gradient only.
         raise UserError("--optimizer-in-backward with dp needs one rank (DDP reduces gradients after the hooks run)",
                         "use --strategy fsdp for several ranks")

@@ -238,7 +238,7 @@ class Trainer:
         if self.env.is_main:
             try:
                 splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed,
-                                        model_vocab=build_hf_config(self.cfg).vocab_size)
+                                        model_vocab=getattr(build_hf_config(self.cfg), "vocab_size", None))
             except UserError as err:
                 failure = err
         if self.env.is_distributed:  # tell the others, instead of leaving them to crash in a barrier

@@ -101,10 +101,16 @@ class TrainRun:
         return yaml.safe_load((self.out / "config.yaml").read_text())
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEOUT_S) -> TrainRun:
     """`python -m shardlab train ARGS --output-dir OUT` in a fresh process."""
     full = ["train", *args] + (["--output-dir", str(out)] if out is not None else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # A fresh `shardlab train`, as a user starts it: never a worker of a process group that an in-process test of
+    # this pytest process set up (a module fixture's RANK/MASTER_PORT made such a run rendezvous on a taken port).
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "shardlab", *full],
         capture_output=True,

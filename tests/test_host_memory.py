@@ -125,24 +125,49 @@ def test_zero3_sub_groups_are_sized_from_the_partitioned_model(one_rank):
     assert model_numel(model) == 3_382_080 == sum(p.ds_numel for p in model.parameters())
 
 
+# In a fresh interpreter: a ZeRO-3 engine built in this pytest process leaves DeepSpeed's state behind (in-process
+# tests after it, e.g. tests/test_plan_compiled.py's inductor trace, then saw other compiled graphs).
+_ZERO3_ENGINE = """
+import json, os, sys
+import torch.distributed as dist
+from shardlab.config import RunConfig
+from shardlab.launch.distributed import DistEnv, free_port
+from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
+from shardlab.training.optim import Precision
+import torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1,
+                deepspeed_config=sys.argv[1], strategy_options={"offload_ratio": 0.5})
+strategy = DeepSpeedStrategy(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 1)
+strategy.setup(strategy.build_model(), total_steps=2)
+opt = strategy.engine.optimizer
+print(json.dumps({"numel": list(opt.fp16_partitioned_groups_flat_numel), "devices": len(opt.subgroup_to_device),
+                  "ratio": opt.partial_offload}))
+"""
+
+
 @pytest.mark.slow  # builds a DeepSpeed engine: CPU Adam is compiled on a machine's first use
-def test_planned_zero3_sub_groups_are_deepspeeds(one_rank, tmp_path):
+def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     """The planner's sub-groups (its parameter groups cut by zero3_sub_groups) against those DeepSpeed's own
     ZeRO-3 optimizer makes for the same model, and partial offload's split of them."""
+    import json
+    import subprocess
+    import sys
+
     from shardlab.planning.planner import _arch, _ds_group_params
-    from shardlab.training.optim import Precision
-    from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy, twin_flow_gpu_sub_groups, zero3_sub_groups
+    from shardlab.strategies.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
     user = tmp_path / "ds.json"
     user.write_text('{"zero_optimization": {"sub_group_size": 150000}}')  # several sub-groups of the tiny model
-    cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1,
-                    deepspeed_config=str(user), strategy_options={"offload_ratio": 0.5})
-    strategy = DeepSpeedStrategy(cfg, one_rank, Precision("fp32"), 1, 1)
-    strategy.setup(strategy.build_model(), total_steps=2)
-    opt = strategy.engine.optimizer
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", _ZERO3_ENGINE, str(user)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64)
     planned = zero3_sub_groups(_ds_group_params(_arch(cfg), cfg.weight_decay), 150_000)
-    assert len(planned) > 2 and opt.fp16_partitioned_groups_flat_numel == planned
-    assert len(opt.subgroup_to_device) == len(planned) and opt.partial_offload == 0.5
+    assert len(planned) > 2 and engine["numel"] == planned
+    assert engine["devices"] == len(planned) and engine["ratio"] == 0.5
     assert twin_flow_gpu_sub_groups(len(planned), 0.5) == len(planned) // 2  # which, on a GPU, step on the GPU
 
 

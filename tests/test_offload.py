@@ -95,6 +95,30 @@ def test_deepspeed_offload_settings_follow_the_model_and_deepspeed_accepts_them(
     assert _zero("zero3_offload", n_params=100_000_000)["sub_group_size"] == 100_000_000
 
 
+def test_zero3_on_one_rank_keeps_every_parameter_whole():
+    """One rank's ZeRO-3 partition is the whole parameter: gathering it only copies it, so every parameter persists
+    (threshold = the model's size). Not with parameter offload, not on several ranks, not over a user's value."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def zero(strategy="zero3", world=1, **opts):
+        cfg = RunConfig(strategy=strategy, strategy_options=opts)
+        return build_ds_config(cfg, "bf16", 1, 1, world, "cuda", 354_823_168, 1024)["zero_optimization"]
+
+    whole = zero()
+    assert whole["stage3_param_persistence_threshold"] == 354_823_168
+    DeepSpeedZeroConfig(**whole)
+    assert zero(world=2)["stage3_param_persistence_threshold"] == 100_000  # DeepSpeed's default: sharding pays there
+    assert zero("zero3_offload")["stage3_param_persistence_threshold"] == 10_240  # offload: params live on the host
+    assert zero(stage3_param_persistence_threshold=5)["stage3_param_persistence_threshold"] == 5
+    # the plan counts no gathered copies for one rank, and still does for two
+    from shardlab.planning import planner
+
+    cfg = RunConfig(model="gpt2-medium", strategy="zero3", micro_batch=8, precision="bf16")
+    arch = planner._arch(cfg)
+    notes = {d: " ".join(planner._strategy_plan("zero3", arch, cfg, 8, 1, "bf16", d, 1, False, {}).notes) for d in (1, 2)}
+    assert "ZeRO-3 gathered" not in notes[1] and "ZeRO-3 gathered" in notes[2]
+
+
 def test_zero2_offload_accumulates_bf16_gradients_in_fp32_on_the_gpu(tmp_path):
     """DeepSpeed round-trips an offload run's bf16 gradients through the host after every micro-batch unless
     grad_accum_dtype is fp32 (then one GPU buffer, copied out at the boundary: bloom-3b m16 x 4, 24.6% -> 27.1% MFU)."""

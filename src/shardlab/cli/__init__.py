@@ -254,8 +254,12 @@ def _dry_run(cfg) -> None:
     if spec(cfg.strategy).engine == "deepspeed":
         from ..strategies.deepspeed_zero import resolved_ds_config
 
+        from ..planning.planner import arch_from_hf_config
+        from ..training.models import build_hf_config
+
         precision = resolve_precision(cfg.precision, device_type).name
-        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type)
+        arch = arch_from_hf_config(build_hf_config(cfg), name=cfg.model)  # the model's size and width size the buckets
+        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type, n_params=arch.n_params, hidden=arch.hidden)
         print("# DeepSpeed config")
         print(json.dumps(ds, indent=2))
 

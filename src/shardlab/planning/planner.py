@@ -538,7 +538,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
 
-        buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer)  # what the engine gets (offload: model-sized)
+        buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer, d, s.offload_params is not None)  # what the engine gets
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
         if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
             rb = min(rb, n)
@@ -578,6 +578,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 kept = min(n, opts.stage3_max_reuse_distance + buckets["stage3_prefetch_bucket_size"])
                 if kept > gather:
                     gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
+            if buckets["stage3_param_persistence_threshold"] >= n:  # one rank: every parameter persists, none is gathered
+                gather, label = 0, "ZeRO-3 gathered params (none: every parameter persists on one rank)"
             temp[label] = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
             if on_gpu:

@@ -186,7 +186,7 @@ def two_nodes(args: list[str], root: Path, name: str) -> tuple[Run, Run]:
 def test_two_nodes_match_one_node(root, ref):
     node0, node1 = two_nodes(RESUME, root, "2nodes")
     node0.ok(), node1.ok()
-    assert "launching 1 worker(s) on node 0 of 2" in node0.stdout_path.read_text()
+    assert "launching 1 worker(s) (forked from this launcher) on node 0 of 2" in node0.stdout_path.read_text()
     assert json.loads((node0.out / "summary.json").read_text())["world_size"] == 2
     assert_same_losses(losses(node0.out), ref, range(1, 15), rel=1e-6)
 

@@ -1,7 +1,7 @@
 """Joining a job someone else launched: torchrun, and srun (SLURM variables only) — no relaunch, same losses.
 
-The reference is shardlab's own launcher (`--gpus 2`): a strategy's losses must not depend on who
-started the processes.
+The reference is shardlab's own launcher (`--gpus 2`, ranks forked from it on CPU): a strategy's losses must not
+depend on who started the processes, or how.
 """
 
 from __future__ import annotations
@@ -34,7 +34,19 @@ def reference(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ARGS, "--gpus", "2", "--output-dir", str(out)],
                           capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "forked from this launcher" in proc.stdout  # a CPU run forks its ranks (launcher.worker_start_method)
     return losses(out)
+
+
+def test_exec_started_ranks_train_as_forked_ones(reference, tmp_path):
+    """GPU runs start every rank as a fresh interpreter (CUDA cannot be initialised again in a fork); forced here on
+    CPU, the same run gives the same losses as the forked ranks of the reference."""
+    out = tmp_path / "exec"
+    proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ARGS, "--gpus", "2", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "SHARDLAB_WORKER_START": "exec"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fresh interpreters" in proc.stdout
+    assert losses(out) == pytest.approx(reference, rel=1e-5)
 
 
 def test_joins_torchrun(reference, tmp_path):

@@ -264,10 +264,20 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         )
         if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # torch >= 2.8
             launch.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded by ForwardToWorkers
-        print(f"[shardlab] launching {nproc} worker(s) on node {cfg.node_rank} of {cfg.nodes} (master {cfg.master_addr}:{port})", flush=True)
+        start = worker_start_method(pick_device_type(cfg.device))
+        how = "forked from this launcher" if start == "fork" else "fresh interpreters"
+        print(f"[shardlab] launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
+              f"(master {cfg.master_addr}:{port})", flush=True)
         try:
             with ForwardToWorkers():
-                elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), *plan_args)
+                if start == "fork":
+                    from .worker import forked_main
+
+                    preimport_for_workers(cfg)
+                    launch.start_method = "fork"
+                    elastic_launch(launch, forked_main)(str(cfg_file), *plan_args)
+                else:
+                    elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), *plan_args)
         except ChildFailedError as err:
             failed = WorkerFailed.from_failures(err.failures)
             if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective
@@ -278,6 +288,31 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             if type(err).__name__ == "SignalException":
                 raise WorkerFailed(REQUEUE_EXIT if getattr(err, "sigval", None) == signal.SIGTERM else 130, f"stopped by {err.sigval.name}") from None
             raise
+
+
+# "fork" or "exec": how `spawn` starts workers, where the default below is not wanted (tests run both).
+WORKER_START_ENV = "SHARDLAB_WORKER_START"
+
+
+def worker_start_method(device_type: str) -> str:
+    """How spawned workers start. "exec": a fresh interpreter per rank (`python -m shardlab.launch.worker`), as
+    torchrun and srun start them; always on GPUs, where a forked child could not initialise CUDA again once this
+    process had touched it. "fork" (CPU runs): each rank is forked from this launcher, which has already imported
+    torch, transformers and shardlab for its preflight and plan, so a rank starts in well under a second instead of
+    importing them again (~10 s of CPU per rank on a 2-core machine; a 2-rank tiny run took 41 CPU-s, most of it
+    imports). The forked rank resets what it inherited (signal handlers, exit hooks: worker.forked_main)."""
+    forced = os.environ.get(WORKER_START_ENV, "")
+    if forced in ("fork", "exec"):
+        return forced
+    return "fork" if device_type == "cpu" else "exec"
+
+
+def preimport_for_workers(cfg: RunConfig) -> None:
+    """Before forking ranks: import what every rank imports, once, here (DeepSpeed only for its strategies)."""
+    import shardlab.training.trainer  # noqa: F401
+
+    if spec(cfg.strategy).engine == "deepspeed":
+        import deepspeed  # noqa: F401
 
 
 def _run_id(cfg: RunConfig, port: int) -> str:

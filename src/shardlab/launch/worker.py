@@ -1,7 +1,10 @@
-"""`python -m shardlab.launch.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process."""
+"""`python -m shardlab.launch.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process (GPU runs);
+`forked_main`: the same body in a rank forked from the launcher (CPU runs, launcher.worker_start_method)."""
 
 from __future__ import annotations
 
+import atexit
+import signal
 import sys
 
 from ..cli import report_errors
@@ -20,6 +23,21 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
     return status.code
+
+
+def forked_main(*argv: str) -> None:
+    """A rank forked from the launcher (launcher.worker_start_method): start as a fresh interpreter would. The
+    launcher's handlers (forwarding SIGTERM/SIGUSR*, the elastic agent's SIGINT/SIGHUP/SIGQUIT) and its exit hooks
+    are not this rank's; its own exit hooks run at the end, as `sys.exit` runs them in an exec'd worker (the
+    multiprocessing child that called us ends in os._exit)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()
+    code = main(list(argv))
+    atexit._run_exitfuncs()
+    if code:
+        exit_process(code)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,28 @@ import yaml
 # A training run is seconds on CPU; this is only a guard against a hung collective.
 RUN_TIMEOUT_S = 420
 
+# Tests that read the session's shared runs (SharedRuns) run on one pytest-xdist worker, so that each run trains once.
+SHARED_RUNS_GROUP = "shared-runs"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs the tiers on 2 workers): a test that uses a
+    module-, class- or package-scoped fixture (a training run, a SLURM cluster, a bench that several tests read) runs
+    on the worker that runs the rest of its module, so the fixture is built once and not once per worker; the readers
+    of the session's shared runs form one group. Every other test goes to whichever worker is free. Without xdist
+    the marks do nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if "shared_runs" in info.names_closure:
+            group = SHARED_RUNS_GROUP
+        elif any(defs and defs[-1].scope in ("module", "class", "package") for defs in info.name2fixturedefs.values()):
+            group = item.module.__name__
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def offline_env(tmp_path_factory):

@@ -13,14 +13,12 @@ runs them, so that `shardlab --help` loads no torch (tests/test_layout_imports.p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import enum
 import json
 import os
 import sys
 import types
 import typing
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -28,8 +26,7 @@ from pydantic import BaseModel
 from ..config import STRATEGIES, RunConfig, dump_config, load_config, parse_set
 from ..errors import UserError, say
 from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_report
-from ..launch.failures import WorkerFailed
-from ..launch.preemption import Preempted
+from ..launch.failures import report_errors  # worker.py's too; callers also import it from here
 from ..launch.supervise import exit_as, supervise, wanted
 from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
 from ..strategies import strategy_class
@@ -76,35 +73,6 @@ def _config_flags(model: type = RunConfig, prefix: str = "") -> list[tuple[str, 
 
 # Every `train` flag: (flag, config key, type, help); type "bool" gives --flag / --no-flag.
 FLAGS: list[tuple[str, str, Any, str]] = _config_flags()
-
-
-@dataclass
-class _Status:
-    code: int = 0
-
-
-@contextlib.contextmanager
-def report_errors():
-    """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
-    status = _Status()
-    try:
-        yield status
-    except Preempted as err:  # not a failure: the run checkpointed and wants to be requeued
-        if os.environ.get("RANK") in (None, "0"):
-            say(f"[shardlab] {err}")
-        status.code = err.exit_code
-    except UserError as err:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        say(f"{prefix}error: {err}")
-        status.code = err.exit_code
-    except WorkerFailed as err:
-        say(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}")
-        status.code = err.exitcode
-    except KeyboardInterrupt:
-        say("interrupted")
-        status.code = 130
-
 
 
 def _int_or_auto(value: str) -> int | str:

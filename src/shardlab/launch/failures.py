@@ -1,4 +1,5 @@
-"""How a worker process failed, told in one line: the exception the launcher raises and the CLI reports.
+"""How a worker process failed, told in one line: the exception the launcher raises and the CLI reports, and
+`report_errors`, which turns every user-facing failure into one line and an exit status (the CLI and each worker).
 
 Its own module, free of torch, because `shardlab train`'s supervising parent (supervise.py) catches it too and
 must start in a fraction of a second: importing the launcher would load torch (3 s) in a process that only waits.
@@ -6,9 +7,13 @@ must start in a fraction of a second: importing the launcher would load torch (3
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+from dataclasses import dataclass
 
-from .preemption import REQUEUE_EXIT
+from ..errors import UserError, say
+from .preemption import REQUEUE_EXIT, Preempted
 
 
 def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:
@@ -53,3 +58,31 @@ class WorkerFailed(Exception):
                        "`sacct`, and lower --micro-batch, or use --no-pin-memory / a strategy that offloads less)")
             return cls(128 - first.exitcode, f"rank {rank} (pid {first.pid}) was killed by {name}; the other ranks were stopped{why}")
         return cls(first.exitcode, f"a worker process failed with exit code {first.exitcode} (rank {rank}; its error is printed above)")
+
+
+@dataclass
+class _Status:
+    code: int = 0
+
+
+@contextlib.contextmanager
+def report_errors():
+    """Turn user mistakes into one line on stderr and a non-zero status; bugs keep their traceback."""
+    status = _Status()
+    try:
+        yield status
+    except Preempted as err:  # not a failure: the run checkpointed and wants to be requeued
+        if os.environ.get("RANK") in (None, "0"):
+            say(f"[shardlab] {err}")
+        status.code = err.exit_code
+    except UserError as err:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        say(f"{prefix}error: {err}")
+        status.code = err.exit_code
+    except WorkerFailed as err:
+        say(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}")
+        status.code = err.exitcode
+    except KeyboardInterrupt:
+        say("interrupted")
+        status.code = 130

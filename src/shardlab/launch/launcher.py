@@ -8,6 +8,7 @@ or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worke
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -274,6 +275,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
                     from .worker import forked_main
 
                     preimport_for_workers(cfg)
+                    one_line_fork_failures()
                     launch.start_method = "fork"
                     elastic_launch(launch, forked_main)(str(cfg_file), *plan_args)
                 else:
@@ -305,6 +307,20 @@ def worker_start_method(device_type: str) -> str:
     if forced in ("fork", "exec"):
         return forced
     return "fork" if device_type == "cpu" else "exec"
+
+
+class _NoTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def one_line_fork_failures() -> None:
+    """torch's MultiprocessContext logs a forked rank's failure with the traceback of its own `join` (the exec path's
+    SubprocessContext logs one line); the rank has printed its error already, so keep the line, drop the traceback."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoTraceback) for f in log.filters):
+        log.addFilter(_NoTraceback())
 
 
 def preimport_for_workers(cfg: RunConfig) -> None:

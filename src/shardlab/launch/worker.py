@@ -7,7 +7,7 @@ import atexit
 import signal
 import sys
 
-from ..cli import report_errors
+from .failures import report_errors
 from ..config import load_config
 from .distributed import exit_process
 

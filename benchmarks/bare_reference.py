@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the mode's precision (bf16 except eager-fp32); fp32 for ds-* on CPU")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (off by default, as in the reference)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: torch's default)")
+    p.add_argument("--vocab", type=int, default=None, help="vocab_size (default GPT-2's 50257; 50304 = padded to 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="append one JSON object per mode (JSON Lines) to this file")
     p.add_argument("--timeout", type=int, default=1800, help="--all: seconds allowed per mode")
@@ -173,7 +174,8 @@ def run_mode(args) -> dict:
     device = torch.device(dev)
 
     n_layer, n_embd, n_head = MODEL_SIZES[args.model_size]
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(1024, args.seq))
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(1024, args.seq),
+                     **({"vocab_size": args.vocab} if args.vocab else {}))
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model = model.float()  # fp32 master weights; autocast / DeepSpeed bf16 handle the rest
     model.config.use_cache = False
@@ -269,6 +271,7 @@ def run_mode(args) -> dict:
         "model": {"medium": "gpt2-medium", "gpt2": "gpt2", "large": "gpt2-large"}.get(args.model_size, args.model_size),
         "micro": micro,
         "seq": args.seq,
+        "vocab": vocab,
         "precision": precision,
         "tokens_per_s_median": round(statistics.median(tps), 1),
         "tokens_per_s_min": round(min(tps), 1),
@@ -332,9 +335,9 @@ def child_argv(args, spec: str, result_file: str) -> list[str]:
             "--result-file", result_file]
     if args.micro and ":" not in spec:
         argv += ["--micro", str(args.micro)]
-    for flag in ("precision", "compile_mode"):
+    for flag in ("precision", "compile_mode", "vocab"):
         if getattr(args, flag):
-            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.tf32:
         argv.append("--tf32")
     return argv

@@ -24,7 +24,7 @@ import foundation_gpu as fg
 # label -> (model, expected wall seconds on an H100 with a cold cache: a cell is skipped when less time is left)
 MODEL = {"bloom-sdpa": "bloom-560m", "bloom-eager": "bloom-560m"}
 EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, "dp-compile-again": 60, "fsdp-compile": 170,
-              "zero1": 60, "zero2": 60, "zero3": 110, "zero3-gather": 110, "fsdp-noreshard": 60,
+              "zero1": 60, "zero2": 60, "zero3": 110, "zero3-gather": 110, "fsdp-noreshard": 60, "dp-nopad": 45, "dp-compile-nopad": 150,
               "fsdp": 60, "fsdp-compile-model": 170, "dp-compile-blocks": 150,
               "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
@@ -37,6 +37,9 @@ fg.CELLS.update({
     # zero3 as it was before one rank kept every parameter whole (DeepSpeed's default persistence threshold)
     "zero3-gather": ("zero3", 8, ["--set", "strategy_options.stage3_param_persistence_threshold=100000"], None),
     "fsdp-noreshard": ("fsdp", 8, ["--set", "strategy_options.fsdp_reshard_after_forward=false"], None),
+    # the output head's matmul on GPT-2's own 50,257-token vocabulary (before training/head_padding.py)
+    "dp-nopad": ("dp", 8, ["--set", "pad_head=false"], None),
+    "dp-compile-nopad": ("dp", 16, ["--compile", "--set", "pad_head=false"], None),
     # loss_kernel side by side (benchmarks/gpu_liger.sh): no eval split, so that each run compiles one graph (an eval
     # under no_grad compiles a second one) and three interleaved repeats fit one device call
     "dp-compile-closs-noeval": ("dp", 16, ["--compile", "--set", "loss_kernel=compiled", "--eval-split", "0"], None),
@@ -46,7 +49,8 @@ fg.CELLS.update({
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
           "fsdp-compile": ("dp-compile", 0.95), "fsdp-compile-model": ("dp-compile", 0.95),
           "dp-compile-blocks": ("bare:compile-bf16", 1.10), "dp-compile-closs-noeval": ("bare:compile-bf16", 1.10),
-          "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}
+          "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "dp-nopad": ("bare:eager-bf16", None),
+          "dp-compile-nopad": ("bare:compile-bf16", 1.10), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

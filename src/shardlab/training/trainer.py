@@ -40,7 +40,7 @@ from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
-from . import compiling, optim
+from . import compiling, head_padding, optim
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
@@ -323,6 +323,10 @@ class Trainer:
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         model = strategy.build_model()  # only what the engine keeps: its dtype, ZeRO-3 partitions, FSDP shards
         apply_dropout(model, cfg.dropout)
+        if strategy.spec.engine != "pipelining":  # a pipeline's head is in its last stage's module
+            padded = head_padding.apply(model, cfg, env.device.type, strategy.loss_kernel)
+            if padded:
+                log0(env, padded)
         samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded (or why not)
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary

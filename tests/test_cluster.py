@@ -71,9 +71,11 @@ class Run:
         raise TimeoutError(f"step {step} not reached")
 
     def worker(self, rank: int) -> psutil.Process:
-        """The worker process of global `rank` below this `shardlab train` (its supervisor, the launcher; workers carry RANK)."""
+        """The worker process of global `rank` below this `shardlab train` (its supervisor, the launcher): named
+        shardlab-r<RANK> when forked from the launcher (CPU runs: launch/worker.forked_main), RANK in its environment
+        when exec'd."""
         for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if child.environ().get("RANK") == str(rank):
+            if child.name() == f"shardlab-r{rank}" or child.environ().get("RANK") == str(rank):
                 return child
         raise LookupError(f"no worker with RANK={rank}")
 

@@ -23,12 +23,15 @@ def test_cpu_runs_fork_their_ranks_gpu_runs_exec_them(monkeypatch):
 
 def _seen_by_rank(queue) -> None:
     def fake_main(argv):
-        queue.put({"argv": argv, "term": signal.getsignal(signal.SIGTERM), "usr1": signal.getsignal(signal.SIGUSR1),
+        queue.put({"argv": argv, "name": open("/proc/self/comm").read().strip(), "term": signal.getsignal(signal.SIGTERM), "usr1": signal.getsignal(signal.SIGUSR1),
                    "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler})
         atexit.register(queue.put, "rank's own exit hook ran")
         return 0
 
     worker.main = fake_main
+    import os
+
+    os.environ["RANK"] = "3"  # as torch's elastic wrapper sets it in the child before calling the entry
     worker.forked_main("config.yaml", "plan.json")
 
 
@@ -47,6 +50,6 @@ def test_a_forked_rank_drops_the_launchers_handlers_and_exit_hooks():
             signal.signal(s, h)
         atexit.unregister(queue.put)
     assert proc.exitcode == 0
-    assert seen == {"argv": ["config.yaml", "plan.json"], "term": signal.SIG_DFL, "usr1": signal.SIG_DFL, "int": True}
+    assert seen == {"argv": ["config.yaml", "plan.json"], "name": "shardlab-r3", "term": signal.SIG_DFL, "usr1": signal.SIG_DFL, "int": True}
     assert last == "rank's own exit hook ran"
     assert queue.empty()

@@ -302,7 +302,11 @@ def worker_start_method(device_type: str) -> str:
     process had touched it. "fork" (CPU runs): each rank is forked from this launcher, which has already imported
     torch, transformers and shardlab for its preflight and plan, so a rank starts in well under a second instead of
     importing them again (~10 s of CPU per rank on a 2-core machine; a 2-rank tiny run took 41 CPU-s, most of it
-    imports). The forked rank resets what it inherited (signal handlers, exit hooks: worker.forked_main)."""
+    imports). The forked rank resets what it inherited (signal handlers, exit hooks: worker.forked_main).
+    Which rank failed: torch's MultiprocessContext (fork) reports the first failed rank its poll (every
+    monitor_interval, 0.5 s) finds, where SubprocessContext (exec) reports them all and WorkerFailed orders them by
+    cause. A rank that loses its peer waits up to 3 s for its launcher's word (guards.read_failure) before it exits, so
+    the poll finds the rank that died first (tests/test_cluster.py::test_kill9_mid_epoch_names_the_rank)."""
     forced = os.environ.get(WORKER_START_ENV, "")
     if forced in ("fork", "exec"):
         return forced

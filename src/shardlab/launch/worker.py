@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
+import os
 import signal
 import sys
 
@@ -25,6 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     return status.code
 
 
+def name_process(name: str) -> None:
+    """Linux: the process's name as `ps`/`top` and psutil's name() show it (15 bytes). A forked rank has the launcher's
+    command line and environment in /proc (its RANK is set in-process only), so this is what tells the ranks apart."""
+    if sys.platform == "linux":
+        PR_SET_NAME = 15
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def forked_main(*argv: str) -> None:
     """A rank forked from the launcher (launcher.worker_start_method): start as a fresh interpreter would. The
     launcher's handlers (forwarding SIGTERM/SIGUSR*, the elastic agent's SIGINT/SIGHUP/SIGQUIT) and its exit hooks
@@ -34,6 +44,7 @@ def forked_main(*argv: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
+    name_process(f"shardlab-r{os.environ.get('RANK', '?')}")
     code = main(list(argv))
     atexit._run_exitfuncs()
     if code:

@@ -9,7 +9,9 @@ Two tiers (`make test` runs the fast one first and stops if it fails; `make test
   fast  `pytest -m "not slow"`: unit tests, preflight errors, report tables from committed run
         directories, and one single-rank training each of dp, zero2 and fsdp. The whole tier must stay
         within 5 minutes on 2 CPU cores.
-  slow  `pytest -m slow`: everything else.
+  slow  `pytest -m slow`: everything else. `make test` runs it on 2 pytest-xdist workers (`-n 2 --dist loadgroup`):
+        about half of its time is spent waiting on processes; `pytest_collection_modifyitems` below keeps a module's
+        tests that share a module fixture on one worker.
 The rule for a new test: if it spawns more than one rank (--gpus N>1, torchrun, two nodes, a pipeline),
 runs a training subprocess longer than ~10 s, runs a bench/peer/SLURM job, or trains a configuration that
 no fast test already trains, mark it `@pytest.mark.slow`. Prefer an in-process unit test for an error path.

@@ -301,8 +301,8 @@ def worker_start_method(device_type: str) -> str:
     torchrun and srun start them; always on GPUs, where a forked child could not initialise CUDA again once this
     process had touched it. "fork" (CPU runs): each rank is forked from this launcher, which has already imported
     torch, transformers and shardlab for its preflight and plan, so a rank starts in well under a second instead of
-    importing them again (~10 s of CPU per rank on a 2-core machine; a 2-rank tiny run took 41 CPU-s, most of it
-    imports). The forked rank resets what it inherited (signal handlers, exit hooks: worker.forked_main).
+    importing them again (~10 s of CPU per rank on a 2-core machine: a 2-rank tiny-gpt2 run took 52-58 CPU-s exec'd,
+    28-36 forked, measured side by side). The forked rank resets what it inherited (signal handlers, exit hooks: worker.forked_main).
     Which rank failed: torch's MultiprocessContext (fork) reports the first failed rank its poll (every
     monitor_interval, 0.5 s) finds, where SubprocessContext (exec) reports them all and WorkerFailed orders them by
     cause. A rank that loses its peer waits up to 3 s for its launcher's word (guards.read_failure) before it exits, so

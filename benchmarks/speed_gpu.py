@@ -22,11 +22,12 @@ from pathlib import Path
 import foundation_gpu as fg
 
 # label -> (model, expected wall seconds on an H100 with a cold cache: a cell is skipped when less time is left)
-MODEL = {"bloom-sdpa": "bloom-560m", "bloom-eager": "bloom-560m"}
+MODEL = {"bloom-sdpa": "bloom-560m", "bloom-eager": "bloom-560m", "bloom-sdpa-cudnn": "bloom-560m"}
 EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, "dp-compile-again": 60, "fsdp-compile": 170,
               "zero1": 60, "zero2": 60, "zero3": 110, "zero3-gather": 110, "fsdp-noreshard": 60, "dp-nopad": 45, "dp-compile-nopad": 150,
               "fsdp": 60, "fsdp-compile-model": 170, "dp-compile-blocks": 150,
-              "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
+              "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
+              "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -44,13 +45,21 @@ fg.CELLS.update({
     # under no_grad compiles a second one) and three interleaved repeats fit one device call
     "dp-compile-closs-noeval": ("dp", 16, ["--compile", "--set", "loss_kernel=compiled", "--eval-split", "0"], None),
     "dp-compile-liger-noeval": ("dp", 16, ["--compile", "--set", "loss_kernel=liger", "--eval-split", "0"], None),
+    # attention kernel and compile mode (training/attention_backend.py, training/compiling.py; benchmarks/gpu_attention.sh)
+    "dp-cudnn": ("dp", 8, ["--set", "sdpa_backend=cudnn"], None),
+    "dp-compile-cudnn": ("dp", 16, ["--compile", "--set", "sdpa_backend=cudnn"], None),
+    "dp-compile-autotune": ("dp", 16, ["--compile", "--set", "compile_mode=max-autotune-no-cudagraphs"], None),
+    "dp-compile-cudagraphs": ("dp", 16, ["--compile", "--set", "compile_mode=reduce-overhead"], None),
+    "bloom-sdpa-cudnn": ("dp", 8, ["--attn-implementation", "sdpa", "--set", "sdpa_backend=cudnn"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
           "fsdp-compile": ("dp-compile", 0.95), "fsdp-compile-model": ("dp-compile", 0.95),
           "dp-compile-blocks": ("bare:compile-bf16", 1.10), "dp-compile-closs-noeval": ("bare:compile-bf16", 1.10),
           "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "dp-nopad": ("bare:eager-bf16", None),
-          "dp-compile-nopad": ("bare:compile-bf16", 1.10), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}
+          "dp-compile-nopad": ("bare:compile-bf16", 1.10), "dp-cudnn": ("dp", None), "dp-compile-cudnn": ("bare:compile-bf16", 1.10),
+          "dp-compile-autotune": ("bare:compile-bf16", 1.10), "dp-compile-cudagraphs": ("bare:compile-bf16", 1.10),
+          "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

@@ -170,6 +170,14 @@ class RunConfig(_Strict):
         description="auto, bf16, fp16 or fp32")
     compile: bool = Field(False, json_schema_extra=cli("--compile"),
         description="torch.compile the model")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"] = Field(
+        "default", description="with --compile: torch.compile's mode. 'max-autotune-no-cudagraphs' benchmarks GEMM and "
+        "Triton configurations while compiling (minutes more compile time, cached); 'reduce-overhead' and 'max-autotune' "
+        "also capture CUDA graphs (static memory pools the planner does not model) (shardlab.training.compiling)")
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
+        "auto", description="the attention kernel F.scaled_dot_product_attention tries first: 'auto' = torch's order "
+        "(flash, efficient, math, cudnn); the others stay behind the chosen one as fallbacks; 'efficient' and 'cudnn' need "
+        "CUDA (shardlab.training.attention_backend)")
     compile_scope: Literal["auto", "model", "blocks"] = Field(
         "auto", description="with --compile: 'model' = one graph of the whole model, 'blocks' = each decoder block compiled on "
         "its own (as torchtitan does; gradients appear block by block), 'auto' = blocks for ao_offload and "

@@ -237,6 +237,8 @@ class RunSummary(_Record):
     total_time_s: float | None = None
     compile: bool | None = None
     compile_scope: str | None = None
+    compile_mode: str | None = None
+    sdpa_backend: str | None = None
     time_to_first_step_s: float | None = None
     startup_s: dict[str, float] | None = None  # measure/startup.py: the phases of time_to_first_step_s
     compile_time_s: float | None = None

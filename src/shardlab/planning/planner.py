@@ -804,6 +804,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         plan_notes.append(
             f"--compile is NOT modelled for the {arch.family} family (its compiled layers were never traced): these are "
             "eager-mode predictions, an upper bound; inductor recomputes cheap ops instead of saving them")
+    if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        plan_notes.append(f"compile_mode {cfg.compile_mode!r} captures CUDA graphs, whose static memory pools are not modelled: "
+                          "the GPU peak can be higher than planned")
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..training import loss, optim
+from ..training import attention_backend, loss, optim
 from ..config import RunConfig
 from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
@@ -108,6 +108,7 @@ class Strategy(ABC):
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
         s = spec(cfg.strategy)
         optim.check_optimizer_options(cfg, s, world, accum, device_type)
+        attention_backend.check(cfg.sdpa_backend, device_type)
         if cfg.loss_kernel == "liger":
             from ..training.models import build_hf_config
 
@@ -158,6 +159,10 @@ class Strategy(ABC):
         assert self.model is not None
         # With a loss_fn the model gets no labels: it returns logits and computes no loss of its own.
         inputs = batch if self.loss_fn is None else {k: v for k, v in batch.items() if k != "labels"}
+        with attention_backend.context(self.cfg.sdpa_backend):
+            return self._forward(batch, inputs)
+
+    def _forward(self, batch: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if isinstance(self.loss_fn, loss.HeadFusedLoss):
             # liger: the model stops before its head (outputs.logits are the final hidden states) and the fused loss
             # applies the head's weight; inside autocast, so that its matmuls run in 16 bits as the head's would.

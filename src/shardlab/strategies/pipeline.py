@@ -19,6 +19,7 @@ of another split, and exports like dp's; a dp or fsdp checkpoint resumes as a pi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import statistics
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..measure import metrics
+from ..training import attention_backend
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
@@ -101,8 +103,10 @@ def embedding_modules(family: str, trunk: nn.Module) -> dict[str, nn.Module]:
 class Stage(nn.Module):
     """One pipeline stage of a GPT-2, BLOOM or Llama-style model, built from the HF model's own submodules."""
 
-    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool, autocast_dtype: torch.dtype | None = None,
+                 sdpa_backend: str = "auto"):
         super().__init__()
+        self.sdpa_backend = sdpa_backend  # RunConfig.sdpa_backend: entered around each forward, as Strategy.forward does
         # bf16: the stage's forward runs under autocast over fp32 master weights, as dp does. The
         # residual stream stays fp32, so what travels between stages is fp32 and shapes/dtypes agree.
         self.autocast_dtype = autocast_dtype
@@ -117,9 +121,8 @@ class Stage(nn.Module):
         self.num_heads = getattr(model.config, "n_head", None) or getattr(model.config, "num_attention_heads", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            return self._forward(x)
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+        autocast = contextlib.nullcontext() if self.autocast_dtype is None else torch.autocast(x.device.type, dtype=self.autocast_dtype)
+        with autocast, attention_backend.context(self.sdpa_backend):
             return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +344,8 @@ class PipelineStrategy(TorchOptimizerStrategy):
         pp_stages = []
         for s in my_stages:
             dtype = self.precision.dtype if self.precision.is_mixed else None
-            module = Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype).to(env.device)
+            module = Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype,
+                           sdpa_backend=self.cfg.sdpa_backend).to(env.device)
             self.stage_modules.append(module)
             pp_stages.append(PipelineStage(module, s, n_stages, env.device, group=self.pp_group))
         self.is_first = 0 in my_stages

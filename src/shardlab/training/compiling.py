@@ -47,8 +47,13 @@ def compile_blocks(model: nn.Module, cfg) -> bool:
     if not cfg.compile or scope(cfg, model) != "blocks":
         return False
     for block in transformer_blocks(model):
-        block.compile()
+        block.compile(**options(cfg))
     return True
+
+
+def options(cfg) -> dict:
+    """torch.compile's keyword arguments: ``compile_mode`` (torch's own 'default' passes nothing)."""
+    return {} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode}
 
 
 def compile_model(model: nn.Module, cfg) -> nn.Module:
@@ -56,4 +61,4 @@ def compile_model(model: nn.Module, cfg) -> nn.Module:
     ``torch.compile(model)``."""
     if not cfg.compile or compile_blocks(model, cfg):
         return model
-    return torch.compile(model)
+    return torch.compile(model, **options(cfg))

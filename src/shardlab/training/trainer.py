@@ -586,6 +586,7 @@ class Trainer:
             "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
             "total_time_s": total_time, "compile": cfg.compile,
             "compile_scope": compiling.scope(cfg, strategy.hf_model) if cfg.compile else None,
+            "compile_mode": cfg.compile_mode if cfg.compile else None, "sdpa_backend": cfg.sdpa_backend,
             # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
             "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
             "startup_s": self.startup.phases() or None,  # measure/startup.py: where that time went

@@ -114,7 +114,7 @@ def train(cfg: RunConfig, force: bool = False):
 
 def _train(cfg: RunConfig, force: bool):
     mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
-    use_persistent_cache()  # compiled graphs outlive /tmp: the workers inherit the directory
+    use_persistent_cache(cfg.sdpa_backend)  # compiled graphs outlive /tmp: the workers inherit the directory
     os.environ.update(bytecode_env(os.environ))  # spawned workers keep their imports' bytecode (launch/bytecode.py)
     limit_compile_workers(cfg.compile)  # no pool of inductor processes for the small graphs of runs without --compile
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))

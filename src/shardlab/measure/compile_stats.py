@@ -32,12 +32,21 @@ __all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "
 START_ENV = "SHARDLAB_START_TIME"
 
 
-def use_persistent_cache() -> Path:
+def use_persistent_cache(sdpa_backend: str = "auto") -> Path:
     """Inductor's cache directory: $TORCHINDUCTOR_CACHE_DIR if set, else <shardlab cache>/inductor (set here,
-    before anything compiles, so worker processes inherit it). Returns the directory in use."""
+    before anything compiles, so worker processes inherit it). Returns the directory in use.
+
+    A run that picks an attention kernel (``sdpa_backend`` other than auto) gets the subdirectory ``sdpa-<choice>``:
+    the AOTAutograd cache's key ignores torch's SDPA backend flags, so a shared directory would hand it graphs traced
+    with another kernel (training/attention_backend.py). Idempotent: a worker inheriting the launcher's directory
+    keeps it."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    if sdpa_backend != "auto" and not path.name.startswith("sdpa-"):
+        path = path / f"sdpa-{sdpa_backend}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
 
 
 # Resident memory of one inductor compile worker (a Python with torch imported): H100 runs of 2026-11-26, process

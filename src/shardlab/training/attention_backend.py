@@ -5,11 +5,16 @@ that accepts the inputs. On Hopper GPUs cuDNN 9's attention is a different kerne
 port; which one is faster depends on the GPU, head size and cuDNN version, so this is a choice to measure
 (benchmarks/speed_gpu.py cells ``*-cudnn``), not one to hard-code.
 
-``sdpa_backend`` moves one backend to the front of torch's order (``sdpa_kernel(..., set_priority=True)``) and keeps
-the others behind it, so inputs the chosen kernel rejects (an additive mask under flash, say) still run. It is
+``sdpa_backend`` moves one fused backend to the front of torch's order (``sdpa_kernel(..., set_priority=True)``) and
+keeps the others behind it, so inputs the chosen kernel rejects (an additive mask under flash, say) still run; 'math'
+is the unfused reference alone (torch's CPU dispatch ignores priorities and would otherwise still run flash). It is
 entered around each forward: backward runs the kernel paired with the forward's, and torch.compile traces the
 forward under it, so compiled graphs get the same choice. Models that do not call SDPA (``--attn-implementation
 eager``) are unaffected; BLOOM's ALiBi attention (training/bloom_sdpa.py) passes a bias, which flash rejects.
+
+torch's AOTAutograd cache does not key on these flags: a graph compiled under one backend is loaded from the cache
+under another (checked with torch 2.13: a math run after a default one got the flash graph). So each non-default
+choice compiles into a cache directory of its own (``measure.compile_stats.use_persistent_cache``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def priority(choice: str) -> list:
 
     default = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
     first = getattr(SDPBackend, BACKENDS[choice])
+    if first == SDPBackend.MATH:
+        return [first]
     return [first] + [b for b in default if b != first]
 
 

@@ -689,7 +689,7 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     # A rank killed by a native fault (SIGSEGV, SIGABRT from a C++ terminate) prints its Python stacks
     # first, so "rank 1 was killed by SIGABRT" comes with where it was.
     faulthandler.enable(all_threads=True)
-    use_persistent_cache()  # before anything compiles
+    use_persistent_cache(cfg.sdpa_backend)  # before anything compiles
     try:
         # why: its docstring (1.5x faster CPU steps, a higher resident peak: off under an explicit host-RAM budget)
         with reuse_freed_heap(pick_device_type(cfg.device) == "cpu" and cfg.cpu_memory_budget_gb is None):

@@ -40,7 +40,7 @@ from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
-from . import compiling, head_padding, optim
+from . import compiling, head_padding, optim, pinned
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
@@ -333,6 +333,9 @@ class Trainer:
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
         self.startup.mark("model_build")
         strategy.setup(model, total_steps)
+        released = pinned.release_cached(env.device.type)  # what set-up pinned and freed (training/pinned.py)
+        if released >= 0.5:
+            log0(env, f"released {released:.1f} GiB of cached pinned host memory that engine set-up freed")
         self.startup.mark("engine_setup")
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 

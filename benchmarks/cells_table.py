@@ -18,7 +18,7 @@ def row(run: Path) -> str:
         f"{s.get('tokens_per_step') or 0:,}", f"{s.get('useful_tokens_per_s') or 0:,.0f}",
         f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "-",
         f"{s.get('gpu_mem_peak_gib') or 0:.2f} / {plan.get('gpu_peak_gib') or 0:.2f}",
-        f"{((cpu.get('real_mb') or {}).get('peak') or 0) / 1024:.1f} (rank {s.get('cpu_rss_peak_rank_gib') or 0:.1f}) / {plan.get('cpu_gib') or 0:.1f}",
+        f"{((cpu.get('real_mb') or {}).get('peak') or 0) * 1e6 / 2**30:.1f} (rank {s.get('cpu_rss_peak_rank_gib') or 0:.1f}) / {plan.get('cpu_gib') or 0:.1f}",
         f"{s.get('final_train_loss') or 0:.3f}", f"{s.get('step_time_median_s') or 0:.2f}",
         f"{s.get('time_to_first_step_s') or 0:.0f}",
         (f"gpu {split.get('gpu_compute_s', 0):.2f} / cpu-opt {split.get('cpu_optimizer_s', 0):.2f} / idle "

@@ -98,7 +98,7 @@ def test_dtype_and_attention_for_presets():
     gpt2 = models.build_model(RunConfig(model="tiny-gpt2", device="cpu"), dtype=torch.bfloat16)
     assert gpt2.dtype == torch.bfloat16
     assert models.model_summary(gpt2)["dtype"] == "bf16"
-    assert gpt2.config._attn_implementation == "sdpa"
+    assert gpt2.config._attn_implementation == "shardlab_sdpa"  # transformers' sdpa, is_causal under compile (sdpa_causal.py)
     bloom = models.build_model(RunConfig(model="tiny-bloom", device="cpu"))
     # transformers builds BLOOM eager (it has no SDPA path); shardlab.training.bloom_sdpa then routes its attention through SDPA
     assert bloom.config._attn_implementation == "eager" and "forward" in vars(bloom.transformer.h[0].self_attention)

@@ -47,6 +47,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from . import sdpa_causal
 from .bloom_sdpa import is_bloom, use_sdpa_attention
 from ..config import RunConfig
 from ..errors import UserError
@@ -727,6 +728,8 @@ def build_model(
             model = _hub_load(AutoModelForCausalLM.from_pretrained, obj, "model", **kwargs)
     if bloom_sdpa:
         use_sdpa_attention(model)
+    elif attn == "sdpa":  # SDPA's is_causal kernels also under torch.compile (sdpa_causal.py)
+        sdpa_causal.use(model)
     if cfg.gradient_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support gradient checkpointing", "drop --gradient-checkpointing")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardlab.config import RunConfig
 from shardlab.training import sdpa_causal
@@ -39,15 +43,55 @@ def test_sdpa_models_run_under_shardlab_sdpa_and_export_without_it(tmp_path, mod
     assert eager.config._attn_implementation == "eager"  # only sdpa models switch
 
 
-def test_compiled_unpadded_forward_builds_no_mask_and_matches_transformers(mask_calls, models):
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """(got a mask, is_causal) of every F.scaled_dot_product_attention call."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None), kwargs.get("is_causal")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_compiled_unpadded_forward_builds_no_mask_and_matches_transformers(mask_calls, sdpa_calls, models):
+    """While dynamo traces, transformers can neither skip the mask nor rule out packing (the model's own position_ids):
+    for unpacked rows (what Strategy.forward says of its batches) SDPA still runs is_causal, unmasked."""
     ours, theirs = models
     assert ours.config._attn_implementation == "shardlab_sdpa"
     ids = torch.randint(0, 1000, (2, 16))
     expected = theirs(ids).logits
     torch._dynamo.reset()
-    got = torch.compile(ours, backend="aot_eager")(ids).logits  # the mask is decided while dynamo traces: no inductor needed
-    assert mask_calls == []  # transformers' mask function was never needed: SDPA ran with is_causal
+    with sdpa_causal.unpacked_rows():  # the mask is decided while dynamo traces: aot_eager suffices, no inductor
+        got = torch.compile(ours, backend="aot_eager")(ids, use_cache=False).logits  # as Strategy.forward calls it
+    assert set(sdpa_calls) == {(False, True)} and mask_calls == []
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # without that knowledge the packed-sequence term stands and transformers builds the mask, as for its own sdpa
+    sdpa_calls.clear()
+    torch._dynamo.reset()
+    torch.compile(ours, backend="aot_eager")(ids, use_cache=False)
+    assert set(sdpa_calls) == {(True, False)} and len(mask_calls) == 1
+
+
+def test_strategy_forward_says_when_rows_are_unpacked():
+    from shardlab.strategies.base import Strategy
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, **inputs):
+            seen.append(sdpa_causal._unpacked)
+            return types.SimpleNamespace(loss=torch.zeros(()))
+
+    fake = types.SimpleNamespace(model=Probe(), loss_fn=None, cfg=RunConfig(), autocast=contextlib.nullcontext)
+    fake._forward = lambda batch, inputs: Strategy._forward(fake, batch, inputs)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    Strategy.forward(fake, {"input_ids": ids, "labels": ids})
+    Strategy.forward(fake, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    assert seen == [True, False] and sdpa_causal._unpacked is False
 
 
 def test_padding_still_gets_transformers_mask(mask_calls, models):

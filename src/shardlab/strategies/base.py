@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..training import attention_backend, loss, optim
+from ..training import attention_backend, loss, optim, sdpa_causal
 from ..config import RunConfig
 from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
@@ -159,7 +159,9 @@ class Strategy(ABC):
         assert self.model is not None
         # With a loss_fn the model gets no labels: it returns logits and computes no loss of its own.
         inputs = batch if self.loss_fn is None else {k: v for k, v in batch.items() if k != "labels"}
-        with attention_backend.context(self.cfg.sdpa_backend):
+        # one unpadded sequence per row: the model's mask is plain causal, also while dynamo traces (sdpa_causal.py)
+        unpacked = "attention_mask" not in inputs and "position_ids" not in inputs
+        with attention_backend.context(self.cfg.sdpa_backend), sdpa_causal.unpacked_rows(unpacked):
             return self._forward(batch, inputs)
 
     def _forward(self, batch: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -175,9 +175,10 @@ class RunConfig(_Strict):
         "Triton configurations while compiling (minutes more compile time, cached); 'reduce-overhead' and 'max-autotune' "
         "also capture CUDA graphs (static memory pools the planner does not model) (shardlab.training.compiling)")
     sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
-        "auto", description="the attention kernel F.scaled_dot_product_attention tries first: 'auto' = torch's order "
-        "(flash, efficient, math, cudnn); the others stay behind the chosen one as fallbacks; 'efficient' and 'cudnn' need "
-        "CUDA (shardlab.training.attention_backend)")
+        "auto", description="the attention kernel F.scaled_dot_product_attention tries first: 'auto' = torch's own choice "
+        "(cuDNN's kernels on an H100 with torch 2.11); for flash / efficient / cudnn the other fused kernels stay behind "
+        "the chosen one as fallbacks; 'math' = the unfused reference alone; 'efficient' and 'cudnn' need CUDA "
+        "(shardlab.training.attention_backend)")
     compile_scope: Literal["auto", "model", "blocks"] = Field(
         "auto", description="with --compile: 'model' = one graph of the whole model, 'blocks' = each decoder block compiled on "
         "its own (as torchtitan does; gradients appear block by block), 'auto' = blocks for ao_offload and "

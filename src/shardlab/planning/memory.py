@@ -157,8 +157,12 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, fl
     GPT-2 2 r + (8 + 2f) p, Llama 2 r + (4 + 2kv + 3f) p, BLOOM 2 r + (8 + 2f) p, f = ffn/hidden,
     kv = kv_heads/heads. Dropout keeps 1-byte bool masks (compiled on any device); fused attention keeps its
     log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and a bool mask.
-    The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces a shape the
-    fit never saw."""
+    On CUDA, GPT-2's layers save two 16-bit tensors per s·b·h fewer than these CPU traces: the blocks alive at the
+    peak of gpt2-medium micro 16 on an H100 (benchmarks/diag/peak_snapshot.py, results 2026-11-26-h100-speed/call2)
+    were 4.2 B/sbh per layer under the count with dp (autocast) and 3.9 with fsdp (bf16 parameters, no autocast),
+    i.e. 2 p in both; the peaks were planned +6.0% before. Not traced on CUDA for Llama and BLOOM (their CPU count
+    stays, the safe side). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces
+    a shape the fit never saw."""
     if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
         return _layer_bytes(arch, mode, device)
     p = 4 if mode == "fp32" else 2
@@ -166,6 +170,8 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, fl
     f = arch.ffn / arch.hidden
     kv = arch.kv_heads / arch.heads
     c_p = 4 + 2 * kv + 3 * f if arch.family == "llama" else 8 + 2 * f
+    if arch.family == "gpt2" and device == "cuda":
+        c_p -= 2  # CUDA (torch 2.11, H100): two 16-bit tensors fewer than the CPU trace, see the docstring
     per_sbh = 2 * r + c_p * p
     if arch.resid_dropout > 0:
         per_sbh += 2  # 1-byte bool masks of the two residual dropouts

@@ -798,8 +798,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     if compile_modelled:
         plan_notes.append(
             "--compile: the decoder layers are counted as inductor saves them (fewer, 16-bit tensors: planning/memory.py "
-            "_compiled_layer_bytes; gpt2-medium dp micro 16: 23.6 GiB planned, 23.7 measured on an H100 before pad_head, 22.3 "
-            "on an H200 with it, +5.9%), the embedding and the loss as in eager runs")
+            "_compiled_layer_bytes; gpt2-medium dp micro 16 on an H100: 22.1 GiB planned, 22.2 measured; with pad_head=false "
+            "23.7 measured, not modelled), the embedding and the loss as in eager runs")
     elif cfg.compile:
         plan_notes.append(
             f"--compile is NOT modelled for the {arch.family} family (its compiled layers were never traced): these are "

@@ -68,6 +68,25 @@ def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
         assert torch.equal(a, new[name]), name
 
 
+@pytest.mark.parametrize("strategy, given, expected", [
+    ("fsdp", None, False), ("fsdp", True, True), ("fsdp_offload", None, True), ("fsdp_offload", False, False)])
+def test_fsdp_setup_reshards_after_forward_as_resolved(one_rank, strategy, given, expected):
+    """On one rank every FSDP2 unit, the root's too, gets fsdp.reshard_after_forward's choice: not resharded by default
+    (nothing to shard across), resharded under parameter offload; an explicit setting as given."""
+    from shardlab.strategies.fsdp import FSDPStrategy
+    from shardlab.training.models import transformer_blocks
+    from shardlab.training.optim import Precision
+
+    cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64,
+                    strategy_options={"fsdp_reshard_after_forward": given})
+    st = FSDPStrategy(cfg, one_rank, Precision("fp32"), 1, 1)
+    st.setup(st.build_model(), 10)
+    units = [*transformer_blocks(st.hf_model), st.hf_model]
+    # torch 2.13: a param group reshards after forward iff it has a post-forward mesh (FSDPParamGroup._reshard_after_forward)
+    assert [u._get_fsdp_state()._fsdp_param_group._reshard_after_forward for u in units] == [expected] * len(units)
+    assert ("not resharded after forward" in st.memory_note()) is (not expected)
+
+
 def test_checkpoint_with_other_key_names_is_not_built_on_meta(tmp_path):
     """Old-style names (no 'transformer.' prefix) go through transformers' own renaming in the ordinary build."""
     from safetensors.torch import save_file

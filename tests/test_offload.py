@@ -147,6 +147,7 @@ def test_offload_transfer_estimates_follow_where_the_gradients_accumulate():
 
     from shardlab.strategies.ao_offload import AOOffloadStrategy
     from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy, resolved_ds_config
+    from shardlab.strategies.fsdp import FSDPStrategy
 
     def zero(accum, json_over=None):
         st = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
@@ -161,6 +162,11 @@ def test_offload_transfer_estimates_follow_where_the_gradients_accumulate():
     ao = AOOffloadStrategy.__new__(AOOffloadStrategy)
     for ao.grad_accum in (1, 8):
         assert ao.transfer_bytes_per_param() == (4.0, 4.0)
+    fs = FSDPStrategy.__new__(FSDPStrategy)
+    fs.cfg, fs.env, fs.grad_accum = RunConfig(strategy="fsdp_offload"), SimpleNamespace(world_size=1), 4
+    assert fs.transfer_bytes_per_param() == (32.0, 4.0)  # offload reshards on one rank too: gathered again in backward
+    fs.cfg = RunConfig(strategy="fsdp_offload", strategy_options={"fsdp_reshard_after_forward": False})
+    assert fs.transfer_bytes_per_param() == (16.0, 4.0)
 
 
 # Measured on one H100 (benchmarks/results/2026-11-25-h100-offload, cells.md): max_memory_allocated in GiB. seq 1024,

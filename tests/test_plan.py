@@ -225,8 +225,10 @@ def test_h100_foundation_errors(capsys):
     zero2_offload +4.7% (-0.9% since the fp32 accumulation buffer), fsdp +0.2% (-0.8% since the root is no longer
     counted gathered during the loss' backward: fsdp.params_gathered_through_backward). dp --compile (micro 16, 23.7 GiB measured with the compiled loss) is NOT
     modelled: the eager prediction is ~40 GiB (+69%), since inductor recomputes instead of saving.
-    Those runs computed the loss inside the model (what loss_kernel=hf still does)."""
-    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1, loss_kernel="hf")
+    Those runs computed the loss inside the model (what loss_kernel=hf still does), and fsdp resharded after forward
+    (the default then; one rank now defaults to not resharding)."""
+    cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1, loss_kernel="hf",
+                    strategy_options={"fsdp_reshard_after_forward": True})
     p = plan(cfg, gpu_memory_gb=80, strategies=tuple(MEASURED_H100))
     rows = []
     for s, measured in MEASURED_H100.items():
@@ -359,3 +361,50 @@ def test_cpu_adamw_step_temporaries_are_per_tensor():
     largest = max(p.numel() for p in model.parameters()) * 4
     assert peak == pytest.approx(2 * largest, rel=0.02)
     assert sp.gpu["step buffers"] == pytest.approx(peak, rel=0.02)
+
+
+# ---- FSDP2's reshard_after_forward: automatic on one rank --------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, world, given, expected", [
+    ("fsdp", 1, None, False),  # one rank: resharding would only re-gather the whole "shard" in backward
+    ("fsdp", 2, None, True),
+    ("fsdp", 8, None, True),
+    ("fsdp_offload", 1, None, True),  # params on the CPU: keeping them gathered would hold the whole model on the GPU
+    ("fsdp", 1, True, True),
+    ("fsdp", 2, False, False),
+    ("fsdp_offload", 1, False, False),
+])
+def test_fsdp_reshard_after_forward_resolution(strategy, world, given, expected):
+    from shardlab.strategies.fsdp import params_gathered_through_backward, reshard_after_forward
+
+    cfg = RunConfig(strategy=strategy, strategy_options={"fsdp_reshard_after_forward": given})
+    assert reshard_after_forward(cfg, world) is expected
+    assert params_gathered_through_backward(cfg, world) is (not expected)
+    # the planner's form: another strategy planned from the same config decides, not cfg.strategy
+    other = "fsdp_offload" if strategy == "fsdp" else "fsdp"
+    assert reshard_after_forward(cfg.model_copy(update={"strategy": other}), world, strategy) is expected
+
+
+def test_plan_keeps_fsdp_params_gathered_on_one_rank_only():
+    """Default options: fsdp on one GPU plans every unit's 16-bit params kept from forward to backward (2 B/param in
+    bf16); not on 2 GPUs, nor fsdp_offload on one GPU, nor fsdp on one GPU told to reshard."""
+    def gathered(gpus, strategy="fsdp", **opts):
+        cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=gpus, strategy_options=opts)
+        p = plan(cfg, gpu_memory_gb=80, strategies=(strategy,))
+        notes = [x for x in p.strategies[strategy].notes if x.startswith("unsharded params kept gathered")]
+        assert len(notes) <= 1
+        return p, notes
+
+    p, notes = gathered(1)
+    label = "unsharded params kept gathered from forward to backward (no reshard after forward)"
+    assert notes == [f"{label}: {2 * p.n_params / GiB:.2f} GiB"]  # bf16: 2 B x every parameter
+    assert gathered(2)[1] == []
+    assert gathered(1, "fsdp_offload")[1] == []
+    assert gathered(1, fsdp_reshard_after_forward=True)[1] == []
+    assert gathered(2, fsdp_reshard_after_forward=False)[1] != []
+    # a full plan (every strategy from one config) decides per planned strategy
+    full = plan(RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1), gpu_memory_gb=80,
+                strategies=("fsdp", "fsdp_offload"))
+    kept = {s: any(x.startswith("unsharded params kept gathered") for x in sp.notes) for s, sp in full.strategies.items()}
+    assert kept == {"fsdp": True, "fsdp_offload": False}

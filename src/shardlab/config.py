@@ -79,7 +79,9 @@ class StrategyOptions(_Strict):
     stage3_max_reuse_distance: int = Field(
         1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "
         "(DeepSpeed's default; below the model's size it lowers the peak at the start of backward, at the cost of re-gathering)")
-    fsdp_reshard_after_forward: bool = True
+    fsdp_reshard_after_forward: bool | None = Field(
+        None, description="fsdp, fsdp_offload: free each unit's gathered parameters after its forward and gather them again "
+        "in backward (default: off on one rank without parameter offload, where it only adds a gather; on otherwise)")
     offload_ratio: float = Field(1.0, gt=0.0, le=1.0, json_schema_extra=cli("--offload-ratio"),
         description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest stays on the "
         "GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")

@@ -19,7 +19,8 @@ How
   bf16/fp16 = 16-bit params (2) + 16-bit grads (2) + fp32 master, m, v (12), sharded per stage;
   fp32 runs 4 + 4 + 8; FSDP2 with ``MixedPrecisionPolicy`` = fp32 sharded params, grads and
   AdamW states plus 16-bit unsharded copies of the units being computed (all of them with
-  fsdp_reshard_after_forward=false) and, while accumulating, the whole model's unsharded fp32 gradients.
+  fsdp_reshard_after_forward=false, the default on one rank without offload) and, while accumulating,
+  the whole model's unsharded fp32 gradients.
 * Activations are counted per architecture family from the HF config, tensor by tensor, as
   autograd saves them in the transformers 5 implementations (memory.py, ``_layer_bytes``). The starting
   point is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -520,13 +521,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         accumulated = accumulated_grad_bytes_per_param(accum) * n
         if accumulated:
             temp["unsharded fp32 gradients accumulated between micro-batches (whole model)"] = accumulated
-        # 16-bit (or fp32) unsharded copies. fsdp_reshard_after_forward=false: every unit's, from its forward to its
-        # backward, the whole model at the start of backward; then a block's unsharded grads and their fp32 upcast.
-        # The default reshards every unit after its forward, the root's too: none is gathered while the loss runs its
+        # 16-bit (or fp32) unsharded copies. No reshard after forward (fsdp_reshard_after_forward=false, and its default
+        # on one rank without parameter offload): every unit's, from its forward to its backward, the whole model at the
+        # start of backward; then a block's unsharded grads and their fp32 upcast.
+        # Resharding frees every unit after its forward, the root's too: none is gathered while the loss runs its
         # backward; the root (embeddings, final norm, head) is gathered again when the gradient reaches the head, as
         # are one block at a time in backward (params, 16-bit grads, their fp32 upcast, + the prefetched next block).
-        if params_gathered_through_backward(cfg):
-            temp["unsharded params kept gathered from forward to backward (fsdp_reshard_after_forward=false)"] = float(lo * n)
+        if params_gathered_through_backward(cfg, d, strategy):
+            temp["unsharded params kept gathered from forward to backward (no reshard after forward)"] = float(lo * n)
             at_head["unsharded block grads and their fp32 upcast (backward)"] = float((lo + (4 if mixed else 0)) * arch.block_params)
         else:
             at_head["unsharded root params (gathered again for the head's backward)"] = float(lo * arch.root_params)

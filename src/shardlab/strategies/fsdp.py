@@ -35,8 +35,23 @@ def accumulated_grad_bytes_per_param(accum: int) -> float:
     return 4.0 if accum > 1 else 0.0
 
 
-def params_gathered_through_backward(cfg) -> bool:
-    """Whether every unit keeps its unsharded 16-bit parameters from its forward until its backward.
+def reshard_after_forward(cfg, world_size: int, strategy: str | None = None) -> bool:
+    """The ``reshard_after_forward`` that ``setup`` passes to every ``fully_shard`` call of a run on ``world_size``
+    ranks (``strategy``: the one planned, default ``cfg.strategy``). ``fsdp_reshard_after_forward`` given: as given.
+    Unset: False on one rank without parameter offload, where the "shard" is the whole parameter, so resharding frees
+    only the 16-bit gathered copy and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H100/H200:
+    133k -> 154k tok/s median, runs not under benchmarks/results; peak 20.18 -> 20.74 GiB, 2026-11-26-h100-speed).
+    True otherwise: torch's default across ranks, and under CPUOffloadPolicy, which would keep the whole model's
+    16-bit copy on the GPU through backward."""
+    given = cfg.strategy_options.fsdp_reshard_after_forward
+    if given is not None:
+        return given
+    return world_size > 1 or spec(strategy or cfg.strategy).offload_params == "cpu"
+
+
+def params_gathered_through_backward(cfg, world_size: int, strategy: str | None = None) -> bool:
+    """Whether every unit keeps its unsharded 16-bit parameters from its forward until its backward, in a run on
+    ``world_size`` ranks (``strategy`` as in ``reshard_after_forward``).
 
     ``setup`` passes ``reshard_after_forward`` to every ``fully_shard`` call, the root's included. torch leaves the
     root gathered after forward only while the option is left at its default (FSDPState._auto_reshard_after_forward),
@@ -44,7 +59,7 @@ def params_gathered_through_backward(cfg) -> bool:
     backward, the root when the gradient reaches the LM head), False keeps the whole model's 16-bit copy (2 B/param
     in bf16) until backward. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 -> 43.90 GiB with
     ``fsdp_reshard_after_forward=false``, exactly 2 B x 3.0B parameters, root included."""
-    return not cfg.strategy_options.fsdp_reshard_after_forward
+    return not reshard_after_forward(cfg, world_size, strategy)
 
 
 class FSDPStrategy(TorchOptimizerStrategy):
@@ -84,7 +99,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
     def transfer_bytes_per_param(self) -> tuple[float, float]:
         # CPUOffloadPolicy copies the fp32 shard to the GPU at every unshard (forward, and backward again after a
         # reshard), for every micro-batch; the fp32 gradient shard comes back once, after the synced backward.
-        gathers = 1 if params_gathered_through_backward(self.cfg) else 2
+        gathers = 1 if params_gathered_through_backward(self.cfg, self.env.world_size) else 2
         return 4.0 * gathers * self.grad_accum, 4.0
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
@@ -95,7 +110,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         from ..training.models import transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
-        kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.cfg.strategy_options.fsdp_reshard_after_forward}
+        kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(self.cfg, self.env.world_size)}
         if self.precision.is_mixed:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         if self.cpu_optimizer(self.cfg):
@@ -129,4 +144,6 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     def memory_note(self) -> str:
         where = "CPU" if self.cpu_optimizer(self.cfg) else "GPU"
-        return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}"
+        kept = "" if reshard_after_forward(self.cfg, self.env.world_size) else \
+            "; not resharded after forward (gathered params kept until backward)"
+        return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}{kept}"

@@ -46,12 +46,18 @@ RUN_TIMEOUT_S = 420
 SHARED_RUNS_GROUP = "shared-runs"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs the tiers on 2 workers): a test that uses a
     module-, class- or package-scoped fixture (a training run, a SLURM cluster, a bench that several tests read) runs
     on the worker that runs the rest of its module, so the fixture is built once and not once per worker; the readers
     of the session's shared runs form one group. Every other test goes to whichever worker is free. Without xdist
-    the marks do nothing."""
+    the marks do nothing.
+
+    tryfirst: each xdist worker turns an item's `xdist_group` mark into its node id's "@group" suffix (what the
+    scheduler groups by) in its own pytest_collection_modifyitems, and that plugin is registered after this conftest,
+    so pluggy would call it first: the marks added here came too late, no test was grouped, and a module fixture was
+    built once on each worker (the 260 s `bench` twice)."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:

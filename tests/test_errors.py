@@ -78,7 +78,7 @@ def _cases(f: dict[str, Path]) -> dict[str, Case]:
         "nvme_missing": Case(["--strategy", "infinity"], ("infinity", "needs an nvme directory", "--nvme-path")),
         "cuda_without_gpu": Case(["--gpus", "4", "--device", "cuda"], ("cuda", "no cuda gpu")),
         "fp16_on_cpu": Case(["--precision", "fp16"], ("fp16", "not supported on cpu")),
-        "compile_with_deepspeed": Case(["--strategy", "zero2", "--compile"], ("--compile", "zero2")),
+        "compile_with_pipeline": Case(["--strategy", "pipeline", "--gpus", "2", "--microbatches", "2", "--compile"], ("--compile", "pipeline")),
     }
 
 
@@ -160,7 +160,7 @@ NAMES = [
     "unknown_strategy", "preset_typo", "unknown_yaml_key", "unknown_nested_key", "unknown_set_key", "bad_yaml_syntax",
     "wrong_type_flag", "wrong_type_yaml", "batch_triple_mismatch", "global_not_divisible_by_world", "seq_len_above_positions",
     "dataset_missing", "dataset_empty", "qa_without_fields", "model_not_offline", "nvme_is_a_file", "nvme_under_a_file",
-    "nvme_missing", "cuda_without_gpu", "fp16_on_cpu", "compile_with_deepspeed", "unknown_strategy_process",
+    "nvme_missing", "cuda_without_gpu", "fp16_on_cpu", "compile_with_pipeline", "unknown_strategy_process",
 ]  # fmt: skip
 
 

@@ -383,6 +383,21 @@ def test_compiled_per_block_matches_eager(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_deepspeed_compile_matches_eager(runs, train_cli, tmp_path, monkeypatch, strategy):
+    """--compile with a DeepSpeed strategy is DeepSpeed's own engine.compile: dynamo and AOTAutograd through the
+    engine's hooks (ZeRO-3's gathers included) change speed, not the losses. Backend aot_eager
+    (SHARDLAB_COMPILE_BACKEND): inductor's C++ compile is minutes on 2 cores, and test_compiled_dp_matches_eager runs it."""
+    from shardlab.training import compiling
+
+    monkeypatch.setenv(compiling.BACKEND_ENV, "aot_eager")
+    run = train_cli(train_args(strategy=strategy, steps=6, extra=["--compile"]), tmp_path / "run")
+    run.check()
+    assert run.summary["compile"] is True and run.summary["compile_time_s"] > 0
+    assert_same_losses(run, runs.strategy(strategy), n=6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2), ("fsdp", 2)])
 def test_compiled_loss_kernel_matches_the_models_own_loss(runs, strategy, gpus):
     """loss_kernel=compiled (the loss outside the model, torch.compile'd) changes memory and speed, not the losses;

@@ -77,7 +77,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     if cfg.nan_policy == "skip" and s.zero_stage == 0:
         raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
     if cfg.compile and not s.supports_compile:
-        raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp / fsdp")
+        raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp, fsdp or a zero* strategy")
     if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
         from transformers import AutoModelForCausalLM
 

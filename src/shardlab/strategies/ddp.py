@@ -35,7 +35,7 @@ class DDPStrategy(TorchOptimizerStrategy):
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
         if whole_graph:  # outside DDP, so its bucketed all-reduce hooks stay eager
-            wrapped = torch.compile(wrapped)
+            wrapped = compiling.compile_module(wrapped, self.cfg)
         self.model = wrapped
         self._build_optimizer(self.hf_model, self.env.device.type, total_steps)
 

@@ -586,6 +586,11 @@ class DeepSpeedStrategy(Strategy):
             announce_op_builds(ds, lambda m: print(f"[shardlab] {m}", flush=True))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
+        if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place
+            from ..training import compiling
+
+            if not compiling.compile_blocks(self.engine.module, self.cfg):
+                self.engine.compile(backend=compiling.backend(), compile_kwargs=compiling.options(self.cfg))
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside

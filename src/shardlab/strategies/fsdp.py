@@ -127,7 +127,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
             self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model
-        self.model = torch.compile(model) if self.cfg.compile and not compiled_blocks else model
+        self.model = compiling.compile_module(model, self.cfg) if self.cfg.compile and not compiled_blocks else model
         offload = self.cpu_optimizer(self.cfg)
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
 

@@ -21,6 +21,8 @@ the strategy (ao_offload, --optimizer-in-backward), and anyone can pick either w
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -47,13 +49,25 @@ def compile_blocks(model: nn.Module, cfg) -> bool:
     if not cfg.compile or scope(cfg, model) != "blocks":
         return False
     for block in transformer_blocks(model):
-        block.compile(**options(cfg))
+        block.compile(backend=backend(), **options(cfg))
     return True
 
 
+BACKEND_ENV = "SHARDLAB_COMPILE_BACKEND"  # tests and debugging: e.g. aot_eager traces without inductor's minutes of C++
+
+
+def backend() -> str:
+    return os.environ.get(BACKEND_ENV) or "inductor"
+
+
 def options(cfg) -> dict:
-    """torch.compile's keyword arguments: ``compile_mode`` (torch's own 'default' passes nothing)."""
+    """torch.compile's keyword arguments but the backend: ``compile_mode`` (torch's own 'default' passes nothing)."""
     return {} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode}
+
+
+def compile_module(module: nn.Module, cfg) -> nn.Module:
+    """``torch.compile(module)`` as every --compile path calls it: this run's mode, ``backend()``."""
+    return torch.compile(module, backend=backend(), **options(cfg))
 
 
 def compile_model(model: nn.Module, cfg) -> nn.Module:
@@ -61,4 +75,4 @@ def compile_model(model: nn.Module, cfg) -> nn.Module:
     ``torch.compile(model)``."""
     if not cfg.compile or compile_blocks(model, cfg):
         return model
-    return torch.compile(model, **options(cfg))
+    return compile_module(model, cfg)

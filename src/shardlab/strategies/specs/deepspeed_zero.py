@@ -6,8 +6,9 @@ from ..spec import StrategySpec, register
 # Here (light) so that the planner and the engine's NVMe check read one number.
 NVME_BYTES_PER_PARAM = 14
 
-# Shared by every DeepSpeed name: the engine casts the module itself (no autocast); its compile is not measured here.
-_DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", supports_compile=False, uses_autocast=False)
+# Shared by every DeepSpeed name: the engine casts the module itself (no autocast); --compile is DeepSpeed's own
+# engine.compile (DeepSpeedStrategy.setup).
+_DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", supports_compile=True, uses_autocast=False)
 _SHARDED = {1: frozenset({"optimizer"}), 2: frozenset({"optimizer", "grads"}), 3: frozenset({"optimizer", "grads", "params"})}
 
 register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with ZeRO off: DDP's memory, DeepSpeed's engine",

@@ -25,7 +25,7 @@ import foundation_gpu as fg
 MODEL = {"bloom-sdpa": "bloom-560m", "bloom-eager": "bloom-560m", "bloom-sdpa-cudnn": "bloom-560m"}
 EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, "dp-compile-again": 60, "fsdp-compile": 170,
               "zero1": 60, "zero2": 60, "zero3": 110, "zero3-gather": 110, "fsdp-noreshard": 60, "dp-nopad": 45, "dp-compile-nopad": 150,
-              "fsdp": 60, "fsdp-compile-model": 170, "fsdp-compile-blocks": 60, "fsdp-compile-noreshard": 60, "zero1-compile": 150, "zero2-compile": 150, "zero3-compile": 170, "fsdp-compile-reshard": 60,
+              "fsdp": 60, "fsdp-compile-model": 170, "fsdp-compile-blocks": 60, "fsdp-compile-noreshard": 60, "zero1-compile": 150, "zero2-compile": 150, "zero3-compile": 170, "zero3-deepcompile": 200, "zero3-deepcompile-flash": 200, "fsdp-compile-reshard": 60,
               "fsdp-compile-blocks-noreshard": 60, "dp-compile-blocks": 150,
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
@@ -41,6 +41,11 @@ fg.CELLS.update({
     "zero1-compile": ("zero1", 16, ["--compile"], None),
     "zero2-compile": ("zero2", 16, ["--compile"], None),
     "zero3-compile": ("zero3", 16, ["--compile"], None),
+    # DeepSpeed's DeepCompile for ZeRO-3 (its compiler passes own the gathers and releases), through a user JSON
+    "zero3-deepcompile": ("zero3", 16, ["--compile", "--deepspeed-config", "benchmarks/cells/deepcompile.json"], None),
+    # with the default (cuDNN) attention DeepCompile's graph fails in inductor's code (2026-11-26-h100-speed/call7)
+    "zero3-deepcompile-flash": ("zero3", 16, ["--compile", "--deepspeed-config", "benchmarks/cells/deepcompile.json",
+                                              "--set", "sdpa_backend=flash"], None),
     # one rank: resharding after forward frees a bf16 copy that backward then gathers again (benchmarks/gpu_fsdp_compile.sh);
     # since strategies/fsdp.reshard_after_forward, not resharding is fsdp's default on one rank: "-reshard" is the other way
     "fsdp-compile-reshard": ("fsdp", 16, ["--compile", "--set", "strategy_options.fsdp_reshard_after_forward=true"], None),
@@ -68,7 +73,7 @@ fg.CELLS.update({
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
           "fsdp-compile": ("dp-compile", 0.95), "fsdp-compile-model": ("dp-compile", 0.95),
           "fsdp-compile-blocks": ("dp-compile", 0.95), "zero1-compile": ("dp-compile", None),
-          "zero2-compile": ("dp-compile", None), "zero3-compile": ("dp-compile", None), "fsdp-compile-reshard": ("dp-compile", 0.95), "fsdp-compile-noreshard": ("dp-compile", 0.95),
+          "zero2-compile": ("dp-compile", None), "zero3-compile": ("dp-compile", None), "zero3-deepcompile": ("dp-compile", None), "zero3-deepcompile-flash": ("dp-compile", None), "fsdp-compile-reshard": ("dp-compile", 0.95), "fsdp-compile-noreshard": ("dp-compile", 0.95),
           "fsdp-compile-blocks-noreshard": ("dp-compile", 0.95),
           "dp-compile-blocks": ("bare:compile-bf16", 1.10), "dp-compile-closs-noeval": ("bare:compile-bf16", 1.10),
           "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "dp-nopad": ("bare:eager-bf16", None),

@@ -86,4 +86,9 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     model = torch.nn.Linear(2, 2)
     compiling.compile_model(model, RunConfig(compile=True))
     compiling.compile_model(model, RunConfig(compile=True, compile_mode="max-autotune-no-cudagraphs"))
-    assert seen == [{}, {"mode": "max-autotune-no-cudagraphs"}]
+    # dp's and fsdp's whole-model compile (strategies/ddp.py, fsdp.py) take the same path
+    compiling.compile_module(model, RunConfig(compile=True, compile_mode="reduce-overhead"))
+    monkeypatch.setenv(compiling.BACKEND_ENV, "aot_eager")  # tests' and debugging's backend
+    compiling.compile_module(model, RunConfig(compile=True))
+    assert seen == [{"backend": "inductor"}, {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
+                    {"backend": "inductor", "mode": "reduce-overhead"}, {"backend": "aot_eager"}]

@@ -12,6 +12,7 @@ its end, at once. That defeats the strategies whose point is to act on each grad
 ``blocks`` compiles each repeated block in place (``nn.Module.compile``): every block has the same code, so dynamo
 compiles one graph and reuses it; the module hooks of FSDP2 and the gradient hooks stay outside the compiled code.
 Embeddings, final norm and head (a small share of the work) stay eager. ``auto`` picks per strategy (see ``scope``).
+The DeepSpeed strategies hand the whole-model case to DeepSpeed's own ``engine.compile`` (strategies/deepspeed_zero.py).
 
 Measured on one H100 (gpt2-medium, micro 16, bf16; benchmarks/results/2026-11-25-h100-speed-big): fsdp per block
 91.5k tok/s; fsdp whole-model 109.1k the day before (2026-11-24-h100-speed). Not side by side, so fsdp's ``auto``

@@ -39,7 +39,7 @@ def reshard_after_forward(cfg, world_size: int, strategy: str | None = None) -> 
     """The ``reshard_after_forward`` that ``setup`` passes to every ``fully_shard`` call of a run on ``world_size``
     ranks (``strategy``: the one planned, default ``cfg.strategy``). ``fsdp_reshard_after_forward`` given: as given.
     Unset: False on one rank without parameter offload, where the "shard" is the whole parameter, so resharding frees
-    only the 16-bit gathered copy and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H100/H200:
+    only the 16-bit gathered copy and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H200:
     133k -> 154k tok/s median of 2, peak 20.18 -> 20.74 GiB: benchmarks/results/2026-11-26-h100-speed/call3-h200).
     True otherwise: torch's default across ranks, and under CPUOffloadPolicy, which would keep the whole model's
     16-bit copy on the GPU through backward."""

@@ -14,10 +14,11 @@ compiles one graph and reuses it; the module hooks of FSDP2 and the gradient hoo
 Embeddings, final norm and head (a small share of the work) stay eager. ``auto`` picks per strategy (see ``scope``).
 The DeepSpeed strategies hand the whole-model case to DeepSpeed's own ``engine.compile`` (strategies/deepspeed_zero.py).
 
-Measured on one H100 (gpt2-medium, micro 16, bf16; benchmarks/results/2026-11-25-h100-speed-big): fsdp per block
-91.5k tok/s; fsdp whole-model 109.1k the day before (2026-11-24-h100-speed). Not side by side, so fsdp's ``auto``
-stays the whole model until they are; ``blocks`` is its default only where one backward graph defeats the point of
-the strategy (ao_offload, --optimizer-in-backward), and anyone can pick either with ``compile_scope``.
+Measured side by side on one H200 (gpt2-medium, micro 16, bf16, 2 runs each;
+benchmarks/results/2026-11-26-h100-speed/call3-h200): fsdp whole model 133.2k tok/s, per block 118.4k (resharding;
+154.2k / 113.7k without). So fsdp's ``auto`` stays the whole model; ``blocks`` is the default only where one backward
+graph defeats the point of the strategy (ao_offload, --optimizer-in-backward), and anyone can pick either with
+``compile_scope``.
 """
 
 from __future__ import annotations

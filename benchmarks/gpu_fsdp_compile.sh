@@ -9,11 +9,7 @@
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/fsdpc"; mkdir -p "$R"
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+source benchmarks/gpu_env.sh
 LABELS="${LABELS:-dp-compile fsdp-compile fsdp-compile-blocks fsdp-compile-noreshard}"; SNAP="${SNAP:-dp-compile fsdp-compile}"
 declare -A EXTRA=(
   [dp-compile]="--strategy dp --compile"

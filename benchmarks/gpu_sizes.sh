@@ -7,11 +7,7 @@
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/sizes"; mkdir -p "$R"; REPEATS="${REPEATS:-1}"
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+source benchmarks/gpu_env.sh
 for rep in $(seq 1 "$REPEATS"); do
   for sm in ${SIZES:-gpt2:16 large:16}; do
     size=${sm%%:*}; micro=${sm##*:}; model=gpt2; [[ $size != gpt2 ]] && model=gpt2-$size

@@ -26,6 +26,8 @@ the suite must pass on any x86-64 machine, loaded or not.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -39,36 +41,49 @@ from typing import Any
 import pytest
 import yaml
 
+from zygote import ZYGOTE, run_shardlab
+
 # A training run is seconds on CPU; this is only a guard against a hung collective.
 RUN_TIMEOUT_S = 420
 
-# Tests that read the session's shared runs (SharedRuns) run on one pytest-xdist worker, so that each run trains once.
-SHARED_RUNS_GROUP = "shared-runs"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs the tiers on 2 workers): a test that uses a
-    module-, class- or package-scoped fixture (a training run, a SLURM cluster, a bench that several tests read) runs
-    on the worker that runs the rest of its module, so the fixture is built once and not once per worker; the readers
-    of the session's shared runs form one group. Every other test goes to whichever worker is free. Without xdist
-    the marks do nothing.
+    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs the tiers on 2 workers): tests that share a
+    module-, class- or package-scoped fixture (a training run, a SLURM cluster, a bench that several tests read) run
+    on one worker, so the fixture is built once and not once per worker. A group is a connected set: two tests that
+    share any such fixture, directly or through a third test, are in the same group; a module whose fixtures form
+    separate sets gives separate groups, and the workers share them out. Every other test goes to whichever worker
+    is free. Cheap fixtures (a directory) are session- or function-scoped so that they join nothing. The shared runs
+    need no group: the registry is shared across workers (SharedRuns). Without xdist the marks do nothing.
 
     tryfirst: each xdist worker turns an item's `xdist_group` mark into its node id's "@group" suffix (what the
     scheduler groups by) in its own pytest_collection_modifyitems, and that plugin is registered after this conftest,
     so pluggy would call it first: the marks added here came too late, no test was grouped, and a module fixture was
     built once on each worker (the 260 s `bench` twice)."""
-    for item in items:
+    parent: dict[tuple, tuple] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    shared: dict[int, list[tuple]] = {}
+    for i, item in enumerate(items):
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
-        if "shared_runs" in info.names_closure:
-            group = SHARED_RUNS_GROUP
-        elif any(defs and defs[-1].scope in ("module", "class", "package") for defs in info.name2fixturedefs.values()):
-            group = item.module.__name__
-        else:
-            continue
-        item.add_marker(pytest.mark.xdist_group(group))
+        keys = [(item.module.__name__, name) for name, defs in info.name2fixturedefs.items()
+                if defs and defs[-1].scope in ("module", "class", "package")]
+        for a, b in zip(keys, keys[1:]):
+            parent[find(a)] = find(b)
+        if keys:
+            shared[i] = keys
+    for i, keys in shared.items():
+        module, name = find(keys[0])
+        items[i].add_marker(pytest.mark.xdist_group(f"{module}.{name}"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -91,7 +106,9 @@ def offline_env(tmp_path_factory):
             mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(base / "hf-datasets"))
         except ImportError:  # pragma: no cover
             pass
+        ZYGOTE.start()  # with this environment; it imports while the first tests run
         yield base
+        ZYGOTE.stop()
 
 
 @dataclass
@@ -135,20 +152,13 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEOUT_S) -> TrainRun:
-    """`python -m shardlab train ARGS --output-dir OUT` in a fresh process."""
+    """`python -m shardlab train ARGS --output-dir OUT` in a fresh process (forked from the session's zygote: zygote.py)."""
     full = ["train", *args] + (["--output-dir", str(out)] if out is not None else [])
     # A fresh `shardlab train`, as a user starts it: never a worker of a process group that an in-process test of
     # this pytest process set up (a module fixture's RANK/MASTER_PORT made such a run rendezvous on a taken port).
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardlab", *full],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run_shardlab(full, env=env, timeout=timeout)
     return TrainRun(Path(out) if out is not None else Path(), args, proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -158,7 +168,9 @@ def train_cli():
 
 
 class SharedRuns:
-    """`shardlab train` runs that tests read, one per configuration per pytest session (see the module doc)."""
+    """`shardlab train` runs that tests read, one per configuration per pytest run (see the module doc), shared by
+    every pytest-xdist worker: a configuration's lock file makes one process train it while any other that asks for it
+    waits, and its record (exit status, output) lets every later asker, in any worker, read the same run directory."""
 
     def __init__(self, root: Path, train=shardlab_train):
         self.root = root
@@ -169,27 +181,52 @@ class SharedRuns:
     def _key(args: list[str], out: Path | None) -> tuple:
         return (*args, "--output-dir", str(out)) if out is not None else tuple(args)
 
-    def has(self, args: list[str], out: Path | None = None) -> bool:
-        return self._key(args, out) in self._runs
+    def _files(self, key: tuple) -> tuple[Path, Path]:
+        digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+        return self.root / f".{digest}.lock", self.root / f".{digest}.json"
 
-    def get(self, args: list[str], name: str = "run", out: Path | None = None) -> TrainRun:
-        """The run of `shardlab train ARGS`, trained now if this session has not trained it yet.
+    def _new_dir(self, name: str) -> Path:
+        n = 0
+        while True:  # mkdir is atomic: two workers naming runs alike get two directories
+            out = self.root / (name if n == 0 else f"{name}-{n}")
+            try:
+                out.mkdir(parents=True)
+                return out
+            except FileExistsError:
+                n += 1
+
+    def get(self, args: list[str], name: str = "run", out: Path | None = None, prepare=None) -> TrainRun:
+        """The run of `shardlab train ARGS`, trained now if no process of this pytest run has trained it yet.
 
         `name` names a new run directory under the registry's root (the first asker's name wins);
-        `out` is an explicit directory, part of the configuration (a resume into an earlier run's directory)."""
+        `out` is an explicit directory, part of the configuration (a resume into an earlier run's directory);
+        `prepare()` runs just before the training, only if this call trains (under the configuration's lock)."""
         key = self._key(args, out)
-        if key not in self._runs:
-            if out is None:
-                out, n = self.root / name, 1
-                while out.exists():
-                    out, n = self.root / f"{name}-{n}", n + 1
-            self._runs[key] = self.train(list(args), out)
-        return self._runs[key]
+        if key in self._runs:
+            return self._runs[key]
+        lock, record = self._files(key)
+        with open(lock, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            if record.is_file():
+                r = json.loads(record.read_text())
+                run = TrainRun(Path(r["out"]), list(args), r["returncode"], r["stdout"], r["stderr"])
+            else:
+                if prepare is not None:
+                    prepare()
+                run = self.train(list(args), out if out is not None else self._new_dir(name))
+                tmp = record.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"out": str(run.out), "returncode": run.returncode, "stdout": run.stdout,
+                                           "stderr": run.stderr}))
+                tmp.replace(record)
+        self._runs[key] = run
+        return run
 
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> SharedRuns:
-    return SharedRuns(tmp_path_factory.mktemp("shared-runs"))
+    # One root for every xdist worker of this pytest run (their base temp dirs are siblings), so they share the runs.
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
 
 
 def eval_loss_like_the_trainer(model, dataset, world: int) -> float:

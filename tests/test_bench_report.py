@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from zygote import run_shardlab
 
 from shardlab.bench import Overrides, expand, load_suite, plan_cells
 from shardlab.bench.matrix import Suite
@@ -54,7 +55,9 @@ TINY_GPT2_FLOPS_SEQ64 = 6 * (3_382_080 - 1024 * 64) + 12 * 2 * 64 * 64  # 19,997
 
 
 def shardlab(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardlab", *args], capture_output=True, text=True, timeout=timeout)
+    """`python -m shardlab ARGS` in a fresh process (forked from the session's zygote: zygote.py); a bench still
+    starts each cell as a fresh interpreter of its own."""
+    return run_shardlab(list(args), timeout=timeout)
 
 
 @dataclass

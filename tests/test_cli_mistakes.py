@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from zygote import run_shardlab
 
 from shardlab.cli import main
 
@@ -167,11 +168,8 @@ def squad_file(path: Path, n: int, misplaced: set[int]) -> Path:
 
 
 def shardlab_subprocess(argv: list[str], cwd: Path):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "shardlab", *argv], capture_output=True, text=True, timeout=300, cwd=cwd,
-                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    """`python -m shardlab ARGV` in a fresh process (forked from the session's zygote: zygote.py)."""
+    return run_shardlab(argv, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=cwd, timeout=300)
 
 
 def test_squad_with_no_answer_at_answer_start_is_one_line(tmp_path):

@@ -107,7 +107,7 @@ def latest(out: Path) -> str:
     return (out / "checkpoints" / "latest").read_text().strip()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a directory: joins no xdist group (conftest.py)
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cluster")
 

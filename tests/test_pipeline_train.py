@@ -40,9 +40,9 @@ def check_measured_vs_simulated(pp: dict, schedule: str, stages: int, microbatch
     assert 0 <= pp["measured_bubble"] < 1 and 0 < pp["simulated_bubble"] < 1
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("pipeline")
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path
 
 
 DP_GPT2 = ["--model", "tiny-gpt2", "--strategy", "dp", *ARGS, "--save-every", "5"]  # its step 5 resumes as a pipeline
@@ -52,7 +52,7 @@ def pp_gpt2(schedule: str) -> list[str]:
     return ["--model", "tiny-gpt2", "--strategy", "pipeline", "--gpus", "2", "--schedule", schedule, *ARGS, "--save-every", "5"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dp_gpt2(shared_runs):
     return shared_runs.get(DP_GPT2, name="dp-gpt2")
 

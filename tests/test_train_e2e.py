@@ -53,16 +53,16 @@ class Runs:
         self.shared = shared
         self.root = shared.root
 
-    def get(self, name: str, args: list[str], out: Path | None = None):
+    def get(self, name: str, args: list[str], out: Path | None = None, prepare=None):
         """`shardlab train ARGS` into a new directory called NAME, or into OUT (a resume into an earlier run)."""
-        return self.shared.get(args, name=name, out=out)
+        return self.shared.get(args, name=name, out=out, prepare=prepare)
 
     def strategy(self, strategy: str, gpus: int = 1):
         extra = ["--nvme-path", str(self.root / "nvme")] if strategy == "infinity" else []
         return self.get(f"{strategy}-{gpus}rank", train_args(strategy=strategy, gpus=gpus, extra=extra))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a view of the session's registry: no module group of its own (conftest.py)
 def runs(shared_runs):
     return Runs(shared_runs)
 
@@ -248,12 +248,13 @@ def resume_runs(runs, strategy, gpus):
     first = runs.get(name, train_args(strategy=strategy, gpus=gpus, steps=10, extra=["--save-every", "5"]))
     first.check()
     again = train_args(strategy=strategy, gpus=gpus, steps=14, extra=["--resume", "auto"])
-    if not runs.shared.has(again, out=first.out):
+
+    def killed_at_step_12():  # as if the job had been killed at step 12, after logging two steps past its last checkpoint
         assert [r["step"] for r in first.rows] == list(range(1, 11))
-        # as if the job had been killed at step 12, after logging two steps past its last checkpoint
         with open(first.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n")
-    second = runs.get(f"{name}-continued", again, out=first.out)
+
+    second = runs.get(f"{name}-continued", again, out=first.out, prepare=killed_at_step_12)
     return first, second
 
 

@@ -1,0 +1,91 @@
+"""The test harness itself: the shared-runs registry across pytest-xdist workers (conftest.SharedRuns) and the
+zygote that forks `python -m shardlab` commands (zygote.py). Both make the suite fast; neither may change what a
+test sees."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from conftest import LAUNCHER_ENV, SharedRuns, TrainRun
+from zygote import ZYGOTE, Zygote
+
+
+def _fake_train(calls: list):
+    def train(args, out):
+        calls.append((tuple(args), out))
+        time.sleep(0.3)  # long enough for the other asker to arrive while this one trains
+        (out / "summary.json").write_text("{}")
+        return TrainRun(out, list(args), 0, f"trained {args}", "")
+
+    return train
+
+
+def test_two_workers_asking_for_one_configuration_train_it_once(tmp_path):
+    """Two registries on one root stand for two xdist workers: the second waits for the first one's run and reads it."""
+    calls: list = []
+    workers = [SharedRuns(tmp_path, train=_fake_train(calls)) for _ in range(2)]
+    got: dict[int, TrainRun] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, workers[i].get(["--x", "1"], name="run")))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert got[0].out == got[1].out == tmp_path / "run"
+    assert got[0].stdout == got[1].stdout == "trained ['--x', '1']" and got[1].returncode == 0
+    # another configuration with the same name gets its own directory; prepare() runs only where it trains
+    prepared = []
+    other = workers[1].get(["--x", "2"], name="run", prepare=lambda: prepared.append(1))
+    assert other.out == tmp_path / "run-1" and len(calls) == 2 and prepared == [1]
+    workers[0].get(["--x", "2"], name="run", prepare=lambda: prepared.append(2))
+    assert len(calls) == 2 and prepared == [1]
+
+
+def test_a_failed_run_is_shared_with_its_exit_status(tmp_path):
+    def failing(args, out):
+        return TrainRun(out, list(args), 3, "", "error: no such model (fix: ...)")
+
+    first = SharedRuns(tmp_path, train=failing).get(["--model", "x"])
+    again = SharedRuns(tmp_path, train=_fake_train([])).get(["--model", "x"])
+    assert (first.returncode, again.returncode) == (3, 3) and again.stderr == first.stderr
+
+
+def test_the_zygote_runs_a_command_as_a_fresh_process_would(tmp_path):
+    """Exit status, stdout/stderr and working directory are the command's own: a bad flag is the CLI's one line and
+    exit 2; a relative --config resolves in the requested directory."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    served = ZYGOTE.served
+    proc = ZYGOTE.run(["train", "--model", "tiny-gpt2", "--no-such-flag"], env=env, cwd=tmp_path, timeout=120)
+    assert ZYGOTE.served == served + 1, "the zygote did not start, or fell back to a real interpreter"
+    assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "c.yaml").write_text("model: tiny-bloom\nseq_len: 48\n")
+    proc = ZYGOTE.run(["train", "--config", "c.yaml", "--dry-run"], env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "tiny-bloom" in proc.stdout and "48" in proc.stdout
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+def test_the_zygote_falls_back_to_a_real_interpreter_for_another_environment(tmp_path, monkeypatch):
+    z = Zygote()
+    z.env = {"A": "1"}
+    assert z.compatible({"A": "1", "PYTEST_CURRENT_TEST": "x", "PYTHONUNBUFFERED": "1"})
+    assert not z.compatible({"A": "2"}) and not z.compatible({"A": "1", "B": "1"}) and not z.compatible({})
+    z.failed = True  # a zygote that could not start: every command runs in a real interpreter
+    proc = z.run(["train", "--help"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower()
+
+
+def test_a_timed_out_command_is_killed_with_its_process_group(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    start = time.monotonic()
+    try:  # a training that cannot finish in 0.5 s
+        ZYGOTE.run(["train", "--model", "tiny-gpt2", "--dataset", "synthetic", "--max-steps", "1000",
+                    "--output-dir", str(tmp_path / "run")], env=env, cwd=tmp_path, timeout=0.5)
+    except Exception as err:  # noqa: BLE001
+        assert type(err).__name__ == "TimeoutExpired", err
+    else:
+        raise AssertionError("no TimeoutExpired")
+    assert time.monotonic() - start < 60

@@ -99,7 +99,10 @@ def offline_env(tmp_path_factory):
         # Inductor's cache: this session's. Importing torch._inductor sets the variable to the machine-wide
         # /tmp/torchinductor_<user> in this process otherwise, and every `shardlab train` started from here would
         # inherit it (and find graphs compiled by earlier sessions: cache hits where a test expects compiling).
-        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(base / "inductor"))
+        # One directory for every xdist worker of this pytest run (their base temp dirs are siblings): a graph the other
+        # worker compiled (torchao's optimizer step, 55 s of inductor on 2 cores for tiny-gpt2) loads from the cache.
+        shared = base.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared / "inductor"))
         try:  # the in-process side (datasets reads the variable at import)
             import datasets.config
 
@@ -174,6 +177,7 @@ class SharedRuns:
 
     def __init__(self, root: Path, train=shardlab_train):
         self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
         self.train = train
         self._runs: dict[tuple, TrainRun] = {}
 

@@ -59,7 +59,7 @@ def test_the_zygote_runs_a_command_as_a_fresh_process_would(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     served = ZYGOTE.served
     proc = ZYGOTE.run(["train", "--model", "tiny-gpt2", "--no-such-flag"], env=env, cwd=tmp_path, timeout=120)
-    assert ZYGOTE.served == served + 1, "the zygote did not start, or fell back to a real interpreter"
+    assert ZYGOTE.served == served + 1, f"the zygote did not start, or fell back (variables that differ: {ZYGOTE.mismatch})"
     assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "c.yaml").write_text("model: tiny-bloom\nseq_len: 48\n")
     proc = ZYGOTE.run(["train", "--config", "c.yaml", "--dry-run"], env=env, cwd=tmp_path, timeout=120)
@@ -89,3 +89,23 @@ def test_a_timed_out_command_is_killed_with_its_process_group(tmp_path):
     else:
         raise AssertionError("no TimeoutExpired")
     assert time.monotonic() - start < 60
+
+
+def test_a_forked_command_behaves_like_popen(tmp_path):
+    """What tests/test_cluster.py's background runs use: pid, poll, wait, signals, output in the given files."""
+    from zygote import popen_shardlab
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    served = ZYGOTE.served
+    out, err = tmp_path / "o", tmp_path / "e"
+    proc = popen_shardlab(["train", "--model", "tiny-gpt2", "--dataset", "synthetic", "--max-steps", "100000",
+                           "--output-dir", str(tmp_path / "run")], out, err, env=env)
+    assert ZYGOTE.served == served + 1 and proc.poll() is None
+    try:
+        proc.wait(timeout=0.2)
+    except Exception as exc:  # noqa: BLE001
+        assert type(exc).__name__ == "TimeoutExpired"
+    proc.send_signal(9)
+    assert proc.wait(timeout=60) == -9 and proc.poll() == -9
+    help_ = popen_shardlab(["train", "--help"], out, err, env=env)
+    assert help_.wait(timeout=60) == 0 and "usage" in out.read_text()

@@ -70,7 +70,7 @@ def test_process_tree_rss_grows_when_this_test_and_its_child_allocate(tmp_path):
     with_child = max(r for ti, r in zip(t, real) if t_child < ti < t_end)
     assert alone - before > 250, (before, alone)  # the 300 MB this process wrote
     assert with_child - alone > 350, (alone, with_child)  # plus the child's 400 MB: the tree is summed
-    assert max(procs) >= 2 and procs[0] == 1
+    assert max(procs) >= procs[0] + 1  # the child joined the tree (which may hold the session's test zygote from the start)
     assert any(float(r["CPU (%)"]) > 10 for r in rows[1:])  # the child spent CPU writing 400 MB
     s = sampler.summary()
     assert s["real_mb"]["peak"] == pytest.approx(max(real)) and s["samples"] == len(rows) and s["max_processes"] == max(procs)

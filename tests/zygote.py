@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -40,8 +41,9 @@ PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.traine
            "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api", "torch.distributed.checkpoint",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.bloom.modeling_bloom",
            "transformers.models.llama.modeling_llama")
-# Variables that legitimately differ between the zygote and a request: pytest's per-test bookkeeping.
-IGNORED_ENV_PREFIXES = ("PYTEST_",)
+# Variables that may differ between the zygote and a request: pytest's per-test bookkeeping, and shardlab's own,
+# which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
+IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
 UNBUFFERED = "PYTHONUNBUFFERED"
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
 
@@ -155,6 +157,7 @@ class Zygote:
         self.failed = False
         self.ready = False
         self.served = 0  # commands forked from the zygote (the rest ran in a real interpreter)
+        self.mismatch: list[str] = []
 
     def start(self) -> None:
         """Start the zygote with this process's environment now (it imports in the background)."""
@@ -183,7 +186,8 @@ class Zygote:
 
     def compatible(self, env: dict[str, str]) -> bool:
         keys = {k for k in (*env, *self.env) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        self.mismatch = sorted(k for k in keys if env.get(k) != self.env.get(k))  # why the last command fell back
+        return not self.mismatch
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -192,45 +196,100 @@ class Zygote:
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def run(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
-            timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`."""
+    def popen(self, argv: list[str], stdout: str | os.PathLike, stderr: str | os.PathLike, env: dict[str, str] | None = None,
+              cwd: str | os.PathLike | None = None):
+        """Like `subprocess.Popen([python, "-m", "shardlab", *argv], stdout=open(STDOUT, "w"), stderr=open(STDERR, "w"),
+        stdin=DEVNULL)`: a `Forked` handle, or a real Popen where the zygote cannot serve (module doc)."""
         env = dict(os.environ if env is None else env)
         cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
         if not (self._ready() and self.compatible(env)):
-            return subprocess.run([sys.executable, "-m", "shardlab", *argv], capture_output=True, text=True, env=env,
-                                  cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+            return subprocess.Popen([sys.executable, "-m", "shardlab", *map(str, argv)], env=env, cwd=cwd,
+                                    stdout=open(stdout, "w"), stderr=open(stderr, "w"), stdin=subprocess.DEVNULL)
+        plan = tempfile.NamedTemporaryFile(prefix="shardlab-plan-", suffix=".json", delete=False).name
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(os.path.join(self.dir, "sock"))
+        req = {"argv": [str(a) for a in argv], "env": env, "cwd": cwd, "stdout": os.fspath(stdout),
+               "stderr": os.fspath(stderr), "plan": plan}
+        conn.sendall((json.dumps(req) + "\n").encode())
+        conn.settimeout(30)
+        buf = b""
+        while b"\n" not in buf:  # {"pid": N}, sent as soon as the zygote has forked
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise RuntimeError("the test zygote closed the connection before forking")
+            buf += chunk
+        line, rest = buf.split(b"\n", 1)
+        conn.settimeout(None)
+        self.served += 1
+        return Forked(json.loads(line)["pid"], conn, rest, ["shardlab", *map(str, argv)], plan)
+
+    def run(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`."""
         with tempfile.TemporaryDirectory(prefix="shardlab-cmd-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(os.path.join(self.dir, "sock"))
-            req = {"argv": [str(a) for a in argv], "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err),
-                   "plan": str(Path(tmp) / "plan.json")}
-            conn.sendall((json.dumps(req) + "\n").encode())
-            reader = conn.makefile("r")
-            conn.settimeout(30)
-            pid = json.loads(reader.readline())["pid"]
-            deadline = None if timeout is None else time.monotonic() + timeout
-            conn.settimeout(timeout)
+            proc = self.popen(argv, out, err, env=env, cwd=cwd)
             try:
-                line = reader.readline()
-            except (socket.timeout, TimeoutError):
-                line = ""
-            if not line:  # timed out (or the zygote died): end the command and its ranks, as subprocess.run would
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                conn.close()
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise subprocess.TimeoutExpired(["shardlab", *argv], timeout, out.read_text(errors="replace"),
-                                                    err.read_text(errors="replace"))
-                raise RuntimeError(f"the test zygote died while running shardlab {' '.join(map(str, argv))}")
-            conn.close()
-            self.served += 1
-            code = json.loads(line)["returncode"]
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # end the command and its ranks, as subprocess.run would
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(["shardlab", *argv], timeout, out.read_text(errors="replace"),
+                                                err.read_text(errors="replace")) from None
             return subprocess.CompletedProcess(["shardlab", *argv], code, out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
+
+
+class Forked:
+    """A command forked from the zygote, with the part of `subprocess.Popen`'s interface tests use."""
+
+    def __init__(self, pid: int, conn: socket.socket, pending: bytes, args: list[str], plan: str):
+        self.pid, self.args, self.returncode = pid, args, None
+        self._conn, self._buf, self._plan = conn, pending, plan
+
+    def _collect(self, timeout: float | None) -> int | None:
+        """The exit status once the zygote has sent it; None if it has not within `timeout` seconds."""
+        if self.returncode is not None:
+            return self.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = select.select([self._conn], [], [], left)[0]
+            if not ready:
+                return None
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                self._conn.close()
+                raise RuntimeError(f"the test zygote died while running {' '.join(self.args)}")
+            self._buf += chunk
+        self._conn.close()
+        Path(self._plan).unlink(missing_ok=True)
+        self.returncode = json.loads(self._buf.split(b"\n", 1)[0])["returncode"]
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._collect(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the command and every process it started (its own process group), as a timeout needs."""
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 ZYGOTE = Zygote()
@@ -238,6 +297,10 @@ ZYGOTE = Zygote()
 
 def run_shardlab(argv: list[str], env: dict[str, str] | None = None, cwd=None, timeout: float | None = None):
     return ZYGOTE.run(argv, env=env, cwd=cwd, timeout=timeout)
+
+
+def popen_shardlab(argv: list[str], stdout, stderr, env: dict[str, str] | None = None, cwd=None):
+    return ZYGOTE.popen(argv, stdout, stderr, env=env, cwd=cwd)
 
 
 if __name__ == "__main__":

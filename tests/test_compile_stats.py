@@ -86,7 +86,9 @@ def test_runs_without_compile_get_no_pool_of_inductor_workers_and_the_plan_count
     from shardlab.measure import compile_stats
     from shardlab.planning import planner
 
-    monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV, raising=False)
+    # set, then removed: monkeypatch restores the variable's absence even though limit_compile_workers sets it itself
+    monkeypatch.setenv(compile_stats.COMPILE_THREADS_ENV, "0")
+    monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV)
     assert compile_stats.compile_workers(False) == 0 and compile_stats.compile_workers(True, cpus=16) == 16
     assert compile_stats.compile_workers(True, cpus=64) == 32  # inductor's own cap
     compile_stats.limit_compile_workers(True)

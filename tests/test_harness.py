@@ -100,12 +100,16 @@ def test_a_forked_command_behaves_like_popen(tmp_path):
     out, err = tmp_path / "o", tmp_path / "e"
     proc = popen_shardlab(["train", "--model", "tiny-gpt2", "--dataset", "synthetic", "--max-steps", "100000",
                            "--output-dir", str(tmp_path / "run")], out, err, env=env)
-    assert ZYGOTE.served == served + 1 and proc.poll() is None
     try:
-        proc.wait(timeout=0.2)
-    except Exception as exc:  # noqa: BLE001
-        assert type(exc).__name__ == "TimeoutExpired"
-    proc.send_signal(9)
-    assert proc.wait(timeout=60) == -9 and proc.poll() == -9
+        assert ZYGOTE.served == served + 1, f"fell back (variables that differ: {ZYGOTE.mismatch})"
+        assert proc.poll() is None
+        try:
+            proc.wait(timeout=0.2)
+        except Exception as exc:  # noqa: BLE001
+            assert type(exc).__name__ == "TimeoutExpired"
+        proc.send_signal(9)
+        assert proc.wait(timeout=60) == -9 and proc.poll() == -9
+    finally:
+        proc.kill()
     help_ = popen_shardlab(["train", "--help"], out, err, env=env)
     assert help_.wait(timeout=60) == 0 and "usage" in out.read_text()

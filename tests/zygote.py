@@ -45,7 +45,8 @@ PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.traine
 # which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
 IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
 UNBUFFERED = "PYTHONUNBUFFERED"
-SUPERVISED_ENV = "SHARDLAB_SUPERVISED"  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
+SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
+IMPORTS_SET: dict[str, str] = {}  # in the zygote: what importing PRELOAD set in os.environ  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
 
 
 # ---------------------------------------------------------------------------------------------- the zygote's side
@@ -56,6 +57,7 @@ def _child(req: dict) -> None:
     code = 1
     try:
         os.setsid()  # its own process group: a timeout kills the command and every rank it started
+        _die_with_parent()  # a command outliving the zygote (its test session ended) is killed, never left training
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -67,6 +69,8 @@ def _child(req: dict) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        for key, value in IMPORTS_SET.items():  # as the imports would have set them in a fresh interpreter
+            os.environ.setdefault(key, value)
         # `shardlab train` would run itself again as a watched child (launch/supervise.py), a fresh interpreter that
         # imports everything anew; this child is the watched training process itself instead. The supervisor's own
         # behaviour (reporting a SIGKILLed training) is tested where tests start real processes (test_never_silent).
@@ -102,16 +106,31 @@ def _child(req: dict) -> None:
             os._exit(code)
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def serve(sock_path: str) -> None:
+    _die_with_parent()  # the pytest process that started us is gone
+    before = dict(os.environ)
     for name in PRELOAD:
         __import__(name)
+    # What the imports set in the environment (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK=1, with setdefault): a fresh
+    # `shardlab` process gets them the same way, so every child gets them too (_child), and the client does not count
+    # them as a difference.
+    global IMPORTS_SET
+    IMPORTS_SET = {k: v for k, v in os.environ.items() if before.get(k) != v}
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock_path)
     server.listen(64)
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
-    print("ready", flush=True)
+    print("ready", json.dumps(IMPORTS_SET), flush=True)
     while True:
         for key, _ in sel.select(timeout=0.05):
             conn, _ = server.accept()
@@ -140,8 +159,6 @@ def serve(sock_path: str) -> None:
             except OSError:
                 pass
             conn.close()
-        if os.getppid() == 1:  # the pytest process that started us is gone
-            return
 
 
 # ---------------------------------------------------------------------------------------------- the test's side
@@ -158,6 +175,7 @@ class Zygote:
         self.ready = False
         self.served = 0  # commands forked from the zygote (the rest ran in a real interpreter)
         self.mismatch: list[str] = []
+        self.imports_set: dict[str, str] = {}
 
     def start(self) -> None:
         """Start the zygote with this process's environment now (it imports in the background)."""
@@ -176,7 +194,9 @@ class Zygote:
             return False
         self.start()
         for line in self.proc.stdout:  # what the imports print first (DeepSpeed's accelerator line), then "ready"
-            if line.strip() == "ready":
+            word, _, added = line.strip().partition(" ")
+            if word == "ready":
+                self.imports_set = json.loads(added)
                 self.ready = True
                 break
         if not self.ready:
@@ -186,7 +206,9 @@ class Zygote:
 
     def compatible(self, env: dict[str, str]) -> bool:
         keys = {k for k in (*env, *self.env) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED}
-        self.mismatch = sorted(k for k in keys if env.get(k) != self.env.get(k))  # why the last command fell back
+        # a variable the imports set is what the request has, or will get from the child (setdefault, as imports do)
+        self.mismatch = sorted(k for k in keys if env.get(k) != self.env.get(k)
+                               and not (k in self.imports_set and env.get(k) in (None, self.imports_set[k])))
         return not self.mismatch
 
     def stop(self) -> None:

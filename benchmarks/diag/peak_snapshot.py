@@ -92,8 +92,16 @@ def main() -> int:
                                   **parse_set(args.set)})
     if "LOCAL_RANK" in os.environ:  # torchrun: record on this rank's GPU, no context on GPU 0
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
-    run_worker(cfg)
+    # context="alloc": stacks for allocations only. With free stacks too ("all"), a non-reentrant checkpoint's early stop
+    # (an exception raised inside the recomputed forward) freed tensors while the exception was pending, the stack
+    # capture cleared it, and DeepSpeed's LinearFunctionForZeroStage3.apply failed with "returned NULL without setting
+    # an exception" (torch 2.11, Python 3.12, ZeRO-3). The early stop is turned off as well: it only skips the rest of a
+    # block's forward once every tensor its backward needs is recomputed, so the peaks stay the same.
+    torch.cuda.memory._record_memory_history(max_entries=3_000_000, context="alloc", stacks="python")
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        run_worker(cfg)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     dev = torch.cuda.current_device()

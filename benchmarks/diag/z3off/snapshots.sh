@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14: what zero3_offload holds on the GPU at its peak, on 1 and on 2 ranks (benchmarks/diag/peak_snapshot.py,
-# innermost frames), for the models in $MODELS (default bloom-3b bloom-7b1), on a 2-GPU machine:
+# innermost frames), for the models in $MODELS (default bloom-7b1 bloom-3b), on a 2-GPU machine:
 #   MODELS="bloom-3b bloom-7b1" bash benchmarks/diag/z3off/snapshots.sh
 # One report per run in $OUT (<model>-d<ranks>.txt, rank 0's; rank 1's head goes to the log).
 set -uo pipefail
@@ -16,9 +16,9 @@ python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder(
   > /tmp/prebuild.log 2>&1 &
 CFG=benchmarks/diag/z3off/zero3-offload.yaml
 STEPS=${STEPS:-2}
-for model in ${MODELS:-bloom-3b bloom-7b1}; do
-  for d in ${RANKS:-2 1}; do
-    limit=$([[ $model == bloom-7b1 ]] && echo 240 || echo 150)
+for model in ${MODELS:-bloom-7b1 bloom-3b}; do
+  for d in ${RANKS:-1 2}; do
+    limit=$([[ $model == bloom-7b1 ]] && echo 210 || echo 130)
     echo "=== $model on $d rank(s), limit ${limit}s"; start=$SECONDS
     if [[ $d == 1 ]]; then
       SNAP_OUTPUT_DIR=/tmp/snap/$model-d1 timeout -k 10 $limit python3 benchmarks/diag/peak_snapshot.py $CFG --innermost \

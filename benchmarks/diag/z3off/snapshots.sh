@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14: what zero3_offload holds on the GPU at its peak, on 1 and on 2 ranks (benchmarks/diag/peak_snapshot.py,
-# innermost frames), for the models in $MODELS (default bloom-7b1 bloom-3b), on a 2-GPU machine:
-#   MODELS="bloom-3b bloom-7b1" bash benchmarks/diag/z3off/snapshots.sh
+# --markers: sizes only, DeepSpeed's phases marked), for the cells in $CELLS (model:ranks:limit_s), on a 2-GPU machine:
+#   CELLS="bloom-3b:2:120 bloom-3b:1:120 bloom-7b1:2:130" bash benchmarks/diag/z3off/snapshots.sh
 # One report per run in $OUT (<model>-d<ranks>.txt, rank 0's; rank 1's head goes to the log).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -16,24 +16,24 @@ python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder(
   > /tmp/prebuild.log 2>&1 &
 CFG=benchmarks/diag/z3off/zero3-offload.yaml
 STEPS=${STEPS:-2}
-for model in ${MODELS:-bloom-7b1 bloom-3b}; do
-  for d in ${RANKS:-1 2}; do
-    limit=$([[ $model == bloom-7b1 ]] && echo 210 || echo 130)
+for cell in ${CELLS:-bloom-3b:2:120 bloom-3b:1:120 bloom-7b1:2:130}; do
+  IFS=: read -r model d limit <<< "$cell"
+  {
     echo "=== $model on $d rank(s), limit ${limit}s"; start=$SECONDS
     if [[ $d == 1 ]]; then
-      SNAP_OUTPUT_DIR=/tmp/snap/$model-d1 timeout -k 10 $limit python3 benchmarks/diag/peak_snapshot.py $CFG --innermost \
+      SNAP_OUTPUT_DIR=/tmp/snap/$model-d1 timeout -k 10 $limit python3 benchmarks/diag/peak_snapshot.py $CFG --markers --recent 60 \
         --steps $STEPS --set model=$model --set gpus=1 > "$OUT/$model-d1.txt" 2>&1
       echo "rc=$? wall=$((SECONDS - start))s"; grep -m3 "max_memory_allocated\|replay freeing" "$OUT/$model-d1.txt"
     else
       rm -rf /tmp/tr-$model
       SNAP_OUTPUT_DIR=/tmp/snap/$model-d$d timeout -k 10 $limit torchrun --nproc-per-node $d --log-dir /tmp/tr-$model \
-        --redirects 3 benchmarks/diag/peak_snapshot.py $CFG --innermost --steps $STEPS --set model=$model --set gpus=$d
+        --redirects 3 benchmarks/diag/peak_snapshot.py $CFG --markers --recent 60 --steps $STEPS --set model=$model --set gpus=$d
       echo "rc=$? wall=$((SECONDS - start))s"
       r0=$(find /tmp/tr-$model -path '*/0/stdout.log' | head -1); r1=$(find /tmp/tr-$model -path '*/1/stdout.log' | head -1)
       cat "$r0" $(find /tmp/tr-$model -path '*/0/stderr.log' | head -1) > "$OUT/$model-d$d.txt"
       [[ -n "$r1" ]] && grep -m3 "max_memory_allocated\|replay freeing" "$r1"
       grep -m3 "max_memory_allocated\|replay freeing" "$r0"
     fi
-  done
+  }
 done
 ls -la "$OUT"

@@ -82,3 +82,21 @@ def test_checkpointed_recompute_is_not_counted_at_the_start_of_backward():
     assert sp.peak_moment.startswith("start of backward")
     assert sp.gpu_peak / GiB == pytest.approx(12.14, abs=0.02)
     assert sp.gpu_peak / GiB < 13.14 - 0.9  # one bloom-7b1 layer's recomputation at micro 8: 1.0 GiB
+
+
+def test_worker_replans_with_the_eval_split():
+    """The launcher plans before the data is read (a full eval batch of 8 a rank); the worker re-plans the record with
+    the eval split's size (run_plan.with_eval_split), which is what summary.json then compares with the measurement."""
+    from shardlab.planning.run_plan import predict_run, with_eval_split
+
+    for gpus, full, refined in ((1, 19.17, 14.39), (2, 19.17, 12.14)):
+        cfg = RunConfig(model="bloom-7b1", seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
+                        gradient_checkpointing=True, strategy=S)
+        rec = predict_run(cfg, "cuda", gpus, gpu_memory=79, host_ram=250)
+        assert rec["gpu_peak_gib"] == pytest.approx(full, abs=0.02) and rec["peak_moment"].startswith("eval forward (8 rows")
+        new = with_eval_split(rec, cfg, gpus, EVAL_BLOCKS)
+        assert new["gpu_peak_gib"] == pytest.approx(refined, abs=0.02) and new["eval_blocks"] == EVAL_BLOCKS
+        assert new["cpu_gib"] == rec["cpu_gib"] and new["micro_batch"] == 8
+        assert with_eval_split(rec, cfg, gpus, 100) is rec  # 100 blocks fill the eval batch on every rank: nothing to refine
+    cpu = {"device": "cpu", "gpu_peak_gib": None, "cpu_gib": 1.0}
+    assert with_eval_split(cpu, cfg, 1, 6) is cpu

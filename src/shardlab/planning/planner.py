@@ -37,10 +37,14 @@ How
   holds that, the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of
   backward. shardlab's compiled loss (``shardlab.training.loss``, the default on CUDA) keeps only the 16-bit
   logits and then their 16-bit gradient: 2·2·b·s·V (fp32 runs: 2·4·b·s·V).
-* The peak is the larger of two moments: the start of backward (all activations + the loss'
+* The peak is the largest of these moments: the start of backward (all saved activations + the loss'
   logits peak above + communication buckets + gathered parameters; gradients that ``zero_grad
-  (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
-  backward / optimizer step (all gradients, step temporaries, no activations).
+  (set_to_none=True)`` freed are not there yet unless gradients are accumulated; with checkpointing
+  no layer is recomputed yet), the LM head's backward, a checkpointed layer's backward (its
+  recomputation and backward temporaries, the logits freed), the end of backward / optimizer step
+  (all gradients, step temporaries, no activations) and an eval forward (shardlab evaluates before
+  the first step, at epoch ends and after the last, with the eager loss: 10 bytes a logit in 16-bit
+  runs, at the eval batch each rank gets; ``eval_batch_per_rank``).
 
 Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against

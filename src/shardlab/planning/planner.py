@@ -37,10 +37,14 @@ How
   holds that, the incoming gradient and the outgoing gradient at once: 12·b·s·V bytes at the start of
   backward. shardlab's compiled loss (``shardlab.training.loss``, the default on CUDA) keeps only the 16-bit
   logits and then their 16-bit gradient: 2·2·b·s·V (fp32 runs: 2·4·b·s·V).
-* The peak is the larger of two moments: the start of backward (all activations + the loss'
+* The peak is the largest of these moments: the start of backward (all saved activations + the loss'
   logits peak above + communication buckets + gathered parameters; gradients that ``zero_grad
-  (set_to_none=True)`` freed are not there yet unless gradients are accumulated) and the end of
-  backward / optimizer step (all gradients, step temporaries, no activations).
+  (set_to_none=True)`` freed are not there yet unless gradients are accumulated; with checkpointing
+  no layer is recomputed yet), the LM head's backward, a checkpointed layer's backward (its
+  recomputation and backward temporaries, the logits freed), the end of backward / optimizer step
+  (all gradients, step temporaries, no activations) and an eval forward (shardlab evaluates before
+  the first step, at epoch ends and after the last, with the eager loss: 10 bytes a logit in 16-bit
+  runs, at the eval batch each rank gets; ``eval_batch_per_rank``).
 
 Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
@@ -76,6 +80,7 @@ from .memory import (
     StrategyPlan,
     activation_bytes,
     compiled_layers_modelled,
+    layer_backward_bytes,
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
@@ -453,12 +458,34 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights
     return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 
 
+def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, dp: int, eval_blocks: int | None) -> int:
+    """Rows of one eval forward on one rank (training.trainer._loaders): the eval batch is the micro batch (a whole
+    step's micro-batches where the strategy evaluates whole steps), and DistributedSampler gives every rank
+    ceil(blocks / ranks) rows (drop_last=False pads). With ``eval_blocks`` unknown (the launcher plans before the data
+    is read) a full eval batch: what an eval split of at least ``dp`` batches uses. 0 when there is no eval split."""
+    if cfg.dataset.eval_split <= 0 or eval_blocks == 0:
+        return 0
+    batch = micro * (accum if spec(strategy).eval_whole_steps else 1)
+    if eval_blocks is None:
+        return batch
+    return min(batch, math.ceil(eval_blocks / max(1, dp)))
+
+
+def eval_loss_bytes_per_logit(mode: str) -> int:
+    """training.strategies' eval forward (no grad) computes the loss eagerly (loss.causal_lm_loss; the model's own
+    ForCausalLMLoss is the same): the logits in the compute dtype, their fp32 copy (``logits.float()``) and
+    cross_entropy's fp32 log-softmax, alive together. Measured at bloom-3b zero3_offload, 6 eval rows of 1024 tokens on
+    one H200 (benchmarks/results/2026-11-26-h100-z3off-plan): 2,940 MiB + 2 x 5,880 MiB, i.e. 2 + 4 + 4 bytes a logit."""
+    return 8 if mode == "fp32" else 10  # fp32 logits: .float() is the same tensor
+
+
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
                    gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]],
-                   device: str = "cuda") -> StrategyPlan:
+                   device: str = "cuda", eval_blocks: int | None = None) -> StrategyPlan:
     """One strategy's prediction. ``device='cpu'`` predicts a CPU run's allocations instead (CPU activation
     layout, torch's AdamW temporaries), which ``shardlab train --device cpu`` records and
-    ``--micro-batch auto`` caps by a host-RAM budget."""
+    ``--micro-batch auto`` caps by a host-RAM budget. ``eval_blocks``: the eval split's size in blocks, when known
+    (``eval_batch_per_rank``)."""
     s = spec(strategy)
     if s.engine == "pipelining":
         return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
@@ -502,6 +529,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
     notes: list[str] = []
     stage = s.zero_stage
+    eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss
     if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
@@ -583,6 +611,13 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if buckets["stage3_param_persistence_threshold"] >= n:  # one rank: every parameter persists, none is gathered
                 gather, label = 0, "ZeRO-3 gathered params (none: every parameter persists on one rank)"
             temp[label] = float(lo * gather)
+            if not cfg.eval_at_start:
+                # An eval forward after training replays the training trace, so it keeps the same gathered params (their
+                # next use is the backward that does not come): bloom-3b zero3_offload's final eval held the embedding and
+                # the last blocks' weights, 1.87 GiB, on one GPU (16.30 GiB measured). With the initial eval (the default)
+                # nothing beyond the persistent params was left at bloom-7b1's evals (14.45 GiB = the logits + 0.10).
+                # Measured, not explained: DeepSpeed's first trace is then the eval's (partitioned_param_coordinator).
+                eval_gathered = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
             if on_gpu:
                 # torch AdamW's foreach step (torch/optim/adam.py _multi_tensor_adam: every update in place but
@@ -599,13 +634,36 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         g_fb = 0.0  # accumulating, FSDP2 keeps unsharded gradients instead of the shards: counted in `temp`
     g_end = 0.0 if grads_counted_in_buffer else grads
     static = params + optim + sum(persistent_temp.values())
-    moment_fb = static + g_fb + act.peak + sum(temp.values())
+    # Start of backward: the saved activations and the loss' gradients. Not a checkpointed layer's recomputation: that
+    # comes after the loss' and the head's backward have freed the logits' tensors (moment_layer below). Counting both
+    # at once put bloom-7b1 zero3_offload (micro 8, checkpointing) at 13.14 GiB where 12.25 was measured on 2 GPUs,
+    # the logits (3.83 + 3.83), the tied embedding kept gathered (1.91), the layers' inputs (1.88) and the ALiBi bias
+    # (0.5) and nothing else at the peak; bloom-3b 11.41 / 11.42 on 1 / 2 GPUs (benchmarks/results/2026-11-26-h100-z3off-plan).
+    moment_fb = static + g_fb + act.peak - act.recompute + sum(temp.values())
     # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers
     moment_head = moment_fb - act.logits_peak + act.logits_grad + sum(at_head.values())
+    # a checkpointed layer's backward: its recomputed activations and its backward's temporaries (memory.layer_backward_bytes,
+    # as the pipeline plan counts them); at most the logits' gradient is left of the loss (liger: its two gradients)
+    moment_layer = 0.0
+    if act.recompute:
+        sbh = float(micro * cfg.seq_len * arch.hidden)
+        moment_layer = (static + g_fb + act.layers + act.embed_final + act.recompute + layer_backward_bytes(arch, mode) * sbh
+                        + act.logits_grad + sum(temp.values()))
     moment_end = static + g_end + sum(temp_step.values())
+    # An eval forward (shardlab evaluates before the first step, at epoch ends and after the last step): no activations
+    # kept, but the eager loss' fp32 logits at the per-rank eval batch. This is what made zero3_offload's measured peak
+    # depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6 on one GPU (2.87 + 2 x 5.74 GiB of
+    # logits: 14.45 GiB measured, above training's peak) and 3 per rank on two (benchmarks/results/2026-11-26-h100x2-ds-offload).
+    moment_eval = 0.0
+    eval_rows = eval_batch_per_rank(cfg, strategy, micro, accum, d, eval_blocks)
+    if eval_rows and kernel != "liger":  # liger evaluates through its fused kernel too: no logits
+        moment_eval = static + eval_gathered + float(eval_loss_bytes_per_logit(mode) * eval_rows * cfg.seq_len * arch.vocab)
     peak, moment = max((moment_fb, "start of backward (activations + loss gradients)"),
                        (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
-                       (moment_end, "optimizer step (all gradients + step buffers)"), key=lambda m: m[0])
+                       (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
+                       (moment_end, "optimizer step (all gradients + step buffers)"),
+                       (moment_eval, f"eval forward ({eval_rows} rows a rank: the eager loss' fp32 logits)"),
+                       key=lambda m: m[0])
     gpu = {
         "parameters": params,
         "gradients": (0.0 if grads_counted_in_buffer else grads),
@@ -756,13 +814,16 @@ def compile_is_modelled(cfg: RunConfig, arch: Arch | None = None) -> bool | None
 
 
 def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
-         nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096) -> Plan:
+         nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096,
+         eval_blocks: int | None = None) -> Plan:
     """Predict memory for every strategy of ``cfg`` (its model, seq_len, micro batch, GPUs, precision).
 
     ``gpu_memory_gb``: per-GPU memory in GiB (2**30 bytes; GPU memory is built in binary units: an
     "80GB" H100 has 80 GiB of HBM, of which torch reports ~79.1 GiB), detected with torch.cuda when
     omitted, required when no GPU is visible. ``host_ram_gb`` / ``nvme_free_gb``: per node, GiB too.
     ``micro_batch: auto`` is planned at the largest micro batch predicted to fit ``cfg.strategy``.
+    ``eval_blocks``: the eval split's size in blocks where known (the eval forward's batch per rank,
+    ``eval_batch_per_rank``); unknown, a full eval batch is planned.
     """
     for name, value in (("--gpu-memory-gb", gpu_memory_gb), ("--host-ram-gb", host_ram_gb), ("--nvme-free-gb", nvme_free_gb)):
         if value is not None and not (value > 0 and math.isfinite(value)):
@@ -828,7 +889,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         else:
             s_micro, s_accum = micro, accum
         try:
-            sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est)
+            sp = _strategy_plan(s, arch, cfg, s_micro, s_accum, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est,
+                                eval_blocks=eval_blocks)
         except UserError as err:
             if not isinstance(err, PipelineNotApplicable) or strategies:
                 raise

@@ -301,6 +301,12 @@ class Trainer:
         stages = cfg.stages()
         stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
         stage_loaders = [self._loaders(sp) for sp in stage_data]
+        if self.plan is not None and self.env.rank == 0 and stage_data[0].eval is not None and len(stage_data[0].eval):
+            # the launcher planned a full eval batch per rank: re-planned with the eval split's size (its forward can be
+            # the run's peak)
+            from ..planning.run_plan import with_eval_split
+
+            self.plan = with_eval_split(self.plan, cfg, max(1, env.world_size // cfg.nodes), len(stage_data[0].eval))
         self.startup.mark("data")
         stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
         if cfg.curriculum and cfg.max_steps:  # a top-level --max-steps caps the whole curriculum

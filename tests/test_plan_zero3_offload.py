@@ -1,0 +1,102 @@
+"""zero3_offload's GPU peak on 1 and 2 GPUs (issue 14, planner precision): the plan against the H100/H200 measurements.
+
+bloom-7b1 at seq 1024, bf16, micro 8, global batch 32, checkpointing, compiled loss, pinned, the offline corpus (6 eval
+blocks of 1024 tokens). Before this the plan said 13.14 GiB for both world sizes; measured 14.45 on 1 GPU and 11.43 on 2.
+Two things the plan missed (benchmarks/results/2026-11-26-h100-z3off-plan/README.md):
+- the eval forward: shardlab evaluates with the eager loss (fp32 copy and fp32 log-softmax of the logits, 10 B a logit in
+  bf16) on ceil(6 / ranks) rows a rank, so on 1 GPU the eval, not training, is the run's peak;
+- the start of backward counted a checkpointed layer's recomputation, which comes only after the logits are freed.
+No GPU and no timing here: plan() on the meta-device model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlab.config import RunConfig
+from shardlab.planning.memory import GiB
+from shardlab.planning.planner import eval_batch_per_rank, plan
+
+S = "zero3_offload"
+EVAL_BLOCKS = 6  # the offline corpus at seq 1024: 140 train blocks, 6 eval blocks (the runs' logs)
+
+
+def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | None = EVAL_BLOCKS, **fields):
+    cfg = RunConfig(model=model, seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
+                    gradient_checkpointing=True, strategy=S, eval_at_start=eval_at_start, **fields)
+    return plan(cfg, gpu_memory_gb=79, host_ram_gb=250, strategies=(S,), eval_blocks=eval_blocks).strategies[S]
+
+
+# (model, GPUs, eval_at_start, measured torch.cuda.max_memory_allocated GiB, where)
+MEASURED = [
+    # benchmarks/results/2026-11-26-h100x2-ds-offload/call2 (shardlab train, 10 steps, H100): the peak is the eval's,
+    # 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.10 persistent = 14.45
+    ("bloom-7b1", 1, True, 14.45, "eval forward"),
+    # benchmarks/results/2026-11-26-h100-z3off-plan (peak_snapshot.py --markers, 2 steps, H200), no initial eval
+    ("bloom-7b1", 2, False, 12.246, "start of backward"),
+    ("bloom-3b", 1, False, 16.300, "eval forward"),  # the final eval, with the training trace's gathered params
+    ("bloom-3b", 2, False, 11.426, "start of backward"),
+    # the same run on 2 GPUs with the initial eval (call2, 10 steps) measured 11.43: planned 12.14, +6.2%. With the eval
+    # first DeepSpeed left less gathered at the start of backward than without it (12.25 above); not explained yet.
+    pytest.param("bloom-7b1", 2, True, 11.43, "start of backward",
+                 marks=pytest.mark.xfail(strict=True, reason="issue 14: zero3_offload 2 GPUs with the initial eval, +6.2%")),
+]
+
+
+@pytest.mark.parametrize("model, gpus, eval_at_start, measured, moment", MEASURED)
+def test_zero3_offload_peak_within_5_percent(model, gpus, eval_at_start, measured, moment):
+    sp = _plan(model, gpus, eval_at_start)
+    assert sp.gpu_peak / GiB == pytest.approx(measured, rel=0.05)
+    assert sp.peak_moment.startswith(moment)
+
+
+def test_world_size_dependence_is_the_eval_batch():
+    """The 6 eval blocks are one batch of 6 on one rank and 3 a rank on two: the eval's logits halve, training's don't."""
+    one, two = _plan("bloom-7b1", 1), _plan("bloom-7b1", 2)
+    assert one.peak_moment.startswith("eval forward (6 rows") and two.peak_moment.startswith("start of backward")
+    bsv = 1024 * 250880
+    assert one.gpu_peak - _plan("bloom-7b1", 1, eval_blocks=0).gpu_peak > 0  # the eval moment is the peak ...
+    no_eval_1, no_eval_2 = _plan("bloom-7b1", 1, eval_blocks=0), _plan("bloom-7b1", 2, eval_blocks=0)
+    assert no_eval_1.gpu_peak == pytest.approx(no_eval_2.gpu_peak, rel=0.01)  # ... training is the same on 1 and 2 GPUs
+    # eval: 10 B a logit (bf16 logits, fp32 copy, fp32 log-softmax) on 6 rows, over the persistent buffers only
+    assert one.gpu_peak == pytest.approx(10 * 6 * bsv + 0.05 * GiB, abs=0.06 * GiB)
+    # unknown eval size: a full eval batch (8 rows), on any number of GPUs
+    assert _plan("bloom-7b1", 2, eval_blocks=None).peak_moment.startswith("eval forward (8 rows")
+
+
+@pytest.mark.parametrize("blocks, ranks, strategy, expected", [
+    (6, 1, S, 6), (6, 2, S, 3), (5, 2, S, 3), (100, 2, S, 8), (None, 4, S, 8), (0, 1, S, 0),
+    (6, 1, "pipeline", 6), (None, 1, "pipeline", 32),  # pipeline schedules evaluate whole steps (micro x accum)
+])
+def test_eval_batch_per_rank(blocks, ranks, strategy, expected):
+    cfg = RunConfig(model="tiny-gpt2", micro_batch=8)
+    assert eval_batch_per_rank(cfg, strategy, 8, 4, ranks, blocks) == expected
+    assert eval_batch_per_rank(cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"eval_split": 0.0})}),
+                               strategy, 8, 4, ranks, blocks) == 0
+
+
+def test_checkpointed_recompute_is_not_counted_at_the_start_of_backward():
+    """The start of backward holds the layers' inputs and the loss' gradients; one layer's recomputation comes later,
+    with the logits freed. bloom-7b1 on 2 GPUs: 13.14 GiB planned before (recompute counted), 12.25 measured."""
+    sp = _plan("bloom-7b1", 2, eval_blocks=0)
+    assert sp.peak_moment.startswith("start of backward")
+    assert sp.gpu_peak / GiB == pytest.approx(12.14, abs=0.02)
+    assert sp.gpu_peak / GiB < 13.14 - 0.9  # one bloom-7b1 layer's recomputation at micro 8: 1.0 GiB
+
+
+def test_worker_replans_with_the_eval_split():
+    """The launcher plans before the data is read (a full eval batch of 8 a rank); the worker re-plans the record with
+    the eval split's size (run_plan.with_eval_split), which is what summary.json then compares with the measurement."""
+    from shardlab.planning.run_plan import predict_run, with_eval_split
+
+    for gpus, full, refined in ((1, 19.17, 14.39), (2, 19.17, 12.14)):
+        cfg = RunConfig(model="bloom-7b1", seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
+                        gradient_checkpointing=True, strategy=S)
+        rec = predict_run(cfg, "cuda", gpus, gpu_memory=79, host_ram=250)
+        assert rec["gpu_peak_gib"] == pytest.approx(full, abs=0.02) and rec["peak_moment"].startswith("eval forward (8 rows")
+        new = with_eval_split(rec, cfg, gpus, EVAL_BLOCKS)
+        assert new["gpu_peak_gib"] == pytest.approx(refined, abs=0.02) and new["eval_blocks"] == EVAL_BLOCKS
+        assert new["cpu_gib"] == rec["cpu_gib"] and new["micro_batch"] == 8
+        assert with_eval_split(rec, cfg, gpus, 100) is rec  # 100 blocks fill the eval batch on every rank: nothing to refine
+    cpu = {"device": "cpu", "gpu_peak_gib": None, "cpu_gib": 1.0}
+    assert with_eval_split(cpu, cfg, 1, 6) is cpu

@@ -3,7 +3,10 @@ session's registry of shared training runs.
 
 Every training run is its own `python -m shardlab train` process, so DeepSpeed's and
 torch.distributed's global state (process groups, accelerator choice, JIT ops) can never
-leak from one test into the next.
+leak from one test into the next. The process is forked from the session's zygote (zygote.py), which has
+imported shardlab, torch, transformers and DeepSpeed once, instead of importing them again (~8 s of CPU a run
+on 2 cores); it is the training process itself, without `shardlab train`'s supervising parent, whose own
+behaviour tests/test_never_silent.py checks with real interpreters.
 
 Two tiers (`make test` runs the fast one first and stops if it fails; `make test-fast` runs it alone):
   fast  `pytest -m "not slow"`: unit tests, preflight errors, report tables from committed run

@@ -28,14 +28,12 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("own-launcher")
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ARGS, "--gpus", "2", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "forked from this launcher" in proc.stdout  # a CPU run forks its ranks (launcher.worker_start_method)
-    return losses(out)
+@pytest.fixture
+def reference(shared_runs):
+    """shardlab's own 2-rank launch, trained once per pytest run for every xdist worker (conftest.SharedRuns)."""
+    run = shared_runs.get([*ARGS, "--gpus", "2"], name="own-launcher").check()
+    assert "forked from this launcher" in run.stdout  # a CPU run forks its ranks (launcher.worker_start_method)
+    return losses(run.out)
 
 
 def test_exec_started_ranks_train_as_forked_ones(reference, tmp_path):

@@ -125,9 +125,10 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("llama")
 
 
-@pytest.fixture(scope="module")
-def dp_llama(root, train_cli):
-    return train_cli(["--model", "tiny-llama", "--strategy", "dp", *ARGS], root / "dp")
+@pytest.fixture
+def dp_llama(shared_runs):
+    """The reference, trained once per pytest run for every xdist worker (conftest.SharedRuns): its readers spread."""
+    return shared_runs.get(["--model", "tiny-llama", "--strategy", "dp", *ARGS], name="dp-llama")
 
 
 def test_tiny_llama_trains_with_dp(dp_llama):

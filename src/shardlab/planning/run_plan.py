@@ -208,11 +208,12 @@ def with_eval_split(record: dict[str, Any], cfg: RunConfig, nproc: int, eval_blo
     if record.get("device") != "cuda" or record.get("gpu_peak_gib") is None or record.get("error"):
         return record
     try:
-        from .planner import _dp_size, eval_batch_per_rank
+        from ..layout import data_parallel_size
+        from .planner import eval_batch_per_rank
 
         run_cfg = cfg.model_copy(update={"gpus": nproc, "micro_batch": record["micro_batch"], "grad_accum": record["grad_accum"],
                                          "global_batch": None})
-        dp = _dp_size(cfg.strategy, run_cfg, nproc * cfg.nodes)
+        dp = data_parallel_size(run_cfg, nproc * cfg.nodes, cfg.strategy)
         args = (run_cfg, cfg.strategy, record["micro_batch"], record["grad_accum"], dp)
         if eval_batch_per_rank(*args, eval_blocks) >= eval_batch_per_rank(*args, None):
             return record

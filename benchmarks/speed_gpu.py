@@ -27,6 +27,7 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "zero1": 60, "zero2": 60, "zero3": 110, "zero3-gather": 110, "fsdp-noreshard": 60, "dp-nopad": 45, "dp-compile-nopad": 150,
               "fsdp": 60, "fsdp-compile-model": 170, "fsdp-compile-blocks": 60, "fsdp-compile-noreshard": 60, "zero1-compile": 150, "zero2-compile": 150, "zero3-compile": 170, "zero3-deepcompile": 200, "zero3-deepcompile-flash": 200, "fsdp-compile-reshard": 60,
               "fsdp-compile-blocks-noreshard": 60, "dp-compile-blocks": 150,
+              "fsdp-blocks": 60, "fsdp-model-nogather": 60, "fsdp-compile-units-blocks": 120, "fsdp-compile-model-nogather": 120,
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
@@ -55,6 +56,12 @@ fg.CELLS.update({
     # zero3 as it was before one rank kept every parameter whole (DeepSpeed's default persistence threshold)
     "zero3-gather": ("zero3", 8, ["--set", "strategy_options.stage3_param_persistence_threshold=100000"], None),
     "fsdp-noreshard": ("fsdp", 8, ["--set", "strategy_options.fsdp_reshard_after_forward=false"], None),
+    # one rank, as before fsdp_units and fsdp_gather_after_step (strategies/fsdp.py): a unit per block, gathered in forward
+    "fsdp-blocks": ("fsdp", 8, ["--set", "strategy_options.fsdp_units=blocks", "--set", "strategy_options.fsdp_gather_after_step=false"], None),
+    "fsdp-compile-units-blocks": ("fsdp", 16, ["--compile", "--set", "strategy_options.fsdp_units=blocks", "--set",
+                                               "strategy_options.fsdp_gather_after_step=false"], None),
+    "fsdp-model-nogather": ("fsdp", 8, ["--set", "strategy_options.fsdp_gather_after_step=false"], None),
+    "fsdp-compile-model-nogather": ("fsdp", 16, ["--compile", "--set", "strategy_options.fsdp_gather_after_step=false"], None),
     # the output head's matmul on GPT-2's own 50,257-token vocabulary (before training/head_padding.py)
     "dp-nopad": ("dp", 8, ["--set", "pad_head=false"], None),
     "dp-compile-nopad": ("dp", 16, ["--compile", "--set", "pad_head=false"], None),
@@ -76,7 +83,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "zero2-compile": ("dp-compile", None), "zero3-compile": ("dp-compile", None), "zero3-deepcompile": ("dp-compile", None), "zero3-deepcompile-flash": ("dp-compile", None), "fsdp-compile-reshard": ("dp-compile", 0.95), "fsdp-compile-noreshard": ("dp-compile", 0.95),
           "fsdp-compile-blocks-noreshard": ("dp-compile", 0.95),
           "dp-compile-blocks": ("bare:compile-bf16", 1.10), "dp-compile-closs-noeval": ("bare:compile-bf16", 1.10),
-          "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "dp-nopad": ("bare:eager-bf16", None),
+          "dp-compile-liger-noeval": ("bare:compile-bf16", 1.10), "fsdp": ("dp", 1.0), "dp": ("bare:eager-bf16", 1.0), "zero3": ("dp", 0.7), "zero3-gather": ("dp", 0.7), "fsdp-noreshard": ("dp", 1.0), "fsdp-blocks": ("dp", 1.0), "fsdp-model-nogather": ("dp", 1.0),
+          "fsdp-compile-units-blocks": ("dp-compile", 0.95), "fsdp-compile-model-nogather": ("dp-compile", 0.95), "dp-nopad": ("bare:eager-bf16", None),
           "dp-compile-nopad": ("bare:compile-bf16", 1.10), "dp-cudnn": ("dp", None), "dp-compile-cudnn": ("bare:compile-bf16", 1.10),
           "dp-compile-autotune": ("bare:compile-bf16", 1.10), "dp-compile-cudagraphs": ("bare:compile-bf16", 1.10),
           "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}

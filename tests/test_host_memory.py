@@ -81,7 +81,10 @@ def test_fsdp_setup_reshards_after_forward_as_resolved(one_rank, strategy, given
                     strategy_options={"fsdp_reshard_after_forward": given})
     st = FSDPStrategy(cfg, one_rank, Precision("fp32"), 1, 1)
     st.setup(st.build_model(), 10)
-    units = [*transformer_blocks(st.hf_model), st.hf_model]
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in st.hf_model.modules() if isinstance(m, FSDPModule)]  # one rank: the root alone (fsdp.units)
+    assert len(units) == (1 if strategy == "fsdp" else 1 + len(transformer_blocks(st.hf_model)))
     # torch 2.13: a param group reshards after forward iff it has a post-forward mesh (FSDPParamGroup._reshard_after_forward)
     assert [u._get_fsdp_state()._fsdp_param_group._reshard_after_forward for u in units] == [expected] * len(units)
     assert ("not resharded after forward" in st.memory_note()) is (not expected)

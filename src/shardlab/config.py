@@ -82,6 +82,15 @@ class StrategyOptions(_Strict):
     fsdp_reshard_after_forward: bool | None = Field(
         None, description="fsdp, fsdp_offload: free each unit's gathered parameters after its forward and gather them again "
         "in backward (default: off on one rank without parameter offload, where it only adds a gather; on otherwise)")
+    fsdp_units: Literal["auto", "blocks", "model"] = Field(
+        "auto", description="fsdp, fsdp_offload: what each fully_shard unit is: 'blocks' (each transformer block, then the "
+        "root), 'model' (the root alone: one gather and one reduction per step); auto: 'model' on one rank without "
+        "parameter offload, where per-block units bound no memory and only add hooks and launches; 'blocks' otherwise")
+    fsdp_gather_after_step: bool | None = Field(
+        None, description="fsdp, fsdp_offload: gather (unshard) the parameters for the next forward right after the "
+        "optimizer step, while the GPU still runs it, instead of at the start of the next forward, where the GPU waits "
+        "for the host; default: on where the gathered parameters stay alive from forward to backward anyway (not "
+        "resharding after forward, no parameter offload), off otherwise")
     offload_ratio: float = Field(1.0, gt=0.0, le=1.0, json_schema_extra=cli("--offload-ratio"),
         description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest stays on the "
         "GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")

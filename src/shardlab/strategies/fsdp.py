@@ -62,6 +62,37 @@ def params_gathered_through_backward(cfg, world_size: int, strategy: str | None 
     return not reshard_after_forward(cfg, world_size, strategy)
 
 
+def units(cfg, world_size: int, strategy: str | None = None) -> str:
+    """What each ``fully_shard`` unit of a run on ``world_size`` ranks is (``strategy`` as in ``reshard_after_forward``):
+    'blocks' (each transformer block, then the root) or 'model' (the root alone). ``fsdp_units`` given: as given.
+    'auto': 'model' on one rank without parameter offload. There a unit's "gather" is a cast and a copy of the whole
+    parameter (FSDP2's world-size-1 path) and resharding frees only the 16-bit copy, so per-block units bound no memory
+    the run needs (the 16-bit copy of every block is alive from its forward to its backward once not resharding after
+    forward) and cost 2 x 25 hook passes, per-unit gathers and reductions a step; one unit reduces once, at the end of
+    backward (+4 B/param for its fp32 reduce buffer then, when the activations are gone). 'blocks' otherwise: across
+    ranks a unit bounds the gathered memory, and under CPUOffloadPolicy a unit is what is copied to the GPU at a time.
+    Measured on one H100: benchmarks/results/2026-11-26-h100-fsdp."""
+    given = cfg.strategy_options.fsdp_units
+    if given != "auto":
+        return given
+    return "model" if world_size == 1 and spec(strategy or cfg.strategy).offload_params != "cpu" else "blocks"
+
+
+def gather_after_step(cfg, world_size: int, strategy: str | None = None) -> bool:
+    """Whether ``optimizer_step`` gathers (``FSDPModule.unshard``) every unit's parameters for the next forward right
+    after the optimizer step. ``fsdp_gather_after_step`` given: as given. Unset: where the gathered parameters stay
+    alive from forward to backward anyway (``params_gathered_through_backward``) and none is offloaded: it moves the
+    gather's casts and copies (one per parameter on one rank, issued from Python) from the start of the next step,
+    where the GPU sits idle after the step's loss sync until the host has issued them, to the end of this one, where the
+    host runs ahead of the GPU; the next forward's pre-hooks find the parameters gathered. It holds the 16-bit copy
+    between steps (and through an eval), which the forward would allocate anyway; state dicts reshard first
+    (FSDP2's state-dict pre-hooks)."""
+    given = cfg.strategy_options.fsdp_gather_after_step
+    if given is not None:
+        return given
+    return params_gathered_through_backward(cfg, world_size, strategy) and spec(strategy or cfg.strategy).offload_params != "cpu"
+
+
 class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
@@ -104,7 +135,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
         from ..training import compiling
         from ..training.models import transformer_blocks
@@ -121,15 +152,24 @@ class FSDPStrategy(TorchOptimizerStrategy):
         if not self.cpu_optimizer(self.cfg) and not on_meta:
             model = model.to(self.env.device)
         compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
-        for block in transformer_blocks(model):
-            fully_shard(block, **kwargs)
+        if units(self.cfg, self.env.world_size) == "blocks":
+            for block in transformer_blocks(model):
+                fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
             self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.model = compiling.compile_module(model, self.cfg) if self.cfg.compile and not compiled_blocks else model
         offload = self.cpu_optimizer(self.cfg)
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
+
+    def optimizer_step(self) -> float | None:
+        norm = super().optimizer_step()
+        if gather_after_step(self.cfg, self.env.world_size):
+            for module in self._units:  # the root first, then the blocks, as forward reaches them
+                module.unshard()  # issues the gather (one rank: casts and copies) on the GPU's queue, no host wait
+        return norm
 
     def accumulate(self, last_micro: bool):
         # Reduce-scatter only once per optimizer step, like DDP's no_sync.
@@ -146,4 +186,6 @@ class FSDPStrategy(TorchOptimizerStrategy):
         where = "CPU" if self.cpu_optimizer(self.cfg) else "GPU"
         kept = "" if reshard_after_forward(self.cfg, self.env.world_size) else \
             "; not resharded after forward (gathered params kept until backward)"
-        return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}{kept}"
+        unit = "one unit (the whole model)" if units(self.cfg, self.env.world_size) == "model" else "one unit per block + the root"
+        early = "; next step's params gathered right after the optimizer step" if gather_after_step(self.cfg, self.env.world_size) else ""
+        return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}; {unit}{kept}{early}"

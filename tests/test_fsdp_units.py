@@ -1,0 +1,90 @@
+"""fsdp's one-rank speed options (issue 15): one FSDP2 unit for the whole model (``fsdp_units``) and the next step's
+gather issued right after the optimizer step (``fsdp_gather_after_step``) train exactly as dp does (fp32, CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shardlab.config import RunConfig
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A single-rank gloo process group in this process (FSDP2 needs one)."""
+    import torch.distributed as dist
+
+    from shardlab.launch.distributed import DistEnv, free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+
+
+_DP: dict = {}
+
+
+def _losses(strategy: str, env, steps: int = 3, **options) -> tuple[list[float], object]:
+    from shardlab.strategies import strategy_class
+    from shardlab.training.optim import Precision
+    from shardlab.training.trainer import apply_dropout
+
+    cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=32, lr=1e-3, dropout=0.0,
+                    max_grad_norm=None, strategy_options=options)
+    st = strategy_class(strategy)(cfg, env, Precision("fp32"), 1, 2)
+    model = st.build_model()
+    apply_dropout(model, cfg.dropout)  # as the trainer does: no dropout, so both runs compute the same function
+    st.setup(model, steps)
+    st.train()
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, st.hf_model.config.vocab_size, (2, 32), generator=gen)
+        loss = st.forward({"input_ids": ids, "labels": ids})
+        st.backward(loss, True)
+        st.optimizer_step()
+        losses.append(loss.item())
+    return losses, st
+
+
+def test_fsdp_units_resolution():
+    from shardlab.strategies.fsdp import gather_after_step, units
+
+    one = RunConfig(strategy="fsdp")
+    assert units(one, 1) == "model" and units(one, 2) == "blocks"
+    assert units(RunConfig(strategy="fsdp_offload"), 1) == "blocks"  # a unit is what is copied to the GPU at a time
+    assert units(RunConfig(strategy="fsdp", strategy_options={"fsdp_units": "blocks"}), 1) == "blocks"
+    assert units(RunConfig(strategy="fsdp", strategy_options={"fsdp_units": "model"}), 4) == "model"
+    # on where the gathered params stay alive from forward to backward anyway: one rank, no offload
+    assert gather_after_step(one, 1) and not gather_after_step(one, 2)
+    assert not gather_after_step(RunConfig(strategy="fsdp_offload"), 1)
+    assert gather_after_step(RunConfig(strategy="fsdp", strategy_options={"fsdp_reshard_after_forward": False}), 2)
+    assert not gather_after_step(RunConfig(strategy="fsdp", strategy_options={"fsdp_gather_after_step": False}), 1)
+
+
+@pytest.mark.parametrize("options", [
+    {},  # one rank's defaults: one unit, gathered after the step
+    {"fsdp_units": "blocks", "fsdp_gather_after_step": False},  # as before these options
+    {"fsdp_units": "blocks", "fsdp_gather_after_step": True},
+    {"fsdp_units": "model", "fsdp_gather_after_step": False},
+], ids=["defaults", "blocks", "blocks-gather-after-step", "model-no-gather-after-step"])
+def test_fsdp_one_rank_options_train_as_dp(one_rank, options):
+    from torch.distributed.fsdp import FSDPModule
+
+    if "ref" not in _DP:
+        _DP["ref"] = _losses("dp", one_rank)[0]
+    ref = _DP["ref"]
+    got, st = _losses("fsdp", one_rank, **options)
+    assert got == pytest.approx(ref, abs=1e-3)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5  # fp32: the same arithmetic, up to summation order
+    n_units = sum(isinstance(m, FSDPModule) for m in st.hf_model.modules())
+    assert (n_units == 1) is (options.get("fsdp_units", "model") == "model")
+    # the state dict (checkpoints, export) is the sharded one even with the next step's params gathered
+    sd = st.hf_model.state_dict()
+    assert all(hasattr(v, "full_tensor") for k, v in sd.items() if k.endswith("weight"))
+

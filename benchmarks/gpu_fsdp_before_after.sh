@@ -4,8 +4,9 @@
 # Each VARIANT is TREE:CELL: TREE 'after' is this checkout, 'before' the tree at $BEFORE (its src/ only: e.g.
 # `git archive <commit> src | tar -x -C $BEFORE`); CELL a benchmarks/speed_gpu.py cell (gpt2-medium seq 1024 bf16,
 # synthetic data, no clipping), run by this checkout's speed_gpu.py with PYTHONPATH on the tree's src/.
-# WARM="before:fsdp-compile after:fsdp-compile ...": before the timed repeats, short runs of these cells all at once
-# (in parallel) fill inductor's cache, so every timed compiled run finds its graphs cached, as the others do.
+# WARM="before:fsdp-compile after:fsdp-compile ...": before the timed repeats, short runs of these cells, one after
+# another, fill inductor's cache, so every timed compiled run finds its graphs cached, as the others do. (Run in
+# parallel, three cold compiles never finished within 540 s on the H100: results/2026-11-26-h100-fsdp/call5.)
 # Results: $OUT/ba/{log.txt,<tree>/speed.json,table.md}.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/ba"; mkdir -p "$R"
@@ -24,9 +25,8 @@ if [[ -n "$WARM" ]]; then
   for v in $WARM; do
     tree=${v%%:*}; cell=${v#*:}
     PYTHONPATH=$(src_of "$tree"):$BASE_PP python3 benchmarks/speed_gpu.py --out "/tmp/warm-$tree-$cell" --runs "/tmp/warm-runs-$tree-$cell" \
-      --cells "$cell" --steps 3 > "/tmp/warm-$tree-$cell.log" 2>&1 &
+      --cells "$cell" --steps 3 --timeout 300 > "/tmp/warm-$tree-$cell.log" 2>&1 || echo "warm $v FAILED"
   done
-  wait
   echo "=== warm done ($SECONDS s)"; grep -h "^\[" /tmp/warm-*.log
 fi
 for rep in $(seq 1 "$REPEATS"); do

@@ -563,6 +563,12 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             at_head["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + (4 if mixed else 0)) * arch.block_params)
         at_head["the head's unsharded 16-bit weight gradient (root unit)"] = float(lo * arch.root_params)
         temp_step["fp32 grads before reduce-scatter"] = 0.0
+        from ..strategies.fsdp import units
+
+        if units(cfg, d, strategy) == "model":
+            # one unit: its reduction runs once, at the end of backward, over the whole model: the fp32 (reduce_dtype)
+            # input buffer beside the reduced output that becomes the sharded gradients (counted in `grads`)
+            temp_step["fp32 reduce-scatter input of the whole model (one FSDP unit)"] = 4.0 * n
     else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
 
         if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)

@@ -217,6 +217,23 @@ def test_gguf_loads_the_pretrained_model(smollm2):
 
 @pytest.mark.slow
 @needs_smollm2
+def test_gguf_weights_are_dequantised_once_and_kept(smollm2, monkeypatch):
+    """The fixture's build left the fp32 weights in the cache (later builds, each run's, read them in about a second);
+    a file over the size limit is dequantised on every build instead, to the same tensors."""
+    from shardlab.training import models
+
+    cfg, model, _ = smollm2
+    path = models.packaged_gguf(SMOLLM2)
+    kept = models.gguf_weights_cached(path)
+    assert kept is not None and (kept / "model.safetensors").is_file() and kept.is_relative_to(models.cache_root())
+    monkeypatch.setattr(models, "GGUF_WEIGHTS_CACHE_MAX_BYTES", 4 * 134_515_008 - 1)  # one element too many
+    assert models.gguf_weights_cached(path) is None
+    direct = models.build_model(cfg).state_dict()
+    assert all(torch.equal(direct[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+@needs_smollm2
 def test_gguf_fine_tune_lowers_held_out_perplexity_and_exports(smollm2, root, train_cli, trainer_eval_loss):
     """6 steps on the offline corpus from the pretrained start: held-out perplexity falls by >= 10%
     relative (it fell by 29% on 2026-11-26: eval loss 3.470 -> 3.134 on 8 eval blocks; 12 steps on 16 blocks took 32%

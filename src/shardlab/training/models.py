@@ -49,6 +49,7 @@ from transformers import (
 
 from . import sdpa_causal
 from .bloom_sdpa import is_bloom, use_sdpa_attention
+from ..cachedir import cache_root
 from ..config import RunConfig
 from ..errors import UserError
 
@@ -459,17 +460,23 @@ def _gguf_bits(type_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# The dequantised weights of a GGUF are kept (the 'weights' part) up to this size in fp32: SmolLM2-135M's 0.54 GB are
+# read in about a second instead of ~16 s of dequantising on 2 CPU cores in every process that loads it (each run,
+# each rank, `generate`). A 7B model would take 28 GB of the home directory: larger files are dequantised each time.
+GGUF_WEIGHTS_CACHE_MAX_BYTES = 4 * 2**30
+
+
 def _gguf_cache(path: Path, part: str) -> Path:
     """A directory holding one ``part`` of the GGUF, parsed once per file and kept: 'config' (config.json),
-    'tokenizer' (tokenizer files) or 'info' (gguf.json: architecture and tensor types). transformers takes
+    'tokenizer' (tokenizer files), 'info' (gguf.json: architecture, tensor types, element count) or 'weights' (the
+    model dequantised to fp32, save_pretrained: see GGUF_WEIGHTS_CACHE_MAX_BYTES). transformers takes
     tens of seconds to read the 49k-token vocabulary from the GGUF metadata on a small CPU, and each part is
     a separate pass over it, so a preset that needs only the tokenizer parses only that.
 
     Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>/<part>``;
     written to a temporary directory and renamed, so concurrent ranks never see half of it.
     """
-    root = os.environ.get("SHARDLAB_CACHE")
-    base = (Path(root).expanduser() if root else Path.home() / ".cache" / "shardlab") / "gguf" / f"{path.stem}-{_file_key(path)}"
+    base = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
     out = base / part
     if out.is_dir():
         return out
@@ -494,7 +501,16 @@ def _gguf_cache(path: Path, part: str) -> Path:
             types = Counter(t.tensor_type.name for t in reader.tensors)
             field = reader.fields.get("general.architecture")
             arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
-            (tmp / "gguf.json").write_text(json.dumps({"file": str(path), "architecture": arch, "tensor_types": dict(types)}, indent=1))
+            (tmp / "gguf.json").write_text(json.dumps({"file": str(path), "architecture": arch, "tensor_types": dict(types),
+                                                       "n_elements": int(sum(int(t.n_elements) for t in reader.tensors))}, indent=1))
+        elif part == "weights":
+            hf_config = AutoConfig.from_pretrained(str(_gguf_cache(path, "config")))
+            try:
+                model = _dequantise(path, config=hf_config, dtype=torch.float32)
+            except Exception as exc:  # an architecture transformers cannot convert
+                raise unreadable(exc) from None
+            model.save_pretrained(tmp)
+            del model
         else:
             loader = AutoConfig if part == "config" else AutoTokenizer
             try:
@@ -509,6 +525,29 @@ def _gguf_cache(path: Path, part: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _dequantise(path: Path, **kwargs: Any) -> transformers.PreTrainedModel:
+    """The GGUF's model, dequantised by transformers (gguf + accelerate) straight into ``kwargs['dtype']``."""
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=str(path), **kwargs)
+    # The tensors are plain `dtype` now, but newer transformers (5.24) keep a GGUF quantizer on the model,
+    # which refuses save_pretrained ("quantized with gguf and is not serializable"): it is a normal model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
+def gguf_weights_cached(path: Path) -> Path | None:
+    """The directory of the GGUF's dequantised fp32 weights (written on first use), or None for a file too large to
+    keep (GGUF_WEIGHTS_CACHE_MAX_BYTES)."""
+    info = json.loads((_gguf_cache(path, "info") / "gguf.json").read_text())
+    n = info.get("n_elements")
+    if n is None:  # an info part written before the count was kept: count now (the reader maps the file)
+        from gguf import GGUFReader
+
+        n = sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    return _gguf_cache(path, "weights") if 4 * n <= GGUF_WEIGHTS_CACHE_MAX_BYTES else None
 
 
 def gguf_summary(path: Path) -> str:
@@ -709,13 +748,12 @@ def build_model(
         kwargs: dict[str, Any] = dict(
             config=hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
         )
-        if kind == "gguf":  # dequantised by transformers (gguf + accelerate) straight into `dtype`
-            model = AutoModelForCausalLM.from_pretrained(str(obj.parent), gguf_file=str(obj), **kwargs)
-            # The tensors are plain `dtype` now, but newer transformers (5.24) keep a GGUF quantizer on the model,
-            # which refuses save_pretrained ("quantized with gguf and is not serializable"): it is a normal model.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
+        if kind == "gguf":  # dequantised once to fp32 and kept, then read like a save_pretrained directory
+            cached = gguf_weights_cached(obj)
+            if cached is not None:
+                model = AutoModelForCausalLM.from_pretrained(str(cached), **kwargs)
+            else:
+                model = _dequantise(obj, **kwargs)
         elif kind == "dir":
             try:
                 model = AutoModelForCausalLM.from_pretrained(str(obj), **kwargs)

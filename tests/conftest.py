@@ -12,9 +12,10 @@ Two tiers (`make test` runs the fast one first and stops if it fails; `make test
   fast  `pytest -m "not slow"`: unit tests, preflight errors, report tables from committed run
         directories, and one single-rank training each of dp, zero2 and fsdp. The whole tier must stay
         within 5 minutes on 2 CPU cores.
-  slow  `pytest -m slow`: everything else. `make test` runs it on 2 pytest-xdist workers (`-n 2 --dist loadgroup`):
-        about half of its time is spent waiting on processes; `pytest_collection_modifyitems` below keeps a module's
-        tests that share a module fixture on one worker.
+  slow  `pytest -m slow`: everything else.
+`make test` runs each tier on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): much of the slow tier's time is spent
+waiting on processes; `pytest_collection_modifyitems` below keeps a module's tests that share a module fixture on one
+worker.
 The rule for a new test: if it spawns more than one rank (--gpus N>1, torchrun, two nodes, a pipeline),
 runs a training subprocess longer than ~10 s, runs a bench/peer/SLURM job, or trains a configuration that
 no fast test already trains, mark it `@pytest.mark.slow`. Prefer an in-process unit test for an error path.
@@ -115,6 +116,19 @@ def offline_env(tmp_path_factory):
         ZYGOTE.start()  # with this environment; it imports while the first tests run
         yield base
         ZYGOTE.stop()
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it. In-process tests run shardlab code that sets variables for the
+    process it expects to own (launch/distributed.bind_cores sets OMP_NUM_THREADS), and one leaked variable made every
+    later command of that pytest process differ from the zygote's environment: a real interpreter each (~8 s of
+    imports), and test_harness failing when it ran after such a test (fast tier on 2 xdist workers)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @dataclass

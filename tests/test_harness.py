@@ -113,3 +113,40 @@ def test_a_forked_command_behaves_like_popen(tmp_path):
         proc.kill()
     help_ = popen_shardlab(["train", "--help"], out, err, env=env)
     assert help_.wait(timeout=60) == 0 and "usage" in out.read_text()
+
+
+def test_a_forked_command_starts_its_own_shardlab_commands_through_the_zygote(tmp_path):
+    """`shardlab bench` (a zygote child) starts each cell with bench.runner.SHARDLAB_COMMAND, which the zygote sets to
+    its client: the cell is forked too, with the client's stdout/stderr (one pipe for both here) and exit status; a
+    client killed with SIGKILL takes its command with it."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import zygote
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    assert ZYGOTE._ready(), "the zygote did not start"
+    sock, log = os.path.join(ZYGOTE.dir, "sock"), os.path.join(ZYGOTE.dir, "zygote.log")
+    client = [sys.executable, zygote.__file__, "--client", sock]
+    proc = subprocess.run([*client, "train", "--model", "tiny-gpt2", "--no-such-flag"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "--no-such-flag" in proc.stdout and "Traceback" not in proc.stdout
+    assert "shardlab train --model tiny-gpt2 --no-such-flag" in open(log).read(), "the client fell back to a real interpreter"
+    long = ["train", "--model", "tiny-gpt2", "--dataset", "synthetic", "--max-steps", "100000", "--output-dir", str(tmp_path / "run")]
+    bg = subprocess.Popen([*client, *long], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not (pids := re.findall(rf"forked (\d+): shardlab {re.escape(' '.join(long))}", open(log).read())):
+        assert time.monotonic() < deadline and bg.poll() is None, "the long command was never forked"
+        time.sleep(0.1)
+    pid = int(pids[-1])
+    bg.send_signal(signal.SIGKILL)
+    bg.wait(timeout=30)
+    while True:  # the zygote saw its client hang up and killed the command's process group
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline + 30, "the command outlived its killed client"
+        time.sleep(0.1)

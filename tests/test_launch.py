@@ -16,7 +16,7 @@ import pytest
 
 from shardlab.launch.distributed import free_port
 
-ARGS = ["--model", "tiny-gpt2", "--max-steps", "6", "--micro-batch", "2", "--seq-len", "64", "--lr", "1e-3",
+ARGS = ["--model", "tiny-gpt2", "--max-steps", "6", "--micro-batch", "2", "--seq-len", "32", "--lr", "1e-3",
         "--dropout", "0", "--precision", "fp32", "--strategy", "zero2", "--log-every", "1", "--no-export",
         "--set", "dataset.eval_samples=1"]  # fmt: skip
 TIMEOUT = 420

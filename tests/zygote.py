@@ -13,8 +13,16 @@ Where the fork would not behave like `python -m shardlab`, `run` starts a real i
 whose environment differs from the zygote's (libraries read some variables at import), or a zygote that failed to start.
 
 Protocol (one Unix socket per zygote, one connection per command): the client sends one JSON line
-{argv, env, cwd, stdout, stderr}; the zygote forks, answers {"pid": N}, and when the child ends
-{"returncode": R} (negative: killed by that signal, as subprocess reports it).
+{argv, env, cwd, stdout, stderr, plan[, append, check]}; the zygote forks, answers {"pid": N}, and when the child ends
+{"returncode": R} (negative: killed by that signal, as subprocess reports it). `plan` is the file a supervised
+`shardlab train` writes its plan to (launch/supervise.py). With `check`, the zygote first compares the environment
+itself and answers {"fallback": [names]} instead of forking when it differs. A client that disconnects before its
+command ended takes the command with it (its process group is killed).
+
+A command forked from here that starts further `shardlab` processes itself (`shardlab bench` starts one per cell)
+starts them through the same zygote: `python zygote.py --client SOCKET ARGS...` behaves like
+`python -m shardlab ARGS...` (stdout, stderr, working directory, environment, exit status or signal, SIGTERM/SIGINT
+passed on), the command forked from the zygote, or exec'd as a real interpreter where the zygote cannot serve.
 """
 
 from __future__ import annotations
@@ -45,8 +53,19 @@ PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.traine
 # which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
 IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
 UNBUFFERED = "PYTHONUNBUFFERED"
-SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
-IMPORTS_SET: dict[str, str] = {}  # in the zygote: what importing PRELOAD set in os.environ  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
+SUPERVISED_ENV = "SHARDLAB_SUPERVISED"  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
+IMPORTS_SET: dict[str, str] = {}  # in the zygote: what importing PRELOAD set in os.environ
+SOCKET = ""  # in the zygote: the path it serves on
+
+
+def env_mismatch(env: dict[str, str], base: dict[str, str], imports_set: dict[str, str]) -> list[str]:
+    """The variables in which a request's environment differs from the zygote's start environment ``base`` in a way
+    the forked command could see: not PYTEST_*/SHARDLAB_* (read at run time), not PYTHONUNBUFFERED (the child's
+    streams are files it flushes), and not what the imports themselves set (the child gets those as a fresh
+    interpreter would: setdefault)."""
+    keys = {k for k in (*env, *base) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED}
+    return sorted(k for k in keys if env.get(k) != base.get(k)
+                  and not (k in imports_set and env.get(k) in (None, imports_set[k])))
 
 
 # ---------------------------------------------------------------------------------------------- the zygote's side
@@ -61,8 +80,9 @@ def _child(req: dict) -> None:
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                                (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        # A client's own stdout/stderr (/proc/PID/fd/N) are opened to append: both may be one file (2>&1)
+        write = os.O_WRONLY | (os.O_APPEND if req.get("append") else os.O_CREAT | os.O_TRUNC)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], write), (2, req["stderr"], write)):
             new = os.open(path, flags, 0o644)
             os.dup2(new, fd)
             os.close(new)
@@ -75,6 +95,9 @@ def _child(req: dict) -> None:
         # imports everything anew; this child is the watched training process itself instead. The supervisor's own
         # behaviour (reporting a SIGKILLed training) is tested where tests start real processes (test_never_silent).
         os.environ.setdefault(SUPERVISED_ENV, req["plan"])
+        from shardlab.bench import runner  # a bench's cells start through this zygote too (module doc)
+
+        runner.SHARDLAB_COMMAND = (sys.executable, os.path.abspath(__file__), "--client", SOCKET)
         import runpy
 
         sys.argv = ["shardlab", *req["argv"]]
@@ -122,8 +145,9 @@ def serve(sock_path: str) -> None:
     # What the imports set in the environment (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK=1, with setdefault): a fresh
     # `shardlab` process gets them the same way, so every child gets them too (_child), and the client does not count
     # them as a difference.
-    global IMPORTS_SET
+    global IMPORTS_SET, SOCKET
     IMPORTS_SET = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    SOCKET = os.path.abspath(sock_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock_path)
     server.listen(64)
@@ -133,16 +157,39 @@ def serve(sock_path: str) -> None:
     print("ready", json.dumps(IMPORTS_SET), flush=True)
     while True:
         for key, _ in sel.select(timeout=0.05):
+            if key.fileobj is not server:  # a client hung up (or wrote): if it is gone, so is its command
+                conn, pid = key.fileobj, key.data
+                try:
+                    gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone:
+                    sel.unregister(conn)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                continue
             conn, _ = server.accept()
             conn.settimeout(30)
             req = json.loads(conn.makefile("r").readline())
+            if req.get("check"):
+                differ = env_mismatch(req["env"], before, IMPORTS_SET)
+                if differ:
+                    conn.sendall((json.dumps({"fallback": differ}) + "\n").encode())
+                    conn.close()
+                    continue
             pid = os.fork()
             if pid == 0:
                 for other in (server, conn, *children.values()):
                     other.close()
                 _child(req)
             children[pid] = conn
+            print(f"forked {pid}: shardlab {' '.join(req['argv'])}", file=sys.stderr, flush=True)  # zygote.log
             conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            sel.register(conn, selectors.EVENT_READ, pid)
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -153,6 +200,10 @@ def serve(sock_path: str) -> None:
             conn = children.pop(pid, None)
             if conn is None:
                 continue
+            try:
+                sel.unregister(conn)
+            except (KeyError, ValueError):  # unregistered when its client hung up
+                pass
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             try:
                 conn.sendall((json.dumps({"returncode": code}) + "\n").encode())
@@ -205,10 +256,7 @@ class Zygote:
         return self.ready
 
     def compatible(self, env: dict[str, str]) -> bool:
-        keys = {k for k in (*env, *self.env) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED}
-        # a variable the imports set is what the request has, or will get from the child (setdefault, as imports do)
-        self.mismatch = sorted(k for k in keys if env.get(k) != self.env.get(k)
-                               and not (k in self.imports_set and env.get(k) in (None, self.imports_set[k])))
+        self.mismatch = env_mismatch(env, self.env, self.imports_set)
         return not self.mismatch
 
     def stop(self) -> None:
@@ -325,5 +373,47 @@ def popen_shardlab(argv: list[str], stdout, stderr, env: dict[str, str] | None =
     return ZYGOTE.popen(argv, stdout, stderr, env=env, cwd=cwd)
 
 
+def client(sock_path: str, argv: list[str]) -> None:
+    """`python zygote.py --client SOCKET ARGS...`: `python -m shardlab ARGS...` forked from the zygote at SOCKET (module
+    doc); exits as the command did, or with the signal that killed it."""
+    real = [sys.executable, "-m", "shardlab", *argv]
+    plan = tempfile.NamedTemporaryFile(prefix="shardlab-plan-", suffix=".json", delete=False).name
+    req = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "stdout": f"/proc/{os.getpid()}/fd/1",
+           "stderr": f"/proc/{os.getpid()}/fd/2", "append": True, "plan": plan, "check": True}
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock_path)
+        conn.sendall((json.dumps(req) + "\n").encode())
+        reader = conn.makefile("rb")
+        first = json.loads(reader.readline() or b"{}")
+    except OSError:  # the zygote is gone (its session ended)
+        first = {}
+    if "pid" not in first:
+        os.unlink(plan)
+        os.execv(sys.executable, real)  # never returns
+    pid = first["pid"]
+
+    def pass_on(sig, _frame):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, pass_on)
+    line = reader.readline()
+    os.unlink(plan)
+    if not line:
+        sys.exit(f"the test zygote died while running {' '.join(real)}")
+    code = json.loads(line)["returncode"]
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "--client":
+        client(sys.argv[2], sys.argv[3:])
+    else:
+        serve(sys.argv[1])

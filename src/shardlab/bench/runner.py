@@ -35,6 +35,9 @@ from ..measure.summary import RunSummary
 from .matrix import Cell, footing
 
 BENCH_FILE = "bench.json"
+# How a cell's process starts: a fresh `python -m shardlab`. (The test suite swaps in a client of its fork server of
+# pre-imported processes, tests/zygote.py, which starts an equally fresh process without importing torch again.)
+SHARDLAB_COMMAND: tuple[str, ...] = (sys.executable, "-m", "shardlab")
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -78,8 +81,9 @@ def run_one(cell: Cell, repeat: int, bench_dir: Path, timeout: float, env: dict[
         shutil.rmtree(run_dir)  # a stale or half-finished run of this cell
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "shardlab", "train", "--config", str(cfg_file), "--output-dir", str(run_dir)]
-    record["command"] = " ".join(["shardlab", *cmd[3:]])
+    args = ["train", "--config", str(cfg_file), "--output-dir", str(run_dir)]
+    cmd = [*SHARDLAB_COMMAND, *args]
+    record["command"] = " ".join(["shardlab", *args])
     t0 = time.perf_counter()
     with open(log, "w") as out:
         # Its own session, so a timeout can end the run with every rank it spawned, and nothing else:

@@ -131,6 +131,23 @@ def environment_restored():
         os.environ.update(before)
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """A single-rank gloo process group in this pytest process, for the in-process tests of FSDP2 and DeepSpeed
+    (both need one); one per module that asks (the xdist groups keep a module's users on one worker)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardlab.launch.distributed import DistEnv, free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+
+
 @dataclass
 class TrainRun:
     """One finished `shardlab train` invocation and what it left in its run directory."""

@@ -3,28 +3,10 @@ gather issued right after the optimizer step (``fsdp_gather_after_step``) train 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from shardlab.config import RunConfig
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A single-rank gloo process group in this process (FSDP2 needs one)."""
-    import torch.distributed as dist
-
-    from shardlab.launch.distributed import DistEnv, free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    dist.destroy_process_group()
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(key, None)
-
 
 _DP: dict = {}
 

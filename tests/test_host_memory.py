@@ -13,21 +13,6 @@ from shardlab.errors import UserError
 GiB = 2**30
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A single-rank gloo process group in this process (FSDP2 and DeepSpeed need one)."""
-    import torch.distributed as dist
-
-    from shardlab.launch.distributed import DistEnv, free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    dist.destroy_process_group()
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(key, None)
-
-
 def _fsdp_weights(cfg: RunConfig, env) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     from shardlab.training.optim import Precision
     from shardlab.strategies.fsdp import FSDPStrategy

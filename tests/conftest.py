@@ -107,6 +107,17 @@ def offline_env(tmp_path_factory):
         # worker compiled (torchao's optimizer step, 55 s of inductor on 2 cores for tiny-gpt2) loads from the cache.
         shared = base.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared / "inductor"))
+        # Each xdist worker's share of the cores: torch's default (one OpenMP thread per core) in every worker put
+        # 4 spinning threads on 2 cores. Two tiny-gpt2 runs side by side took 0.22 s a step at 2 threads each and
+        # 0.12-0.14 s at 1 (alone: 0.077 s at 2 threads, 0.129 s at 1). The zygote and every command inherit it;
+        # multi-rank runs and CPU-optimizer runs still set their own per rank (launch/distributed.py).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if workers > 1:
+            threads = max(1, len(os.sched_getaffinity(0)) // workers)
+            mp.setenv("OMP_NUM_THREADS", str(threads))
+            import torch
+
+            torch.set_num_threads(threads)
         try:  # the in-process side (datasets reads the variable at import)
             import datasets.config
 

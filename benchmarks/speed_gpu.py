@@ -29,7 +29,8 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "fsdp-compile-blocks-noreshard": 60, "dp-compile-blocks": 150,
               "fsdp-blocks": 60, "fsdp-model-nogather": 60, "fsdp-compile-units-blocks": 120, "fsdp-compile-model-nogather": 120,
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
-              "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60}  # warm inductor cache (the first is ~100)
+              "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60,
+              "zero1-nocheck": 60, "zero2-nocheck": 60}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -75,6 +76,10 @@ fg.CELLS.update({
     "dp-compile-autotune": ("dp", 16, ["--compile", "--set", "compile_mode=max-autotune-no-cudagraphs"], None),
     "dp-compile-cudagraphs": ("dp", 16, ["--compile", "--set", "compile_mode=reduce-overhead"], None),
     "bloom-sdpa-cudnn": ("dp", 8, ["--attn-implementation", "sdpa", "--set", "sdpa_backend=cudnn"], None),
+    # issue 15, zero1/zero2 on one GPU: no per-parameter overflow check (and its .item()) and no per-parameter grad norm
+    # in DeepSpeed's step (benchmarks/cells/zero-nocheck.json: bf16.check_grad_overflow, zero_optimization.compute_grad_norm)
+    "zero1-nocheck": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
+    "zero2-nocheck": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -87,7 +92,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "fsdp-compile-units-blocks": ("dp-compile", 0.95), "fsdp-compile-model-nogather": ("dp-compile", 0.95), "dp-nopad": ("bare:eager-bf16", None),
           "dp-compile-nopad": ("bare:compile-bf16", 1.10), "dp-cudnn": ("dp", None), "dp-compile-cudnn": ("bare:compile-bf16", 1.10),
           "dp-compile-autotune": ("bare:compile-bf16", 1.10), "dp-compile-cudagraphs": ("bare:compile-bf16", 1.10),
-          "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95)}
+          "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95),
+          "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

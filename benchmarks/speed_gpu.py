@@ -30,7 +30,7 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "fsdp-blocks": 60, "fsdp-model-nogather": 60, "fsdp-compile-units-blocks": 120, "fsdp-compile-model-nogather": 120,
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60,
-              "zero1-nocheck": 60, "zero2-nocheck": 60}  # warm inductor cache (the first is ~100)
+              "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -80,6 +80,9 @@ fg.CELLS.update({
     # in DeepSpeed's step (benchmarks/cells/zero-nocheck.json: bf16.check_grad_overflow, zero_optimization.compute_grad_norm)
     "zero1-nocheck": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
     "zero2-nocheck": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
+    # as before deepspeed_zero.bf16_overflow_check: DeepSpeed's default per-gradient check (benchmarks/cells/zero-check.json)
+    "zero1-check": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
+    "zero2-check": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -93,7 +96,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "dp-compile-nopad": ("bare:compile-bf16", 1.10), "dp-cudnn": ("dp", None), "dp-compile-cudnn": ("bare:compile-bf16", 1.10),
           "dp-compile-autotune": ("bare:compile-bf16", 1.10), "dp-compile-cudagraphs": ("bare:compile-bf16", 1.10),
           "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95),
-          "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95)}
+          "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95),
+          "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

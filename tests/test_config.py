@@ -206,7 +206,9 @@ def test_build_ds_config_per_strategy(strategy, device_type, tmp_path):
     assert zero["stage"] == STAGE[strategy] == expected_stage[strategy]
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 2, 64)
     assert ds["gradient_clipping"] == 0.5
-    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    # bf16_overflow_check: ZeRO-1/2 on the GPU leave inf/NaN to the gradient norm under nan_policy "stop" (the default)
+    quiet = zero["stage"] in (1, 2) and offload_kind(strategy) is None
+    assert ds["bf16"] == ({"enabled": True, "check_grad_overflow": False} if quiet else {"enabled": True}) and "fp16" not in ds
     assert ("stage3_prefetch_bucket_size" in zero) == (zero["stage"] == 3)
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is False
@@ -231,6 +233,22 @@ def test_build_ds_config_per_strategy(strategy, device_type, tmp_path):
         assert "zero_allow_untested_optimizer" not in ds
     else:
         assert "optimizer" not in ds and ds["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload"])
+@pytest.mark.parametrize("nan_policy", ["stop", "skip"])
+def test_bf16_overflow_check_only_where_deepspeed_must_skip(strategy, nan_policy, tmp_path):
+    # DeepSpeed's per-gradient inf/NaN check (and its .item()) is most of zero1/zero2's host time on one GPU; under "stop"
+    # the global norm (+inf on a non-finite gradient) stops the run at that step; "skip" needs DeepSpeed to skip the update
+    cfg = RunConfig(strategy=strategy, nan_policy=nan_policy, max_grad_norm=None)
+    ds = build_ds_config(cfg, "bf16", 8, 1, 1, "cuda")
+    quiet = nan_policy == "stop" and strategy in ("zero1", "zero2")
+    assert ds["bf16"].get("check_grad_overflow", True) is not quiet
+    assert ds["zero_optimization"].get("compute_grad_norm", True) is True  # the norm is what catches a non-finite gradient
+    assert "check_grad_overflow" not in json.dumps(build_ds_config(cfg, "fp16", 8, 1, 1, "cuda"))  # fp16 always checks
+    # a user's JSON has the last word
+    cfg = RunConfig(strategy=strategy, nan_policy=nan_policy, deepspeed_config=user_json(tmp_path, {"bf16": {"check_grad_overflow": True}}))
+    assert resolved_ds_config(cfg, "bf16", 8, 1, 1, "cuda")["bf16"] == {"enabled": True, "check_grad_overflow": True}
 
 
 def test_build_ds_config_precision_sections_and_pinning():

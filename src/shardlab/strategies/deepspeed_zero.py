@@ -125,8 +125,8 @@ def bf16_overflow_check(cfg: RunConfig, stage: int, offload: str | None) -> bool
     DeepSpeed 0.19.8's check (stage_1_and_2.py ``has_overflow_partitioned_grads_serial``) runs ``has_inf_or_nan`` on
     each parameter's gradient, about ten small operators each (amax, amin, isfinite, ...: some 3,000 launches a step
     for gpt2-medium's 292 tensors), and then waits for the GPU with an ``.item()`` before the optimizer step. On one
-    H100 that host work is most of the time zero1/zero2 lose to dp: gpt2-medium micro 8 steps at 1.42x / 1.26x dp
-    eager without it, 0.89x / 0.72x with it (benchmarks/results/2026-11-27-h100-zero-speed).
+    H100 that host work was most of the time zero1/zero2 lost to dp: gpt2-medium micro 8 runs at 1.31x / 1.13x dp
+    eager without it, 0.76x / 0.81x with it, same call (benchmarks/results/2026-11-27-h100-zero-speed).
 
     The check is only needed where DeepSpeed itself must skip the update: nan_policy "skip". Under "stop" (the
     default) the engine still computes the global norm (``compute_grad_norm``), which is +inf when any gradient is

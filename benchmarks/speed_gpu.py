@@ -30,7 +30,8 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "fsdp-blocks": 60, "fsdp-model-nogather": 60, "fsdp-compile-units-blocks": 120, "fsdp-compile-model-nogather": 120,
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60,
-              "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60}  # warm inductor cache (the first is ~100)
+              "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60,
+              "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -83,6 +84,14 @@ fg.CELLS.update({
     # as before deepspeed_zero.bf16_overflow_check: DeepSpeed's default per-gradient check (benchmarks/cells/zero-check.json)
     "zero1-check": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
     "zero2-check": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
+    # issue 15, zero3 on one GPU: the whole model one ZeRO-3 leaf module (stage3_module_granularity_threshold), so the
+    # parameter coordinator's fetch/release hooks run on the root module only, not on each of its ~300 submodules
+    "zero3-leaf": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-leaf.json"], None),
+    "zero3-leaf-nocg": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-leaf-nocg.json"], None),
+    # gpt2-medium's 24 GPT2Blocks as leaves (granularity 1,399,580 <= 1.5e6 < GPT2Model's 1,612,832), root not a leaf
+    "zero3-blocks": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-blocks.json"], None),
+    # as before: hooks on every submodule (DeepSpeed's default threshold 0; benchmarks/cells/zero3-hooks.json)
+    "zero3-hooks": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-hooks.json"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -97,7 +106,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "dp-compile-autotune": ("bare:compile-bf16", 1.10), "dp-compile-cudagraphs": ("bare:compile-bf16", 1.10),
           "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95),
           "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95),
-          "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95)}
+          "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95),
+          "zero3-leaf": ("dp", 0.7), "zero3-leaf-nocg": ("dp", 0.7), "zero3-hooks": ("dp", 0.7), "zero3-blocks": ("dp", 0.7)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

@@ -30,9 +30,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The two tiers (tests/conftest.py says which test goes where); the slowest 20 tests are listed each time.
 PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
-# Both tiers on 2 pytest-xdist workers: the slow tier's tests wait on processes (ranks, SLURM, timeouts) much of the
-# time, so two at once fill 2 cores; a module's tests that share a module fixture stay on one worker
-# (tests/conftest.py). The fast tier: 3:08 on 2 workers, 4:22 serially (2-core CI box, 2026-11-26).
+# Both tiers on 2 pytest-xdist workers, each with its share of the cores (OMP_NUM_THREADS, tests/conftest.py); a
+# module's tests that share a module fixture stay on one worker. 2-core box, 2026-11-27: fast tier 2:27, slow tier
+# 17:21 on 2 workers and 17:07 on 3 (the CPUs were 99% busy: more workers do not help).
 # SLOW_PARALLEL= / FAST_PARALLEL= (empty) run a tier serially.
 SLOW_PARALLEL ?= -n 2 --dist loadgroup
 FAST_PARALLEL ?= -n 2 --dist loadgroup

@@ -86,7 +86,10 @@ def test_runs_without_compile_get_no_pool_of_inductor_workers_and_the_plan_count
     from shardlab.measure import compile_stats
     from shardlab.planning import planner
 
+    import torch._inductor.config as inductor_config
+
     # set, then removed: monkeypatch restores the variable's absence even though limit_compile_workers sets it itself
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # restored afterwards too
     monkeypatch.setenv(compile_stats.COMPILE_THREADS_ENV, "0")
     monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV)
     assert compile_stats.compile_workers(False) == 0 and compile_stats.compile_workers(True, cpus=16) == 16
@@ -94,10 +97,12 @@ def test_runs_without_compile_get_no_pool_of_inductor_workers_and_the_plan_count
     compile_stats.limit_compile_workers(True)
     assert compile_stats.COMPILE_THREADS_ENV not in os.environ
     compile_stats.limit_compile_workers(False)
-    assert os.environ[compile_stats.COMPILE_THREADS_ENV] == "1"
+    # inductor's config, imported here already (it decided at import), gets the value too
+    assert os.environ[compile_stats.COMPILE_THREADS_ENV] == "1" and inductor_config.compile_threads == 1
     monkeypatch.setenv(compile_stats.COMPILE_THREADS_ENV, "4")
     compile_stats.limit_compile_workers(False)  # the user's value stays
     assert os.environ[compile_stats.COMPILE_THREADS_ENV] == "4" and compile_stats.compile_workers(False) == 4
+    assert inductor_config.compile_threads == 4
     monkeypatch.delenv(compile_stats.COMPILE_THREADS_ENV)
     base = dict(model="gpt2", seq_len=128, micro_batch=2, precision="bf16")
     eager = planner.plan(RunConfig(**base), gpu_memory_gb=80, host_ram_gb=100, strategies=("dp",)).strategies["dp"]

@@ -42,13 +42,15 @@ from pathlib import Path
 
 # What a `python -m shardlab train` imports: the CLI, the launcher's preflight, the trainer with transformers, the
 # engines (a dp run that exports imports DeepSpeed too: save_pretrained -> accelerate asks for it), datasets, the
-# elastic launcher, the test presets' model classes (the planner imports one: 3.4 s). Not torch._inductor, which
-# DeepSpeed imports: its config reads TORCHINDUCTOR_COMPILE_THREADS at import, which a run sets first
-# (measure/compile_stats.limit_compile_workers).
+# elastic launcher, the test presets' model classes (the planner imports one: 3.4 s), and DeepSpeed's Muon module,
+# which every ZeRO engine imports in its optimizer check (engine._do_optimizer_sanity_check) and which imports
+# torch._dynamo and inductor's config: 2.6 s of CPU in every DeepSpeed rank. Inductor's config reads
+# TORCHINDUCTOR_COMPILE_THREADS at import, before a run sets it; measure/compile_stats.limit_compile_workers passes the
+# value on to an imported config.
 PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.trainer", "deepspeed", "datasets",
            "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api", "torch.distributed.checkpoint",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.bloom.modeling_bloom",
-           "transformers.models.llama.modeling_llama")
+           "transformers.models.llama.modeling_llama", "deepspeed.runtime.zero.muon.muon_optimizer")
 # Variables that may differ between the zygote and a request: pytest's per-test bookkeeping, and shardlab's own,
 # which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
 IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
@@ -137,6 +139,36 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
+# DeepSpeed's ops that shardlab's CPU runs load (CPU Adam for offload, FusedAdam's CPU build for the other ZeRO runs,
+# async_io for infinity). Loading a built op is ~2.7 s of CPU (its builder's compiler and ninja checks), in every rank
+# of every run; the zygote loads each once its build exists (the first run that needs it builds it), and children
+# find it in DeepSpeed's own cache of loaded ops (OpBuilder._loaded_ops).
+DEEPSPEED_OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "async_io": "AsyncIOBuilder"}
+
+
+def _load_built_ops(pending: dict[str, str]) -> None:
+    """Load the ops of ``pending`` whose build is finished (their .so exists, no build holds the lock); drop them."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    for name, builder in list(pending.items()):
+        build = Path(_get_build_directory(name, False))  # where torch's JIT load builds it ($TORCH_EXTENSIONS_DIR too)
+        if not (build / f"{name}.so").is_file() or (build / "lock").exists():
+            continue
+        del pending[name]
+        env = dict(os.environ)
+        try:
+            from deepspeed.accelerator import get_accelerator
+
+            t0 = time.perf_counter()
+            get_accelerator().create_op_builder(builder).load(verbose=False)
+            print(f"zygote: preloaded DeepSpeed's {name} op ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - a child loads (or fails to load) it itself, as without the zygote
+            print(f"zygote: not preloading {name}: {e}", file=sys.stderr, flush=True)
+        finally:  # a load must not change what children inherit
+            os.environ.clear()
+            os.environ.update(env)
+
+
 def serve(sock_path: str) -> None:
     _die_with_parent()  # the pytest process that started us is gone
     before = dict(os.environ)
@@ -154,6 +186,7 @@ def serve(sock_path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
+    ops_pending = dict(DEEPSPEED_OPS)
     print("ready", json.dumps(IMPORTS_SET), flush=True)
     while True:
         for key, _ in sel.select(timeout=0.05):
@@ -181,6 +214,8 @@ def serve(sock_path: str) -> None:
                     conn.sendall((json.dumps({"fallback": differ}) + "\n").encode())
                     conn.close()
                     continue
+            if ops_pending:
+                _load_built_ops(ops_pending)
             pid = os.fork()
             if pid == 0:
                 for other in (server, conn, *children.values()):

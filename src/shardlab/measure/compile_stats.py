@@ -64,6 +64,12 @@ def limit_compile_workers(compile_model: bool) -> None:
     parallel compile pays for a whole model, and the planner counts it (``compile_workers``)."""
     if not compile_model:
         os.environ.setdefault(COMPILE_THREADS_ENV, "1")
+    # Inductor reads the variable once, when its config is imported; a process that imported it before this ran
+    # (a notebook that compiled something, DeepSpeed's ZeRO optimizer check importing its Muon module) has decided
+    # already, so the value goes to the config too.
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and os.environ.get(COMPILE_THREADS_ENV):
+        config.compile_threads = int(os.environ[COMPILE_THREADS_ENV])
 
 
 def compile_workers(compile_model: bool, cpus: int | None = None) -> int:

@@ -31,7 +31,8 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "dp-cudnn": 45, "dp-compile-cudnn": 150, "dp-compile-autotune": 400, "dp-compile-cudagraphs": 170,
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60,
               "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60,
-              "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110, "zero3-blocks-nocg": 110}  # warm inductor cache (the first is ~100)
+              "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110, "zero3-blocks-nocg": 110,
+              "zero3-combo-pf0": 110, "zero3-combo-leaf": 110, "zero3-combo-leaf-pf0": 110}  # warm inductor cache (the first is ~100)
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -94,6 +95,13 @@ fg.CELLS.update({
     "zero3-blocks-nocg": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-blocks-nocg.json"], None),
     # as before: hooks on every submodule (DeepSpeed's default threshold 0; benchmarks/cells/zero3-hooks.json)
     "zero3-hooks": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-hooks.json"], None),
+    # 2026-11-27-h100-zero3-combo: zero3-blocks-nocg plus stage3_prefetch_bucket_size 0 (every parameter is persistent
+    # on one rank: nothing to prefetch, so the coordinator skips its prefetch scan of the parameter trace)
+    "zero3-combo-pf0": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-pf0.json"], None),
+    # the blocks made leaves by DeepSpeed's leaf_module.classes (what set_z3_leaf_modules does; no "fast sharding" of the
+    # threshold path), contiguous_gradients false; then also prefetch 0
+    "zero3-combo-leaf": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-leaf.json"], None),
+    "zero3-combo-leaf-pf0": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-leaf-pf0.json"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -109,7 +117,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "bloom-sdpa-cudnn": ("bloom-sdpa", None), "zero1": ("dp", 0.95), "zero2": ("dp", 0.95),
           "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95),
           "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95),
-          "zero3-leaf": ("dp", 0.7), "zero3-leaf-nocg": ("dp", 0.7), "zero3-hooks": ("dp", 0.7), "zero3-blocks": ("dp", 0.7), "zero3-blocks-nocg": ("dp", 0.7)}
+          "zero3-leaf": ("dp", 0.7), "zero3-leaf-nocg": ("dp", 0.7), "zero3-hooks": ("dp", 0.7), "zero3-blocks": ("dp", 0.7), "zero3-blocks-nocg": ("dp", 0.7),
+          "zero3-combo-pf0": ("dp", 0.7), "zero3-combo-leaf": ("dp", 0.7), "zero3-combo-leaf-pf0": ("dp", 0.7)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

@@ -5,8 +5,8 @@ Why: on the 2-core CI machine a tiny `shardlab train` spent about half of its ~1
 (`startup_s.launch_and_imports` 9.3 s), and the suite starts a few hundred of them. A child forked from the zygote
 is still a fresh `shardlab` process in every way a test can see: its own pid, environment, working directory,
 stdout/stderr files and exit status, and nothing of DeepSpeed's or torch.distributed's global state, because the
-zygote only imports modules (it never builds a model, initialises a process group or runs a torch op, so it has no
-threads and no OpenMP pool to break in a fork). shardlab forks its CPU ranks from its own launcher the same way
+zygote only imports modules and loads DeepSpeed's already-built ops (it never builds a model, initialises a process
+group or runs a torch op, so it has no threads and no OpenMP pool to break in a fork). shardlab forks its CPU ranks from its own launcher the same way
 (launch/launcher.worker_start_method).
 
 Where the fork would not behave like `python -m shardlab`, `run` starts a real interpreter instead: a request

@@ -33,6 +33,13 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60,
               "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110, "zero3-blocks-nocg": 110,
               "zero3-combo-pf0": 110, "zero3-combo-leaf": 110, "zero3-combo-leaf-pf0": 110}  # warm inductor cache (the first is ~100)
+
+
+def ds_cell(strategy: str, config: str) -> tuple:
+    """A micro-8 cell of `strategy` run with the DeepSpeed JSON benchmarks/cells/CONFIG.json."""
+    return (strategy, 8, ["--deepspeed-config", f"benchmarks/cells/{config}.json"], None)
+
+
 fg.CELLS.update({
     "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
@@ -80,28 +87,28 @@ fg.CELLS.update({
     "bloom-sdpa-cudnn": ("dp", 8, ["--attn-implementation", "sdpa", "--set", "sdpa_backend=cudnn"], None),
     # issue 15, zero1/zero2 on one GPU: no per-parameter overflow check (and its .item()) and no per-parameter grad norm
     # in DeepSpeed's step (benchmarks/cells/zero-nocheck.json: bf16.check_grad_overflow, zero_optimization.compute_grad_norm)
-    "zero1-nocheck": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
-    "zero2-nocheck": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-nocheck.json"], None),
+    "zero1-nocheck": ds_cell("zero1", "zero-nocheck"),
+    "zero2-nocheck": ds_cell("zero2", "zero-nocheck"),
     # as before deepspeed_zero.bf16_overflow_check: DeepSpeed's default per-gradient check (benchmarks/cells/zero-check.json)
-    "zero1-check": ("zero1", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
-    "zero2-check": ("zero2", 8, ["--deepspeed-config", "benchmarks/cells/zero-check.json"], None),
+    "zero1-check": ds_cell("zero1", "zero-check"),
+    "zero2-check": ds_cell("zero2", "zero-check"),
     # issue 15, zero3 on one GPU: the whole model one ZeRO-3 leaf module (stage3_module_granularity_threshold), so the
     # parameter coordinator's fetch/release hooks run on the root module only, not on each of its ~300 submodules
-    "zero3-leaf": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-leaf.json"], None),
-    "zero3-leaf-nocg": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-leaf-nocg.json"], None),
+    "zero3-leaf": ds_cell("zero3", "zero3-leaf"),
+    "zero3-leaf-nocg": ds_cell("zero3", "zero3-leaf-nocg"),
     # gpt2-medium's 24 GPT2Blocks as leaves (granularity 1,399,580 <= 1.5e6 < GPT2Model's 1,612,832), root not a leaf
-    "zero3-blocks": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-blocks.json"], None),
+    "zero3-blocks": ds_cell("zero3", "zero3-blocks"),
     # the same plus contiguous_gradients: false (no copy of each reduced gradient into one contiguous buffer)
-    "zero3-blocks-nocg": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-blocks-nocg.json"], None),
+    "zero3-blocks-nocg": ds_cell("zero3", "zero3-blocks-nocg"),
     # as before: hooks on every submodule (DeepSpeed's default threshold 0; benchmarks/cells/zero3-hooks.json)
-    "zero3-hooks": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-hooks.json"], None),
+    "zero3-hooks": ds_cell("zero3", "zero3-hooks"),
     # 2026-11-27-h100-zero3-combo: zero3-blocks-nocg plus stage3_prefetch_bucket_size 0 (every parameter is persistent
     # on one rank: nothing to prefetch, so the coordinator skips its prefetch scan of the parameter trace)
-    "zero3-combo-pf0": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-pf0.json"], None),
+    "zero3-combo-pf0": ds_cell("zero3", "zero3-combo-pf0"),
     # the blocks made leaves by DeepSpeed's leaf_module.classes (what set_z3_leaf_modules does; no "fast sharding" of the
     # threshold path), contiguous_gradients false; then also prefetch 0
-    "zero3-combo-leaf": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-leaf.json"], None),
-    "zero3-combo-leaf-pf0": ("zero3", 8, ["--deepspeed-config", "benchmarks/cells/zero3-combo-leaf-pf0.json"], None),
+    "zero3-combo-leaf": ds_cell("zero3", "zero3-combo-leaf"),
+    "zero3-combo-leaf-pf0": ds_cell("zero3", "zero3-combo-leaf-pf0"),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),

@@ -67,14 +67,19 @@ def saved_bytes(model, hidden: int, mode: str, compiled: bool) -> int:
 
 
 def per_layer(family: str, mode: str, dropout: float, hidden: int = 192, heads: int = 4, kv_heads: int = 2,
-              ffn: int = 512) -> dict:
+              ffn: int = 512, layers: tuple[int, int] = (2, 4)) -> dict:
+    """Per layer = the difference of two stacks over their difference in layers; outside = the rest. Stacks of 1 and 2
+    layers give the same counts as 2 and 4 (llama autocast at the test's shape: 44.125 compiled, 66.125 eager sbh) in
+    ~15% less compile time."""
     sbh = BATCH * SEQ * hidden
+    small, big = layers
     out = {"family": family, "mode": mode, "dropout": dropout, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
            "ffn": ffn, "batch": BATCH, "seq": SEQ, "torch": torch.__version__, "transformers": transformers.__version__}
     for compiled in (False, True):
-        two, four = (saved_bytes(build(hf_config(family, n, dropout, hidden, heads, kv_heads, ffn), mode), hidden, mode, compiled)
-                     for n in (2, 4))
-        out["compiled" if compiled else "eager"] = {"per_layer_sbh": (four - two) / 2 / sbh, "outside_sbh": (2 * two - four) / sbh}
+        at_small, at_big = (saved_bytes(build(hf_config(family, n, dropout, hidden, heads, kv_heads, ffn), mode), hidden, mode, compiled)
+                            for n in (small, big))
+        per = (at_big - at_small) / (big - small)
+        out["compiled" if compiled else "eager"] = {"per_layer_sbh": per / sbh, "outside_sbh": (at_small - small * per) / sbh}
     return out
 
 

@@ -90,6 +90,16 @@ def pytest_collection_modifyitems(config, items):
         items[i].add_marker(pytest.mark.xdist_group(f"{module}.{name}"))
 
 
+def worker_cores(cores: list[int], worker: str, workers: int) -> list[int]:
+    """The cores of pytest-xdist worker ``worker`` ("gw1"): its own contiguous share of ``cores``, the last worker taking
+    any remainder; [] (no confinement) when there are fewer cores than workers or the name is not an xdist worker's."""
+    per = len(cores) // workers
+    if per == 0 or not worker.startswith("gw") or not worker[2:].isdigit():
+        return []
+    i = int(worker[2:]) % workers
+    return cores[i * per:] if i == workers - 1 else cores[i * per:(i + 1) * per]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_env(tmp_path_factory):
     """No network, and every cache (tokenized blocks, HF datasets Arrow files) in this session's tmp dir."""
@@ -118,6 +128,13 @@ def offline_env(tmp_path_factory):
             import torch
 
             torch.set_num_threads(threads)
+            # ...and those cores only. Runs with a CPU optimizer, and multi-rank runs, split the cores they may run on
+            # among their ranks (launch/distributed.bind_threads_to_rank_cores): unconfined, a single-rank
+            # zero1_offload run took both cores with 2 OpenMP threads while the other worker's test ran on one of them,
+            # and each parallel region waited for the descheduled thread: 0.75 s a step instead of 0.09 s.
+            cores = worker_cores(sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_WORKER", ""), workers)
+            if cores:
+                os.sched_setaffinity(0, cores)
         try:  # the in-process side (datasets reads the variable at import)
             import datasets.config
 

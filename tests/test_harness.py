@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from conftest import LAUNCHER_ENV, SharedRuns, TrainRun
+from conftest import LAUNCHER_ENV, SharedRuns, TrainRun, worker_cores
 from zygote import ZYGOTE, Zygote
 
 
@@ -20,6 +20,15 @@ def _fake_train(calls: list):
         return TrainRun(out, list(args), 0, f"trained {args}", "")
 
     return train
+
+
+def test_each_xdist_worker_gets_its_own_cores_and_its_commands_inherit_them():
+    assert worker_cores([0, 1], "gw0", 2) == [0] and worker_cores([0, 1], "gw1", 2) == [1]
+    assert worker_cores([0, 1, 2, 3, 4], "gw1", 2) == [2, 3, 4]  # the last worker takes the remainder
+    assert worker_cores([4, 5, 6, 7], "gw0", 2) == [4, 5]
+    assert worker_cores([0], "gw1", 2) == [] and worker_cores([0, 1], "master", 2) == []  # nothing to split / no xdist
+    # the zygote, and so every command a test starts through it, runs on the cores this worker was confined to
+    assert ZYGOTE.proc is not None and os.sched_getaffinity(ZYGOTE.proc.pid) == os.sched_getaffinity(0)
 
 
 def test_two_workers_asking_for_one_configuration_train_it_once(tmp_path):

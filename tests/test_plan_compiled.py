@@ -77,7 +77,7 @@ def test_the_compiled_layer_count_holds_on_a_shape_the_fit_never_saw():
     compiled by inductor on this CPU. The saved tensors' bytes per layer equal the planner's count within 2%."""
     trace = _trace_module()
     hidden, heads, kv_heads, ffn = 192, 4, 4, 768
-    got = trace.per_layer("llama", "autocast", 0.0, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn)
+    got = trace.per_layer("llama", "autocast", 0.0, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, layers=(1, 2))
     arch = arch_from_hf_config(trace.hf_config("llama", 2, 0.0, hidden, heads, kv_heads, ffn), attn_impl="sdpa")
     per_sbh, per_as2b, per_sb = _compiled_layer_bytes(arch, "autocast", "cpu")
     planned = per_sbh + per_sb / hidden + per_as2b * heads * trace.SEQ / hidden

@@ -152,7 +152,7 @@ def run_grid(cells: list[dict], args, gpu_gib: float, on_done=lambda rows: None)
     done: list[dict] = []
     prebuild = prebuild_deepspeed_ops() if args.device == "cuda" and any(c["strategy"].startswith("zero") or c["strategy"] == "infinity" for c in cells) else None
     lock = threading.Lock()
-    threads = max(1, (os.cpu_count() or 4) // max(1, args.jobs))
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, args.jobs))  # the cores this process may use (a SLURM cpuset)
 
     def worker(cell: dict) -> None:
         res = run_train(cell["args"], args.timeout, threads)

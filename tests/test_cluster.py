@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from slurm_cluster import LocalSlurm, missing_reason
-from zygote import popen_shardlab
+from zygote import popen_shardlab, run_shardlab
 
 from shardlab.launch.distributed import free_port
 
@@ -320,8 +320,8 @@ def test_elastic_resume_continues_the_losses(elastic, ref0):
 
 def test_unsupported_pair_is_refused_before_anything_starts(ref0):
     before = sorted(p.name for p in ref0.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ELASTIC, "--strategy", "zero3", "--gpus", "2", "--max-steps", "20",
-                           "--resume", "auto", "--output-dir", str(ref0)], capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    proc = run_shardlab(["train", *ELASTIC, "--strategy", "zero3", "--gpus", "2", "--max-steps", "20", "--resume", "auto",
+                         "--output-dir", str(ref0)], timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: a dp checkpoint written on 1 rank(s) cannot be resumed as zero3 on 2 rank(s)" in proc.stderr
     assert "supported: dp/fsdp/fsdp_offload/pipeline -> dp/fsdp/fsdp_offload/pipeline" in proc.stderr
@@ -355,7 +355,7 @@ def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_pa
 def test_export_cli_equals_the_end_of_run_export(elastic, tmp_path):
     from safetensors.torch import load_file
 
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "export", str(elastic), str(tmp_path / "cli")], capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_shardlab(["export", str(elastic), str(tmp_path / "cli")], timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"exported {elastic}" in proc.stdout
     assert (tmp_path / "cli" / "tokenizer.json").is_file()

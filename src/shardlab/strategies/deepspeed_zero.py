@@ -661,6 +661,14 @@ class DeepSpeedStrategy(Strategy):
             if not compiling.compile_blocks(self.engine.module, self.cfg):
                 self.engine.compile(backend=compiling.backend(), compile_kwargs=compiling.options(self.cfg))
 
+    def summary_extras(self) -> dict[str, Any]:
+        out = super().summary_extras()
+        zero = (getattr(self, "ds_json", None) or {}).get("zero_optimization", {})
+        # what one-rank ZeRO-3's defaults (or the user's JSON) gave the engine: leaf_module classes, contiguous_gradients
+        out["zero_leaf_classes"] = (zero.get("leaf_module") or {}).get("classes")
+        out["contiguous_gradients"] = zero.get("contiguous_gradients")
+        return out
+
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside
         if not last_micro:

@@ -4,8 +4,10 @@ Why (issue 15, benchmarks/results/2026-11-27-h100-zero3-gc/, branch gc-lead): Ze
 step time follows the CPU. In backward, autograd runs the CUDA nodes, and with them DeepSpeed's Python hooks, on its own
 device thread (`pt_autograd_0`). With that thread and the main thread on two different CPUs a step took 136 ms; with
 both on one CPU 117 ms at the same CPU speed, and zero3 (block leaves, contiguous_gradients off) ran at 1.011x dp
-(69.1k vs 68.4k tok/s, 3 runs, tight) against 0.80x unpinned in the same call. dp, GPU-bound, has nothing to lose:
-its host work (73-82 ms) sits under a 120 ms GPU step (measured pinned in ../../benchmarks/results/2026-11-27-h100-zero3-pin/).
+(69.1k vs 68.4k tok/s, 3 runs, tight) against 0.80x unpinned in the same call. As the default
+(benchmarks/results/2026-11-27-h100-zero3-pin/): zero3 0.903x pinned dp vs 0.710x unpinned in one call, 0.698x
+(2 runs) in the next: better, not yet robust. dp, GPU-bound (73-82 ms of host work under a 120 ms GPU step), lost
+nothing: 1.008x / 0.997x of unpinned dp; zero1 / zero2 / fsdp pinned 1.150x / 0.988x / 1.086x dp.
 
 How: Linux's sched_setaffinity(0, ...) (os.sched_setaffinity in CPython) sets the calling *thread's* mask, and every
 thread or process created later inherits its creator's mask. So the pin is applied after the first training step,

@@ -32,7 +32,8 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "bloom-sdpa-cudnn": 60, "dp-compile-closs-noeval": 60, "dp-compile-liger-noeval": 60,
               "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60,
               "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110, "zero3-blocks-nocg": 110,
-              "zero3-combo-pf0": 110, "zero3-combo-leaf": 110, "zero3-combo-leaf-pf0": 110}  # warm inductor cache (the first is ~100)
+              "zero3-combo-pf0": 110, "zero3-combo-leaf": 110, "zero3-combo-leaf-pf0": 110,
+              "dp-nopin": 45, "zero3-before": 110, "zero3-nopin": 110}  # warm inductor cache (the first is ~100)
 
 
 def ds_cell(strategy: str, config: str) -> tuple:
@@ -109,6 +110,12 @@ fg.CELLS.update({
     # threshold path), contiguous_gradients false; then also prefetch 0
     "zero3-combo-leaf": ds_cell("zero3", "zero3-combo-leaf"),
     "zero3-combo-leaf-pf0": ds_cell("zero3", "zero3-combo-leaf-pf0"),
+    # 2026-11-27-h100-zero3-pin: the defaults pin the training thread (pin_thread auto) and give one-rank zero3 block
+    # leaves + contiguous_gradients off; these cells turn that back off (pin_thread off; zero3-before: the JSON of
+    # before, leaf_module.classes [] and contiguous_gradients true over the generated config)
+    "dp-nopin": ("dp", 8, ["--pin-thread", "off"], None),
+    "zero3-before": ("zero3", 8, ["--pin-thread", "off", "--deepspeed-config", "benchmarks/cells/zero3-before.json"], None),
+    "zero3-nopin": ("zero3", 8, ["--pin-thread", "off"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -125,7 +132,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "zero1-nocheck": ("dp", 0.95), "zero2-nocheck": ("dp", 0.95),
           "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95),
           "zero3-leaf": ("dp", 0.7), "zero3-leaf-nocg": ("dp", 0.7), "zero3-hooks": ("dp", 0.7), "zero3-blocks": ("dp", 0.7), "zero3-blocks-nocg": ("dp", 0.7),
-          "zero3-combo-pf0": ("dp", 0.7), "zero3-combo-leaf": ("dp", 0.7), "zero3-combo-leaf-pf0": ("dp", 0.7)}
+          "zero3-combo-pf0": ("dp", 0.7), "zero3-combo-leaf": ("dp", 0.7), "zero3-combo-leaf-pf0": ("dp", 0.7),
+          "dp-nopin": ("dp", None), "zero3-before": ("dp", 0.7), "zero3-nopin": ("dp", 0.7)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

@@ -215,6 +215,18 @@ def test_micro_batch_search_is_the_largest_fitting():
         assert (q.strategies["zero2"].gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(q.gpu_memory)) is fits
 
 
+def test_one_rank_zero3_plans_no_reduce_bucket():
+    """One-rank zero3 without offload defaults to contiguous_gradients off (deepspeed_zero.contiguous_gradients): no
+    reduce bucket (reduce_bucket_size x 2 B). gpt2-medium micro 8 on an H100: 17.91 GiB measured without the bucket,
+    planned 18.7 with it (benchmarks/results/2026-11-27-h100-zero3-combo/); two ranks keep it."""
+    bucket = 500_000_000 * 2 / GiB
+    for gpus, drop in ((1, bucket), (2, 0.0)):
+        cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=gpus)
+        old = cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"contiguous_gradients": True})})
+        new_peak, old_peak = (plan(c, gpu_memory_gb=80, strategies=("zero3",)).strategies["zero3"].gpu_peak / GiB for c in (cfg, old))
+        assert old_peak - new_peak == pytest.approx(drop, abs=1e-6), gpus
+
+
 # ---- the documented error against the H100 runs --------------------------------------------------------
 
 
@@ -226,9 +238,10 @@ def test_h100_foundation_errors(capsys):
     counted gathered during the loss' backward: fsdp.params_gathered_through_backward). dp --compile (micro 16, 23.7 GiB measured with the compiled loss) is NOT
     modelled: the eager prediction is ~40 GiB (+69%), since inductor recomputes instead of saving.
     Those runs computed the loss inside the model (what loss_kernel=hf still does), and fsdp resharded after forward
-    (the default then; one rank now defaults to not resharding)."""
+    (the default then; one rank now defaults to not resharding), and zero3 kept DeepSpeed's contiguous gradient bucket
+    (one rank now defaults to none: test_one_rank_zero3_plans_no_reduce_bucket)."""
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1, loss_kernel="hf",
-                    strategy_options={"fsdp_reshard_after_forward": True})
+                    strategy_options={"fsdp_reshard_after_forward": True, "contiguous_gradients": True})
     p = plan(cfg, gpu_memory_gb=80, strategies=tuple(MEASURED_H100))
     rows = []
     for s, measured in MEASURED_H100.items():

@@ -84,7 +84,7 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from ..strategies.deepspeed_zero import (gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
+from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
                                          zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
@@ -582,7 +582,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
         elif stage in (1, 2):
-            if opts.contiguous_gradients:
+            if contiguous_gradients(opts, stage, d, s.offloads):
                 k = 2 if overlap else 1
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
             if s.offload_optimizer is None:
@@ -595,7 +595,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if d > 1:
                 notes.append(f"allgather_bucket_size {ab:,} is used in place (all_gather_into_tensor), no extra buffer counted")
         else:  # stage 3
-            if opts.contiguous_gradients:
+            if contiguous_gradients(opts, stage, d, s.offloads):
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
             if stage == 3 and not s.offloads:
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)

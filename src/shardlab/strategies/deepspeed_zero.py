@@ -105,6 +105,48 @@ def twin_flow_gpu_sub_groups(count: int, ratio: float) -> int:
     return int((1 - ratio) * count)
 
 
+def one_rank_zero3(stage: int, world: int, offloads: bool) -> bool:
+    """ZeRO-3 on one rank with everything on the GPU: nothing is reduce-scattered or gathered (every parameter persists,
+    sized_buckets), so what stage 3 adds over dp is host work per module and per parameter (issue 15)."""
+    return stage == 3 and world == 1 and not offloads
+
+
+def contiguous_gradients(opts, stage: int, world: int, offloads: bool) -> bool:
+    """DeepSpeed's contiguous_gradients, where the user left it unset: off for one-rank ZeRO-3 without offload, where it
+    only copies every gradient, parameter by parameter in each leaf's backward hook, into a bucket that nothing
+    reduces (and that bucket, reduce_bucket_size x 2 B, is 0.93 GiB of GPU memory: gpt2-medium 17.91 GiB measured
+    without it, 18.7 with); DeepSpeed's default (on) elsewhere. Measured with block leaves (zero3_leaf_classes):
+    benchmarks/results/2026-11-27-h100-zero3-{blocks,combo,gc,pin}/."""
+    if opts.contiguous_gradients is not None:
+        return opts.contiguous_gradients
+    return not one_rank_zero3(stage, world, offloads)
+
+
+def zero3_leaf_classes(model: nn.Module | None) -> list[str]:
+    """The class name of the model's repeated decoder block (GPT2Block, BloomBlock, LlamaDecoderLayer), for DeepSpeed's
+    `leaf_module.classes`: ZeRO-3 then hooks each block as one module, not its ~9 sub-modules (ln, attention, c_attn,
+    ...), about 9x fewer coordinator calls a step. On one rank every parameter persists, so a leaf gathers nothing and
+    bounds no memory. A block-class leaf is the model-size rule the issue asks for: DeepSpeed's alternative,
+    stage3_module_granularity_threshold, compares parameters per module with a number that separates gpt2-medium's
+    blocks (1.40M) from its whole model (1.61M) by 15%."""
+    if model is None:
+        return []
+    from ..training.models import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    names = sorted({type(b).__name__ for b in blocks})
+    return names if len(names) == 1 else []
+
+
+def _deepspeed_default_leaves() -> list[str]:
+    """DeepSpeed's own default leaf classes (MoE blocks): a `classes` list replaces them, so it repeats them."""
+    try:
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    except ImportError:
+        return []
+    return list(DEFAULT_LEAF_MODULE_CLASSES)
+
+
 def model_numel(model: nn.Module) -> int:
     """The model's parameter count, also once ZeRO-3 has partitioned it (zero.Init leaves each ``p.data`` empty and
     records the full size in ``p.ds_numel``): what sizes the buckets (sized_buckets)."""
@@ -180,10 +222,11 @@ def gpu_grad_accum_fp32(cfg: RunConfig, strategy: str, precision: str, accum: in
 
 def build_ds_config(
     cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
-    n_params: int | None = None, hidden: int | None = None,
+    n_params: int | None = None, hidden: int | None = None, leaf_classes: list[str] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON for this run (before any user JSON is merged). `n_params` and `hidden` (the
-    model's size and width) size the buckets of offload runs (sized_buckets)."""
+    model's size and width) size the buckets of offload runs (sized_buckets); `leaf_classes` (zero3_leaf_classes: the
+    model's decoder-block class) become ZeRO-3 leaves on one rank without offload."""
     stage = STAGE[cfg.strategy]
     opts = cfg.strategy_options
     offload = offload_kind(cfg.strategy)
@@ -191,7 +234,7 @@ def build_ds_config(
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": overlap_comm(opts, world, offload),
-        "contiguous_gradients": opts.contiguous_gradients,
+        "contiguous_gradients": contiguous_gradients(opts, stage, world, spec(cfg.strategy).offloads),
         "reduce_bucket_size": buckets["reduce_bucket_size"],
         "allgather_bucket_size": buckets["allgather_bucket_size"],
     }
@@ -205,6 +248,10 @@ def build_ds_config(
             # Export gathers weights itself (full_state_dict); no 16-bit copy needed at save time.
             stage3_gather_16bit_weights_on_model_save=False,
         )
+        if leaf_classes and one_rank_zero3(stage, world, spec(cfg.strategy).offloads):
+            # Block leaves (issue 15): one hook pair per block; nothing is gathered on one rank (all parameters persist).
+            # Multi-rank runs keep per-sub-module hooks: there a leaf gathers a whole block at once (memory), unmeasured.
+            zero["leaf_module"] = {"classes": _deepspeed_default_leaves() + [c for c in leaf_classes]}
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": opts.pin_memory}
         if opts.offload_ratio < 1.0:  # Twin-Flow: the rest of the optimizer states stay and step on the GPU
@@ -411,10 +458,10 @@ def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunC
 
 def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
                        total_steps: int | None = None, n_params: int | None = None,
-                       hidden: int | None = None) -> dict[str, Any]:
+                       hidden: int | None = None, leaf_classes: list[str] | None = None) -> dict[str, Any]:
     """The JSON DeepSpeed will get: generated, then the user's file (if any) merged on top. `total_steps` fills a
     scheduler's total_num_steps "auto" (known once the data is built); `n_params`/`hidden` size the buckets."""
-    ds = build_ds_config(cfg, precision, micro, accum, world, device_type, n_params, hidden)
+    ds = build_ds_config(cfg, precision, micro, accum, world, device_type, n_params, hidden, leaf_classes)
     if cfg.deepspeed_config:
         ds = merge_user_config(ds, cfg.deepspeed_config, precision, cfg, total_steps, device_type)
     return ds
@@ -553,11 +600,12 @@ class DeepSpeedStrategy(Strategy):
         # each micro-batch's gradient goes out; all but the first micro-batch's running sum comes back first
         return lo * self.grad_accum, lo * self.grad_accum
 
-    def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None) -> dict[str, Any]:
+    def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None,
+                  leaf_classes: list[str] | None = None) -> dict[str, Any]:
         """What DeepSpeed gets, both for the engine and for the ZeRO-3 build's zero.Init (a user's JSON merged in)."""
         return _one_name_per_zero_key(resolved_ds_config(
             self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type,
-            total_steps, n_params, hidden
+            total_steps, n_params, hidden, leaf_classes
         ))
 
     def build_model(self) -> nn.Module:
@@ -592,7 +640,7 @@ class DeepSpeedStrategy(Strategy):
 
         hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
         n_params = model_numel(model)  # ZeRO-3's partitioned p.numel() is 0: its sub_group_size stayed at 1e9
-        ds = self.ds_config(total_steps, n_params, hidden)  # (the NVMe path was checked in launch.preflight)
+        ds = self.ds_config(total_steps, n_params, hidden, zero3_leaf_classes(model))  # (NVMe path: launch.preflight)
         self.hf_model = model
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:
@@ -612,6 +660,14 @@ class DeepSpeedStrategy(Strategy):
 
             if not compiling.compile_blocks(self.engine.module, self.cfg):
                 self.engine.compile(backend=compiling.backend(), compile_kwargs=compiling.options(self.cfg))
+
+    def summary_extras(self) -> dict[str, Any]:
+        out = super().summary_extras()
+        zero = (getattr(self, "ds_json", None) or {}).get("zero_optimization", {})
+        # what one-rank ZeRO-3's defaults (or the user's JSON) gave the engine: leaf_module classes, contiguous_gradients
+        out["zero_leaf_classes"] = (zero.get("leaf_module") or {}).get("classes")
+        out["contiguous_gradients"] = zero.get("contiguous_gradients")
+        return out
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from ..checkpoint import store as checkpoint, reshard
-from ..launch import faults, guards
+from ..launch import faults, guards, pin
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
 from . import compiling, head_padding, optim, pinned
@@ -47,7 +47,7 @@ from ..data.blocks import IGNORE
 from ..launch.distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
 from .early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
-from ..layout import ParallelLayout
+from ..layout import ParallelLayout, local_world_size
 from .optim import Precision, resolve_precision
 from ..launch.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
@@ -463,11 +463,31 @@ class Trainer:
         else:  # e.g. a batch without a single supervised token: 0/0 loss, zero gradients
             log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
 
+    def _pin_thread(self, strategy) -> dict[str, Any]:
+        """After the first step: pin this rank's training thread and autograd's device threads to one CPU of the rank's
+        cores where cfg.pin_thread says so (launch/pin.py: why, and what keeps the full set). What was done, for
+        summary.json's thread_pin."""
+        cfg, env = self.cfg, self.env
+        cores = strategy.bound_cores or None  # a rank bound to its share already: the pin stays inside it
+        cpu, reason = pin.pin_decision(cfg, env.device.type, 0 if cores else env.local_rank,
+                                       1 if cores else local_world_size(), cores)
+        out: dict[str, Any] = {"mode": cfg.pin_thread, "cpu": cpu, "reason": reason}
+        if cpu is not None:
+            try:
+                out.update(pin.pin(cpu))
+            except OSError as e:  # a mask this process may not set (a container's cpuset): train unpinned
+                out.update(cpu=None, reason=f"sched_setaffinity failed: {e}")
+        if env.is_main and out["cpu"] is not None:
+            print(f"[shardlab] pinned the training thread and {out['threads'] - 1} autograd thread(s) to CPU {cpu} "
+                  f"({reason}; threads and processes started later get all {out['full_set']} CPUs)", flush=True)
+        return out
+
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         timer = metrics.StepTimer(env.device)
         compile_clock = CompileClock()  # torch.compile happens lazily, inside the first steps
         first_step_done: float | None = None
+        thread_pin: dict[str, Any] = {"mode": cfg.pin_thread, "cpu": None, "reason": "no step ran"}
         window_compile = 0.0
         profiler = StepProfiler(self.run_dir, env.rank, env.device, cfg.profile)
         tokens_per_step = self.global_batch * cfg.seq_len
@@ -514,6 +534,7 @@ class Trainer:
                     if first_step_done is None:
                         first_step_done = time.time()
                         self.startup.mark("first_step")
+                        thread_pin = self._pin_thread(strategy)
                         log0(env, self.startup.line() + (f" (compiling {compile_clock.seconds():.1f} s of it)" if compile_clock.seconds() else ""))
                     window_compile += compile_clock.seconds() - compiled_before
                     global_step += 1
@@ -582,6 +603,8 @@ class Trainer:
         if progress is not None:
             progress.close()
         total_time = time.perf_counter() - t_start
+        if thread_pin.get("cpu") is not None:
+            pin.release()  # export, generate and the summary's collectives run with the full set again
         steady = timer.steady()
         mean_useful = statistics.fmean(useful_per_step[-len(steady):]) if steady else 0.0
         summary: dict[str, Any] = {
@@ -606,6 +629,7 @@ class Trainer:
             **self.evals.summary(),
             "epochs": epochs_summary,
             **strategy.summary_extras(),
+            "thread_pin": thread_pin,
         }
         summary.update(metrics.run_stats(summary, model_info, env, self._steps_per_epoch(stage_loaders[-1][0])))
         if env.is_main:

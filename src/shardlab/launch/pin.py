@@ -63,18 +63,10 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     if per_rank == 0:
         return None, f"{local_world} ranks on {len(cores)} CPUs: no CPU of its own per rank"
     mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
-    here = current_cpu()
-    return (here if here in mine else mine[0]), f"pin_thread {mode}"
-
-
-def current_cpu() -> int:
-    """The CPU the calling thread runs on now (/proc/thread-self/stat's 'processor'), -1 if unknown."""
-    try:
-        with open("/proc/thread-self/stat") as f:
-            fields = f.read().rsplit(")", 1)[-1].split()
-        return int(fields[36])
-    except (OSError, IndexError, ValueError):
-        return -1
+    # The last CPU of the share, not the one the thread happens to be on: in the first calls the three zero3 runs pinned
+    # to CPU 15 of 16 ran 0.92x/0.90x/0.78x dp, those that landed on CPU 8 and CPU 1 0.58x/0.62x (low CPUs take the
+    # devices' interrupts on many hosts). Measured as the default in benchmarks/results/2026-11-27-h100-zero3-pin/call3.
+    return mine[-1], f"pin_thread {mode}"
 
 
 def autograd_threads() -> list[int]:

@@ -63,9 +63,9 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     if per_rank == 0:
         return None, f"{local_world} ranks on {len(cores)} CPUs: no CPU of its own per rank"
     mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
-    # The last CPU of the share, not the one the thread happens to be on: in the first calls the three zero3 runs pinned
-    # to CPU 15 of 16 ran 0.92x/0.90x/0.78x dp, those that landed on CPU 8 and CPU 1 0.58x/0.62x (low CPUs take the
-    # devices' interrupts on many hosts). Measured as the default in benchmarks/results/2026-11-27-h100-zero3-pin/call3.
+    # The last CPU of the share, not whichever the thread happens to be on: a choice the summary can report and a rerun
+    # repeats. (It is not a speed-up of its own: pinned to CPU 15 of 16, zero3 ran 0.92/0.90/0.78x dp on one machine
+    # and 0.61/0.59/0.56x on another; benchmarks/results/2026-11-27-h100-zero3-pin/, call 3.)
     return mine[-1], f"pin_thread {mode}"
 
 

@@ -200,7 +200,7 @@ class RunConfig(_Strict):
         "auto", json_schema_extra=cli("--pin-thread"),
         description="pin each rank's training thread and autograd's device thread to one CPU of the rank's cores after the "
         "first step (threads and processes it starts later get the full set): ZeRO-3 on one H100 is host-bound and ran "
-        "1.01x dp pinned vs 0.80x unpinned. auto: CUDA dp/zero0-3/fsdp runs, eager, no offload; on: also compiled runs and "
+        "1.01x dp pinned vs 0.80x unpinned. auto: CUDA dp/zero1-3/fsdp runs, eager, no offload; on: also compiled runs and "
         "other GPU strategies without offload; off: never (shardlab.launch.pin)")
     loss_kernel: Literal["auto", "compiled", "hf", "liger"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "

@@ -20,7 +20,7 @@ at-fork hooks, and `os.posix_spawn`) are created with the thread's mask widened 
 C++ code creates later from the pinned thread (a CUDA driver or NCCL thread for a new communicator) are the gap; none
 is created in the steady loop. The pin is released (full mask back on both threads) when the loop ends.
 
-Scope (`pin_thread`): 'auto' pins only what was measured to gain or not to lose: CUDA runs of dp, zero0-3 and fsdp with
+Scope (`pin_thread`): 'auto' pins only what was measured to gain or not to lose: CUDA runs of dp, zero1-3 and fsdp with
 the optimizer on the GPU (no offload of any kind: DeepSpeed's CPU-Adam and torchao's offload run OpenMP work whose pool
 may be created after the pin), eager (--compile's graph can recompile with the compile pool being created later; not
 measured), one or more ranks per node as long as each rank owns a CPU of its own. 'on' also pins compiled runs and
@@ -33,10 +33,6 @@ import functools
 import os
 import threading
 from typing import Any
-
-# Strategies whose pinned speed was measured (benchmarks/results/2026-11-27-h100-zero3-pin/).
-AUTO_STRATEGIES = frozenset({"dp", "zero0", "zero1", "zero2", "zero3", "fsdp"})
-
 
 def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 1,
                  cores: list[int] | None = None) -> tuple[int | None, str]:
@@ -54,7 +50,7 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     if s.offloads or s.engine == "torchao":
         return None, f"{cfg.strategy} steps or keeps state on the CPU (its OpenMP/CPU-Adam threads need the cores)"
     if mode == "auto":
-        if cfg.strategy not in AUTO_STRATEGIES:
+        if not s.pin_measured:  # dp, zero1-3, fsdp: benchmarks/results/2026-11-27-h100-zero3-pin/
             return None, f"auto: {cfg.strategy} was not measured pinned"
         if cfg.compile:
             return None, "auto: --compile runs were not measured pinned"

@@ -30,9 +30,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The two tiers (tests/conftest.py says which test goes where); the slowest 20 tests are listed each time.
 PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
-# Both tiers on 2 pytest-xdist workers, each with its share of the cores (OMP_NUM_THREADS, tests/conftest.py); a
-# module's tests that share a module fixture stay on one worker. 2-core box, 2026-11-27: fast tier 2:27, slow tier
-# 17:21 on 2 workers and 17:07 on 3 (the CPUs were 99% busy: more workers do not help).
+# Both tiers on 2 pytest-xdist workers, each confined to its share of the cores (affinity and OMP_NUM_THREADS,
+# tests/conftest.py); a module's tests that share a module fixture stay on one worker. 2-core box, 2026-11-27, fresh
+# clone: `.ci/run` 18:37 (fast tier 2:38, slow tier 15:09); before the workers were confined, 22:37 (3:06 + 18:36).
+# Earlier: slow tier 17:21 on 2 workers and 17:07 on 3 (the CPUs were 99% busy: more workers do not help).
 # SLOW_PARALLEL= / FAST_PARALLEL= (empty) run a tier serially.
 SLOW_PARALLEL ?= -n 2 --dist loadgroup
 FAST_PARALLEL ?= -n 2 --dist loadgroup

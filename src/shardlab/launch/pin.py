@@ -34,6 +34,7 @@ import os
 import threading
 from typing import Any
 
+
 def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 1,
                  cores: list[int] | None = None) -> tuple[int | None, str]:
     """(the CPU to pin this rank's training thread to, or None; why). `cores`: the CPUs this rank may run on

@@ -145,15 +145,20 @@ def bind_threads_to_rank_cores(local_rank: int, local_world: int) -> list[int]:
     memory-bound and OpenMP-parallel, and ranks whose threads share cores slow each other down. Returns
     the cores bound (none when there are fewer cores than ranks: nothing to split).
     """
-    cores = sorted(os.sched_getaffinity(0))
-    per_rank = len(cores) // max(1, local_world)
-    if per_rank == 0:
+    mine = rank_share(sorted(os.sched_getaffinity(0)), local_rank, local_world)
+    if not mine:
         return []
-    mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
     os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(per_rank)  # read by OpenMP runtimes (DeepSpeed's op) loaded after this
-    torch.set_num_threads(per_rank)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # read by OpenMP runtimes (DeepSpeed's op) loaded after this
+    torch.set_num_threads(len(mine))
     return mine
+
+
+def rank_share(cores: list[int], local_rank: int, local_world: int) -> list[int]:
+    """Local rank `local_rank`'s contiguous share of `cores` (sorted) among `local_world` ranks; [] when there are fewer
+    cores than ranks."""
+    per_rank = len(cores) // max(1, local_world)
+    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]
 
 
 # glibc's mallopt parameters (malloc.h) and their defaults.

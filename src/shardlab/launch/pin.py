@@ -34,15 +34,17 @@ import os
 import threading
 from typing import Any
 
+from .distributed import rank_share
+
 
 def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 1,
                  cores: list[int] | None = None) -> tuple[int | None, str]:
     """(the CPU to pin this rank's training thread to, or None; why). `cores`: the CPUs this rank may run on
-    (default: the calling thread's mask), split among the node's ranks as launch.distributed.bind_threads_to_rank_cores
-    does."""
+    (default: the calling thread's mask), split among the node's ranks as bind_threads_to_rank_cores splits them
+    (distributed.rank_share)."""
     from ..strategies.spec import spec
 
-    mode = getattr(cfg, "pin_thread", "auto")
+    mode = cfg.pin_thread
     if mode == "off":
         return None, "pin_thread off"
     s = spec(cfg.strategy)
@@ -56,10 +58,9 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
         if cfg.compile:
             return None, "auto: --compile runs were not measured pinned"
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    per_rank = len(cores) // max(1, local_world)
-    if per_rank == 0:
+    mine = rank_share(cores, local_rank, local_world)
+    if not mine:
         return None, f"{local_world} ranks on {len(cores)} CPUs: no CPU of its own per rank"
-    mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
     # The last CPU of the share, not whichever the thread happens to be on: a choice the summary can report and a rerun
     # repeats. (It is not a speed-up of its own: pinned to CPU 15 of 16, zero3 ran 0.92/0.90/0.78x dp on one machine
     # and 0.61/0.59/0.56x on another; benchmarks/results/2026-11-27-h100-zero3-pin/, call 3.)
@@ -92,6 +93,7 @@ class _State:
     lock = threading.Lock()
     ident: int | None = None  # the pinned thread (threading.get_ident()), None when nothing is pinned
     pinned: set[int] = set()
+    others: list[int] = []  # the other threads pinned with it (autograd's device threads)
     full: set[int] = set()
     depth = 0  # nested widenings (a Popen whose preexec_fn forks, ...)
     installed = False
@@ -188,7 +190,7 @@ def release() -> None:
         if _State.ident is None:
             return
         full = _State.full
-        for tid in getattr(_State, "others", []):
+        for tid in _State.others:
             try:
                 os.sched_setaffinity(tid, full)
             except OSError:

@@ -251,7 +251,7 @@ def build_ds_config(
         if leaf_classes and one_rank_zero3(stage, world, spec(cfg.strategy).offloads):
             # Block leaves (issue 15): one hook pair per block; nothing is gathered on one rank (all parameters persist).
             # Multi-rank runs keep per-sub-module hooks: there a leaf gathers a whole block at once (memory), unmeasured.
-            zero["leaf_module"] = {"classes": _deepspeed_default_leaves() + [c for c in leaf_classes]}
+            zero["leaf_module"] = {"classes": _deepspeed_default_leaves() + list(leaf_classes)}
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": opts.pin_memory}
         if opts.offload_ratio < 1.0:  # Twin-Flow: the rest of the optimizer states stay and step on the GPU

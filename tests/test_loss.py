@@ -87,3 +87,60 @@ def test_a_mixture_of_experts_keeps_its_router_loss():
 
     with pytest.raises(UserError, match="no coefficient shardlab knows"):  # a model whose coefficient has another name
         loss.model_loss(outputs, labels, loss.causal_lm_loss, SimpleNamespace(config=SimpleNamespace()))
+
+
+# ---- the eval loss, a chunk of tokens at a time ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 48, 96, 1000])  # one token, uneven chunks, one row, whole batch, more
+def test_chunked_eval_loss_equals_the_whole_batch_loss(dtype, chunk_tokens):
+    g = torch.Generator().manual_seed(5)
+    vocab = 500
+    logits = (3 * torch.randn(2, 48, vocab, generator=g)).to(dtype)
+    labels = torch.randint(0, vocab, (2, 48), generator=g)
+    labels[0, :11] = loss.IGNORE  # a prompt
+    labels[1, -6:] = loss.IGNORE  # padding
+    chunk_mib = chunk_tokens * 8 * vocab / 2**20
+    assert loss.eval_chunk_tokens(vocab, chunk_mib) == max(1, int(chunk_mib * 2**20 // (8 * vocab)))
+    want = loss.causal_lm_loss(logits, labels)
+    got = loss.chunked_causal_lm_loss(logits, labels, chunk_mib)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_chunk_size_from_the_byte_budget():
+    assert loss.eval_chunk_tokens(250_880, 512) == 267  # BLOOM: 8 B a logit, 512 MiB -> 267 tokens
+    assert loss.eval_chunk_tokens(50_257, 512) == 1335
+    assert loss.eval_chunk_tokens(10**9, 1) == 1  # never 0 tokens
+    assert loss.eval_chunk_tokens(50_257, 0) is None  # 0: the whole batch at once
+    logits, labels = torch.randn(1, 4, 9), torch.full((1, 4), loss.IGNORE)
+    assert loss.chunked_causal_lm_loss(logits, labels, 0).item() == 0.0  # nothing to predict: 0, not nan (x 0 tokens)
+
+
+def test_eval_forward_passes_no_labels_and_holds_one_chunk(monkeypatch, tiny):
+    """Under no_grad the strategy's forward gives the model no labels (no loss of its own on the whole logits) and
+    computes the loss chunk by chunk: never an fp32 copy of more than one chunk's logits."""
+    import copy
+
+    from shardlab.config import RunConfig
+    from shardlab.launch.distributed import DistEnv
+    from shardlab.strategies import strategy_class
+    from shardlab.training.optim import Precision
+
+    cfg = RunConfig(model="tiny-gpt2", device="cpu", precision="fp32", loss_kernel="hf", eval_loss_chunk_mib=1)
+    strategy = strategy_class("dp")(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 3)
+    strategy.setup(copy.deepcopy(tiny), total_steps=1)
+    ids, labels = _batch(tiny.config.vocab_size, 5)
+    seen, rows = [], []
+    real_forward = strategy.hf_model.forward
+    monkeypatch.setattr(strategy.hf_model, "forward", lambda **kw: seen.append("labels" in kw) or real_forward(**kw))
+    real_ce = loss.F.cross_entropy
+    monkeypatch.setattr(loss.F, "cross_entropy", lambda x, *a, **kw: rows.append(x.shape[0]) or real_ce(x, *a, **kw))
+    with torch.no_grad():
+        got = strategy.forward({"input_ids": ids, "labels": labels})
+    assert seen == [False]
+    assert max(rows) == loss.eval_chunk_tokens(tiny.config.vocab_size, 1) < ids.numel() and sum(rows) == ids.numel()
+    with torch.no_grad():
+        want = tiny(input_ids=ids, labels=labels).loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)

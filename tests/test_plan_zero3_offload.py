@@ -6,6 +6,9 @@ Two things the plan missed (benchmarks/results/2026-11-26-h100-z3off-plan/README
 - the eval forward: shardlab evaluates with the eager loss (fp32 copy and fp32 log-softmax of the logits, 10 B a logit in
   bf16) on ceil(6 / ranks) rows a rank, so on 1 GPU the eval, not training, is the run's peak;
 - the start of backward counted a checkpointed layer's recomputation, which comes only after the logits are freed.
+These runs evaluated with the whole eval batch's fp32 copies at once (10 B a logit); shardlab now computes the eval loss a
+chunk of tokens at a time (loss.chunked_causal_lm_loss), so they are planned here with ``eval_loss_chunk_mib=0``, as they
+ran, and the default's eval moment is checked on its own.
 No GPU and no timing here: plan() on the meta-device model.
 """
 
@@ -21,9 +24,11 @@ S = "zero3_offload"
 EVAL_BLOCKS = 6  # the offline corpus at seq 1024: 140 train blocks, 6 eval blocks (the runs' logs)
 
 
-def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | None = EVAL_BLOCKS, **fields):
+def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | None = EVAL_BLOCKS, eval_loss_chunk_mib: int = 0,
+          **fields):
     cfg = RunConfig(model=model, seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
-                    gradient_checkpointing=True, strategy=S, eval_at_start=eval_at_start, **fields)
+                    gradient_checkpointing=True, strategy=S, eval_at_start=eval_at_start,
+                    eval_loss_chunk_mib=eval_loss_chunk_mib, **fields)
     return plan(cfg, gpu_memory_gb=79, host_ram_gb=250, strategies=(S,), eval_blocks=eval_blocks).strategies[S]
 
 
@@ -64,6 +69,23 @@ def test_world_size_dependence_is_the_eval_batch():
     assert _plan("bloom-7b1", 2, eval_blocks=None).peak_moment.startswith("eval forward (8 rows")
 
 
+def test_the_chunked_eval_loss_is_not_the_peak_any_more():
+    """With the default chunk (512 MiB of fp32 copies) an eval row costs its bf16 logits only: bloom-7b1's 6 eval rows on
+    one GPU are 2.87 GiB + 0.5 GiB, under training's start of backward, so one and two GPUs plan the same peak."""
+    one, two = _plan("bloom-7b1", 1, eval_loss_chunk_mib=512), _plan("bloom-7b1", 2, eval_loss_chunk_mib=512)
+    assert one.peak_moment.startswith("start of backward") and two.peak_moment.startswith("start of backward")
+    assert one.gpu_peak == pytest.approx(two.gpu_peak, rel=0.01)
+    assert one.gpu_peak / GiB < _plan("bloom-7b1", 1).gpu_peak / GiB - 2.2  # 14.39 GiB with the whole batch at once
+    # the eval moment itself: the logits in bf16 plus one chunk of 267 tokens x 8 B a logit
+    from shardlab.planning.planner import eval_loss_bytes
+
+    bsv = 6 * 1024 * 250880
+    assert eval_loss_bytes("bf16", 6 * 1024, 250880, 512) == 2 * bsv + 8 * 267 * 250880
+    assert eval_loss_bytes("bf16", 6 * 1024, 250880, 0) == 10 * bsv  # the whole batch: as measured before
+    assert eval_loss_bytes("fp32", 6 * 1024, 250880, 0) == 8 * bsv  # .float() of fp32 logits is no copy
+    assert eval_loss_bytes("bf16", 100, 250880, 512) == 10 * 100 * 250880  # fewer tokens than a chunk
+
+
 @pytest.mark.parametrize("blocks, ranks, strategy, expected", [
     (6, 1, S, 6), (6, 2, S, 3), (5, 2, S, 3), (100, 2, S, 8), (None, 4, S, 8), (0, 1, S, 0),
     (6, 1, "pipeline", 6), (None, 1, "pipeline", 32),  # pipeline schedules evaluate whole steps (micro x accum)
@@ -91,7 +113,7 @@ def test_worker_replans_with_the_eval_split():
 
     for gpus, full, refined in ((1, 19.17, 14.39), (2, 19.17, 12.14)):
         cfg = RunConfig(model="bloom-7b1", seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
-                        gradient_checkpointing=True, strategy=S)
+                        gradient_checkpointing=True, strategy=S, eval_loss_chunk_mib=0)
         rec = predict_run(cfg, "cuda", gpus, gpu_memory=79, host_ram=250)
         assert rec["gpu_peak_gib"] == pytest.approx(full, abs=0.02) and rec["peak_moment"].startswith("eval forward (8 rows")
         new = with_eval_split(rec, cfg, gpus, EVAL_BLOCKS)

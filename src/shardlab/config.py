@@ -206,6 +206,10 @@ class RunConfig(_Strict):
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
         "'liger' = Liger-Kernel's fused linear cross-entropy (the head inside the loss: no logits at all; CUDA, dp and "
         "zero0-2), 'auto' = compiled on CUDA, hf on CPU (shardlab.training.loss)")
+    eval_loss_chunk_mib: int = Field(
+        512, ge=0, description="the eval loss (no grad) upcasts the logits to fp32 a chunk of tokens at a time, each chunk "
+        "holding at most this many MiB of fp32 copies (0 = the whole eval batch at once: 8 B more a logit; BLOOM's "
+        "250,880-token rows are 2 GB each) (shardlab.training.loss.chunked_causal_lm_loss)")
     pad_head: bool | None = Field(
         None, description="run the output head's matmul on the vocabulary padded to a multiple of 64 and slice the padded "
         "logits off (exact: same logits and gradients; GPT-2's 50,257 tokens otherwise take slow unaligned GEMM kernels, "

@@ -43,8 +43,8 @@ How
   no layer is recomputed yet), the LM head's backward, a checkpointed layer's backward (its
   recomputation and backward temporaries, the logits freed), the end of backward / optimizer step
   (all gradients, step temporaries, no activations) and an eval forward (shardlab evaluates before
-  the first step, at epoch ends and after the last, with the eager loss: 10 bytes a logit in 16-bit
-  runs, at the eval batch each rank gets; ``eval_batch_per_rank``).
+  the first step, at epoch ends and after the last: the logits at the eval batch each rank gets,
+  ``eval_batch_per_rank``, and one chunk of the eager loss' fp32 copies, ``eval_loss_bytes``).
 
 Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
@@ -66,7 +66,7 @@ from rich.table import Table
 from ..config import RunConfig
 from ..errors import UserError
 from ..layout import data_parallel_size, model_family
-from ..training.loss import resolve_loss_kernel
+from ..training.loss import eval_chunk_tokens, resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 from .memory import (
@@ -471,12 +471,16 @@ def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, d
     return min(batch, math.ceil(eval_blocks / max(1, dp)))
 
 
-def eval_loss_bytes_per_logit(mode: str) -> int:
-    """training.strategies' eval forward (no grad) computes the loss eagerly (loss.causal_lm_loss; the model's own
-    ForCausalLMLoss is the same): the logits in the compute dtype, their fp32 copy (``logits.float()``) and
-    cross_entropy's fp32 log-softmax, alive together. Measured at bloom-3b zero3_offload, 6 eval rows of 1024 tokens on
-    one H200 (benchmarks/results/2026-11-26-h100-z3off-plan): 2,940 MiB + 2 x 5,880 MiB, i.e. 2 + 4 + 4 bytes a logit."""
-    return 8 if mode == "fp32" else 10  # fp32 logits: .float() is the same tensor
+def eval_loss_bytes(mode: str, tokens: int, vocab: int, chunk_mib: int) -> float:
+    """GPU bytes of an eval forward's loss (no grad) over ``tokens`` rows of logits: the model's logits in the compute
+    dtype, and beside them one chunk's fp32 working memory (loss.chunked_causal_lm_loss: the chunk's fp32 copy and
+    fp32 log-softmax, 8 B a logit; 4 B for fp32 logits, whose ``.float()`` is the same tensor). ``chunk_mib`` 0 = the
+    whole batch as one chunk, which is what the eager loss did before (measured at bloom-3b zero3_offload, 6 eval rows
+    of 1024 tokens on one H200, benchmarks/results/2026-11-26-h100-z3off-plan: 2,940 MiB + 2 x 5,880 MiB, 2 + 4 + 4 B a
+    logit)."""
+    logit, work = (4, 4) if mode == "fp32" else (2, 8)
+    chunk = min(tokens, eval_chunk_tokens(vocab, chunk_mib) or tokens)
+    return float(logit * tokens * vocab + work * chunk * vocab)
 
 
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
@@ -657,18 +661,19 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                         + act.logits_grad + sum(temp.values()))
     moment_end = static + g_end + sum(temp_step.values())
     # An eval forward (shardlab evaluates before the first step, at epoch ends and after the last step): no activations
-    # kept, but the eager loss' fp32 logits at the per-rank eval batch. This is what made zero3_offload's measured peak
-    # depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6 on one GPU (2.87 + 2 x 5.74 GiB of
-    # logits: 14.45 GiB measured, above training's peak) and 3 per rank on two (benchmarks/results/2026-11-26-h100x2-ds-offload).
+    # kept, but the logits at the per-rank eval batch. With the whole batch's fp32 copies (before the chunked eval loss)
+    # this made zero3_offload's measured peak depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6
+    # on one GPU (2.87 + 2 x 5.74 GiB of logits: 14.45 GiB measured, above training's peak) and 3 per rank on two
+    # (benchmarks/results/2026-11-26-h100x2-ds-offload).
     moment_eval = 0.0
     eval_rows = eval_batch_per_rank(cfg, strategy, micro, accum, d, eval_blocks)
     if eval_rows and kernel != "liger":  # liger evaluates through its fused kernel too: no logits
-        moment_eval = static + eval_gathered + float(eval_loss_bytes_per_logit(mode) * eval_rows * cfg.seq_len * arch.vocab)
+        moment_eval = static + eval_gathered + eval_loss_bytes(mode, eval_rows * cfg.seq_len, arch.vocab, cfg.eval_loss_chunk_mib)
     peak, moment = max((moment_fb, "start of backward (activations + loss gradients)"),
                        (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
                        (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
                        (moment_end, "optimizer step (all gradients + step buffers)"),
-                       (moment_eval, f"eval forward ({eval_rows} rows a rank: the eager loss' fp32 logits)"),
+                       (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
                        key=lambda m: m[0])
     gpu = {
         "parameters": params,

@@ -157,8 +157,9 @@ class Strategy(ABC):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.model is not None
-        # With a loss_fn the model gets no labels: it returns logits and computes no loss of its own.
-        inputs = batch if self.loss_fn is None else {k: v for k, v in batch.items() if k != "labels"}
+        # With a loss_fn, and in eval (chunked_loss), the model gets no labels: it returns logits and computes no loss.
+        own = self.loss_fn is None and torch.is_grad_enabled()
+        inputs = batch if own else {k: v for k, v in batch.items() if k != "labels"}
         # one unpadded sequence per row: the model's mask is plain causal, also while dynamo traces (sdpa_causal.py)
         unpacked = "attention_mask" not in inputs and "position_ids" not in inputs
         with attention_backend.context(self.cfg.sdpa_backend), sdpa_causal.unpacked_rows(unpacked):
@@ -176,11 +177,13 @@ class Strategy(ABC):
                                        self.hf_model)
         with self.autocast():
             outputs = self.model(**inputs, use_cache=False)  # no KV cache in training: it only costs memory and time
-        if self.loss_fn is None:
-            return outputs.loss
-        # Eval (no grad) saves nothing for backward; the eager loss spares a second compile inside the timed eval.
-        fn = self.loss_fn if torch.is_grad_enabled() else loss.causal_lm_loss
-        return loss.model_loss(outputs, batch["labels"], fn, self.hf_model)
+        if torch.is_grad_enabled():
+            return outputs.loss if self.loss_fn is None else loss.model_loss(outputs, batch["labels"], self.loss_fn, self.hf_model)
+        # Eval (no grad) saves nothing for backward: an eager loss a chunk of tokens at a time, whatever the kernel (no
+        # second compile inside the timed eval, and no fp32 copy of the whole logits: loss.chunked_causal_lm_loss).
+        chunk_mib = self.cfg.eval_loss_chunk_mib
+        return loss.model_loss(outputs, batch["labels"],
+                               lambda logits, labels: loss.chunked_causal_lm_loss(logits, labels, chunk_mib), self.hf_model)
 
     def accumulate(self, last_micro: bool):
         """Context around forward+backward of one micro-batch (e.g. DDP's no_sync before the last)."""

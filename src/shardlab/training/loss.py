@@ -51,6 +51,31 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE)
 
 
+def eval_chunk_tokens(vocab: int, chunk_mib: int) -> int | None:
+    """Tokens per chunk of ``chunked_causal_lm_loss``: as many as keep one chunk's fp32 working memory (its fp32 copy of
+    the logits and the fp32 log-softmax, 8 B a logit) within ``chunk_mib`` MiB; None (the whole batch at once) for 0."""
+    return max(1, int(chunk_mib * 2**20 // (8 * vocab))) if chunk_mib > 0 else None
+
+
+def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_mib: int) -> torch.Tensor:
+    """causal_lm_loss for a forward without autograd (eval), a chunk of tokens at a time.
+
+    causal_lm_loss upcasts the whole logits tensor and runs an fp32 log-softmax over it: 10 B a logit alive at once in a
+    16-bit run (the logits, their fp32 copy, the log-probabilities). For BLOOM's 250,880-token vocabulary that is 2.5 GB a
+    row of 1,024 tokens, so with checkpointing the eval forward could be a run's GPU peak (bloom-7b1 zero3_offload, one
+    GPU: 18% above training's, benchmarks/results/2026-11-26-h100-z3off-plan). Here only one chunk's fp32 copies exist
+    beside the model's own logits (``eval_chunk_tokens``). The same mean over the non-ignored positions, summed in fp32
+    chunk by chunk."""
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    step = eval_chunk_tokens(flat.shape[1], chunk_mib) or flat.shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], step):
+        total += F.cross_entropy(flat[start:start + step].float(), shift_labels[start:start + step],
+                                 ignore_index=IGNORE, reduction="sum")
+    return total / (shift_labels != IGNORE).sum().clamp_min(1)
+
+
 def router_aux_coef(model) -> float:
     """The weight transformers gives a mixture-of-experts model's router load-balancing loss when it computes the
     loss itself (Mixtral, Qwen-MoE, OLMoE, ...: `router_aux_loss_coef`; JetMoE: `aux_loss_coef`)."""

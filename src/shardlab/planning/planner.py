@@ -884,9 +884,13 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     if cfg.optimizer == "adamw8bit":
         # benchmarks/results/2026-11-27-h100-big-model (call 2, bloom-7b1 dp in backward): the rank's RSS was 2.0 GiB with
         # torchao's step graphs in inductor's cache (plan: 1.9), 10.2 GiB (bf16 master) and 14.1 GiB (fp32 master) when
-        # they were compiled first, the rise coming in the last seconds of that compile; not modelled (cause not found)
-        plan_notes.append("host memory of a first run of --optimizer adamw8bit is not modelled: compiling torchao's 8-bit "
-                          "step took 8-12 GiB more host memory at bloom-7b1 (once compiled, inductor's cache spares it)")
+        # they were compiled first: inductor's autotuner copies the tensors a kernel mutates (the weight, its moments)
+        # to pinned host memory when cloning them on the GPU would raise its peak (triton_heuristics
+        # copy_args_to_cpu_if_needed), and the pinned allocator keeps them cached (the trainer empties it after the first
+        # step). Not modelled: which kernels take that path depends on the GPU memory free at that moment.
+        plan_notes.append("host memory of a first run of --optimizer adamw8bit is not modelled: during its first step "
+                          "inductor's autotuning of torchao's 8-bit step took 8-12 GiB more host memory at bloom-7b1 (given "
+                          "back after that step; with the graphs in inductor's cache it does not happen)")
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")

@@ -221,6 +221,7 @@ class Trainer:
         self.signals = StopSignals()
         self.config_text: str | None = None
         self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)
+        self.pinned_released: dict[str, float] = {}  # GiB of cached pinned host memory given back, by moment
 
     # ---- setup ------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -339,9 +340,7 @@ class Trainer:
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
         self.startup.mark("model_build")
         strategy.setup(model, total_steps)
-        released = pinned.release_cached(env.device.type)  # what set-up pinned and freed (training/pinned.py)
-        if released >= 0.5:
-            log0(env, f"released {released:.1f} GiB of cached pinned host memory that engine set-up freed")
+        self._release_pinned("engine set-up")  # what set-up pinned and freed (training/pinned.py)
         self.startup.mark("engine_setup")
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
@@ -463,6 +462,14 @@ class Trainer:
         else:  # e.g. a batch without a single supervised token: 0/0 loss, zero gradients
             log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
 
+    def _release_pinned(self, after: str) -> None:
+        """Give back the pinned host blocks that ``after`` freed and torch's allocator keeps cached; summary.json's
+        pinned_released_gib says how much (training/pinned.py)."""
+        released = pinned.release_cached(self.env.device.type)
+        self.pinned_released[after] = round(released, 3)
+        if released >= 0.5:
+            log0(self.env, f"released {released:.1f} GiB of cached pinned host memory that {after} freed")
+
     def _pin_thread(self, strategy) -> dict[str, Any]:
         """After the first step: pin this rank's training thread and autograd's device threads to one CPU of the rank's
         cores where cfg.pin_thread says so (launch/pin.py: why, and what keeps the full set). What was done, for
@@ -535,6 +542,9 @@ class Trainer:
                         first_step_done = time.time()
                         self.startup.mark("first_step")
                         thread_pin = self._pin_thread(strategy)
+                        # inductor's first-run autotuning of compiled kernels that mutate their inputs (torchao's 8-bit
+                        # step) copied them to pinned host memory, 8-12 GiB at bloom-7b1, cached for good (pinned.py)
+                        self._release_pinned("the first step")
                         log0(env, self.startup.line() + (f" (compiling {compile_clock.seconds():.1f} s of it)" if compile_clock.seconds() else ""))
                     window_compile += compile_clock.seconds() - compiled_before
                     global_step += 1
@@ -630,6 +640,7 @@ class Trainer:
             "epochs": epochs_summary,
             **strategy.summary_extras(),
             "thread_pin": thread_pin,
+            "pinned_released_gib": dict(self.pinned_released) or None,
         }
         summary.update(metrics.run_stats(summary, model_info, env, self._steps_per_epoch(stage_loaders[-1][0])))
         if env.is_main:

@@ -328,6 +328,20 @@ def pinned_bytes(nbytes: float, pinned: bool) -> float:
     return float(2 ** math.ceil(math.log2(nbytes)))
 
 
+def autotune_pinned_bytes(largest: int, weight_bytes: int) -> float:
+    """Host bytes of inductor's first-run autotuning of torchao's compiled 8-bit AdamW step (``--optimizer adamw8bit``).
+
+    The autotuner benchmarks each new kernel on the real tensors; those it mutates (a weight and its two 8-bit moments)
+    it clones first, and where a clone would raise the GPU's peak (``max_memory_allocated - memory_allocated`` is the
+    budget) it copies them to pinned host memory instead (torch/_inductor/runtime/triton_heuristics.py,
+    ``copy_args_to_cpu_if_needed``), which the pinned allocator rounds up to powers of two and keeps cached. bloom-7b1,
+    bf16 weights, one H100 (benchmarks/results/2026-11-27-h100-big-model, call 4): "released 8.0 GiB" after the first
+    step = 2 x (2 GiB weight + 2 x 1 GiB moments) of its 1.03 B-parameter embedding, the smaller tensors fitting the GPU
+    budget; two sets, as the previous kernel's blocks wait for their copy-back events. The trainer gives them back after
+    the first step; with the graphs already in inductor's cache there is no autotuning and none of this."""
+    return 2.0 * (pinned_bytes(weight_bytes * largest, True) + 2 * pinned_bytes(largest, True))
+
+
 def _ds_group_params(arch: Arch, weight_decay: float) -> list[list[int]]:
     """Element counts of the parameters of DeepSpeed's parameter groups, in model order (optim.param_groups:
     matrices decay, 1-D tensors not; one group without weight decay)."""
@@ -698,6 +712,11 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     workers = compile_workers(cfg.compile) if device == "cuda" else 0
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
         states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
+    if device == "cuda" and cfg.optimizer == "adamw8bit":
+        largest = max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params)
+        states["inductor's first-run autotuning of the 8-bit step: pinned copies of the largest weight and its moments "
+               "(given back after the first step)"] = autotune_pinned_bytes(
+                   math.ceil(largest / d) if s.engine == "fsdp2" else largest, 2 if bf16_master else 4)
     cpu_detail = {k: v * gpus_per_node for k, v in states.items()}
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
@@ -882,15 +901,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         plan_notes.append(f"compile_mode {cfg.compile_mode!r} captures CUDA graphs, whose static memory pools are not modelled: "
                           "the GPU peak can be higher than planned")
     if cfg.optimizer == "adamw8bit":
-        # benchmarks/results/2026-11-27-h100-big-model (call 2, bloom-7b1 dp in backward): the rank's RSS was 2.0 GiB with
-        # torchao's step graphs in inductor's cache (plan: 1.9), 10.2 GiB (bf16 master) and 14.1 GiB (fp32 master) when
-        # they were compiled first: inductor's autotuner copies the tensors a kernel mutates (the weight, its moments)
-        # to pinned host memory when cloning them on the GPU would raise its peak (triton_heuristics
-        # copy_args_to_cpu_if_needed), and the pinned allocator keeps them cached (the trainer empties it after the first
-        # step). Not modelled: which kernels take that path depends on the GPU memory free at that moment.
-        plan_notes.append("host memory of a first run of --optimizer adamw8bit is not modelled: during its first step "
-                          "inductor's autotuning of torchao's 8-bit step took 8-12 GiB more host memory at bloom-7b1 (given "
-                          "back after that step; with the graphs in inductor's cache it does not happen)")
+        plan_notes.append("--optimizer adamw8bit: the host figure counts inductor's autotuning of torchao's 8-bit step in "
+                          "a first run (pinned copies of the largest weight and its moments, given back after the first "
+                          "step); with the graphs already in inductor's cache the run takes that much less")
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")

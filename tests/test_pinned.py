@@ -36,22 +36,30 @@ def test_an_older_torch_uses_its_private_call_or_does_nothing(monkeypatch):
     assert pinned.release_cached("cuda") == 0.0
 
 
-def test_a_run_gives_back_the_cache_after_set_up_and_after_its_first_step(tmp_path, monkeypatch):
+def test_a_run_gives_back_the_cache_after_set_up_and_after_an_autotuned_first_step(tmp_path, monkeypatch):
     """Inductor's first-run autotuning copies the inputs a compiled kernel mutates (torchao's 8-bit step: the weight and
     its moments) to pinned host memory, which torch's allocator keeps cached for good: bloom-7b1 10.2 GiB of host memory
     against 2.0 with the graphs already cached (benchmarks/results/2026-11-27-h100-big-model). The trainer empties the
-    cache after engine set-up and again after the first step, and says so in summary.json."""
+    cache after engine set-up, and after the first step of such runs only (others reuse their cached pinned blocks)."""
     import json
 
     from shardlab.config import RunConfig
     from shardlab.training.trainer import run_worker
 
-    calls = []
-    monkeypatch.setattr(pinned, "release_cached", lambda device_type: calls.append(device_type) or 0.75 * len(calls))
-    cfg = RunConfig(model="tiny-gpt2", device="cpu", dataset={"source": "synthetic", "num_samples": 16}, seq_len=16,
-                    micro_batch=2, max_steps=3, export=False, output_dir=str(tmp_path / "run"))
-    result = run_worker(cfg)
-    assert calls == ["cpu", "cpu"]  # set-up, then the first step only: not every step
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["pinned_released_gib"] == {"engine set-up": 0.75, "the first step": 1.5}
-    assert result.summary["steps"] == 3
+    def run(name: str, autotuned: bool):
+        calls = []
+        monkeypatch.setattr(pinned, "release_cached", lambda device_type: calls.append(device_type) or 0.75 * len(calls))
+        monkeypatch.setattr(pinned, "autotuned_in_first_step", lambda optimizer: autotuned)
+        cfg = RunConfig(model="tiny-gpt2", device="cpu", dataset={"source": "synthetic", "num_samples": 16}, seq_len=16,
+                        micro_batch=2, max_steps=3, export=False, output_dir=str(tmp_path / name))
+        result = run_worker(cfg)
+        assert result.summary["steps"] == 3
+        return calls, json.loads((tmp_path / name / "summary.json").read_text())["pinned_released_gib"]
+
+    assert run("plain", False) == (["cpu"], {"engine set-up": 0.75})
+    assert run("autotuned", True) == (["cpu", "cpu"], {"engine set-up": 0.75, "the first step": 1.5})  # not every step
+
+
+def test_which_first_steps_leave_pinned_copies():
+    assert pinned.autotuned_in_first_step("adamw8bit")
+    assert not pinned.autotuned_in_first_step("adamw")

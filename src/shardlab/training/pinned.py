@@ -41,3 +41,14 @@ def release_cached(device_type: str) -> float:
     empty()
     after = _cached_bytes()
     return (before - after) / GIB if before is not None and after is not None else 0.0
+
+
+def autotuned_in_first_step(optimizer: str) -> bool:
+    """Whether a run's first step leaves pinned copies behind worth giving back: inductor's first-run autotuning of
+    torchao's compiled 8-bit step copies the tensors it mutates (the weight and its moments) to pinned host memory where
+    GPU clones would raise the peak (torch/_inductor/runtime/triton_heuristics.py ``copy_args_to_cpu_if_needed``):
+    "released 8.0 GiB" at bloom-7b1 (benchmarks/results/2026-11-27-h100-big-model, call 4). Not for every run: FSDP2's
+    CPU offload copies each step's gradients into pinned blocks it frees and reuses, and emptying the cache after its first
+    step made bloom-7b1's second step pin 28.4 GiB again (23.6 s against 13.2, call 5)."""
+    return optimizer == "adamw8bit"
+

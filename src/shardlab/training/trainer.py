@@ -542,9 +542,8 @@ class Trainer:
                         first_step_done = time.time()
                         self.startup.mark("first_step")
                         thread_pin = self._pin_thread(strategy)
-                        # inductor's first-run autotuning of compiled kernels that mutate their inputs (torchao's 8-bit
-                        # step) copied them to pinned host memory, 8-12 GiB at bloom-7b1, cached for good (pinned.py)
-                        self._release_pinned("the first step")
+                        if pinned.autotuned_in_first_step(cfg.optimizer):  # inductor's pinned copies (pinned.py)
+                            self._release_pinned("the first step")
                         log0(env, self.startup.line() + (f" (compiling {compile_clock.seconds():.1f} s of it)" if compile_clock.seconds() else ""))
                     window_compile += compile_clock.seconds() - compiled_before
                     global_step += 1

@@ -25,6 +25,12 @@ CUDA_CONTEXT_BYTES = int(0.5 * GiB)
 # gpu_mem_peak_reserved_gib / gpu_mem_peak_gib in benchmarks/results/h100-foundation-run2/foundation.json:
 # dp 1.053, zero2 1.140, zero3 1.130, zero2_offload 1.148, fsdp 1.133. The largest is used for "fits".
 RESERVED_OVER_ALLOCATED = 1.15
+# Host RAM a prediction must leave free to "fit": measured host peaks came out above the plan by up to 0.4% (bloom-7b1
+# zero2_offload 137.2 GiB vs 136.6, zero3_offload --offload-ratio 0.7 114.3 vs 114.0), the kernel and the node's other
+# processes hold ~2.5 GiB of a 125.9 GiB H100 machine (123.4 available idle), and bloom-7b1 zero3_offload was OOM-killed
+# there with its process tree last sampled at 121.7 GiB (benchmarks/results/2026-11-26-h100-big-model call 6,
+# 2026-11-27-h100-big-model). A prediction fits when it times this is at most the RAM.
+HOST_HEADROOM = 1.03
 # CPU resident memory of one training process besides the model (python, torch, CUDA libraries,
 # data loader): cpu_rss_max_rank_gib of the dp and fsdp cells in the same foundation.json is 1.95 GiB,
 # which includes gpt2-medium built in fp32 on the CPU (354,823,168 x 4 B = 1.32 GiB): 1.95 - 1.32 = 0.63 GiB.

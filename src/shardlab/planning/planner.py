@@ -73,6 +73,7 @@ from .memory import (
     CPU_ADAMW_TEMP_TENSORS,
     CUDA_CONTEXT_BYTES,
     PROCESS_RSS_BYTES,
+    HOST_HEADROOM,
     RESERVED_OVER_ALLOCATED,
     Activations,
     Arch,
@@ -789,8 +790,9 @@ def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free
     need = sp.gpu_peak * RESERVED_OVER_ALLOCATED
     if need > _usable(gpu_memory):
         return False, f"GPU needs {need / GiB:.1f} GiB (peak {sp.gpu_peak / GiB:.1f} + fragmentation) of {_usable(gpu_memory) / GiB:.1f} usable"
-    if host_ram is not None and sp.cpu_per_node > host_ram:
-        return False, f"CPU needs {sp.cpu_per_node / GiB:.1f} GiB of {host_ram / GiB:.1f} GiB host RAM"
+    if host_ram is not None and sp.cpu_per_node * HOST_HEADROOM > host_ram:
+        return False, (f"CPU needs {sp.cpu_per_node / GiB:.1f} GiB (+{HOST_HEADROOM - 1:.0%} for the OS and the prediction's "
+                       f"error) of {host_ram / GiB:.1f} GiB host RAM")
     nvme = spec(sp.strategy).offload_params == "nvme"
     if nvme and nvme_free is not None and sp.nvme_per_node > nvme_free:
         return False, f"NVMe needs {sp.nvme_per_node / GiB:.1f} GiB of {nvme_free / GiB:.1f} GiB free"

@@ -25,7 +25,7 @@ import psutil
 from ..config import RunConfig
 from ..errors import UserError
 from ..strategies.spec import spec, speed_order
-from .memory import CUDA_CONTEXT_BYTES, RESERVED_OVER_ALLOCATED, GiB
+from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB
 from .microbatch import largest_that_fits, micro_candidates
 
 # Function-local imports below are lazy on purpose: torch, training.optim and planner.py (torch, transformers) load
@@ -152,11 +152,12 @@ def check_host_ram(cfg: RunConfig, record: dict[str, Any], device_type: str, npr
     if need is None:
         return
     avail = available_gib if available_gib is not None else host_available_gib()
-    if need <= avail:
+    if need * HOST_HEADROOM <= avail:
         return
     fixes = _host_fixes(cfg, record, device_type, nproc, avail)
     raise UserError(
-        f"the plan predicts {cfg.strategy} needs {need:.1f} GiB of host RAM on this node but {avail:.1f} GiB are available "
+        f"the plan predicts {cfg.strategy} needs {need:.1f} GiB of host RAM on this node (+{HOST_HEADROOM - 1:.0%} for "
+        f"the prediction's error) but {avail:.1f} GiB are available "
         "(a smaller micro batch does not lower it: host memory holds the model and optimizer states)",
         "; or ".join(fixes + ["--force to start anyway"]),
     )
@@ -182,7 +183,7 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
     if cfg.strategy_options.pin_memory and device_type == "cuda":
         unpinned = run_cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"pin_memory": False})})
         need, _ = _host_need(unpinned, device_type, nproc, gpu_memory)
-        if need < record["cpu_gib"] and need <= avail:
+        if need < record["cpu_gib"] and need * HOST_HEADROOM <= avail:
             out.append(f"--no-pin-memory ({need:.1f} GiB: the pinned allocator rounds each buffer up to a power of two)")
     for s in speed_order():
         if s == cfg.strategy or (device_type == "cpu" and spec(s).offload_params == "nvme"):
@@ -191,7 +192,7 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
             need, gpu_fits = _host_need(run_cfg.model_copy(update={"strategy": s}), device_type, nproc, gpu_memory)
         except UserError:
             continue
-        if gpu_fits and need <= avail:
+        if gpu_fits and need * HOST_HEADROOM <= avail:
             out.append(f"--strategy {s} ({need:.1f} GiB)")
             break
     if not out:

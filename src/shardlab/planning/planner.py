@@ -6,7 +6,8 @@ The **peak of ``torch.cuda.max_memory_allocated()``** per GPU (what ``shardlab t
 ``benchmarks/results/`` report as ``gpu_mem_peak_gib``). Memory that the caching allocator
 reserves but has not handed out (fragmentation) and the CUDA context (~0.5 GiB per process,
 never in torch's counters) are *not* in that number; they are added only when deciding
-whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED``, in memory.py).
+whether a run fits (``CUDA_CONTEXT_BYTES`` and ``RESERVED_OVER_ALLOCATED``, in memory.py); a host prediction fits
+with ``HOST_HEADROOM`` (3%) to spare.
 
 How
 ---
@@ -46,7 +47,7 @@ How
   the first step, at epoch ends and after the last: the logits at the eval batch each rank gets,
   ``eval_batch_per_rank``, and one chunk of the eager loss' fp32 copies, ``eval_loss_bytes``).
 
-Nothing here is fitted to measurements except the two allowances named above (memory.py), whose source
+Nothing here is fitted to measurements except the allowances named above (memory.py), whose source
 files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
 the H100 runs in ``benchmarks/results/`` (their figures: tests/data/h100_foundation_peaks.json).
 """
@@ -72,8 +73,8 @@ from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 from .memory import (
     CPU_ADAMW_TEMP_TENSORS,
     CUDA_CONTEXT_BYTES,
-    PROCESS_RSS_BYTES,
     HOST_HEADROOM,
+    PROCESS_RSS_BYTES,
     RESERVED_OVER_ALLOCATED,
     Activations,
     Arch,

@@ -157,7 +157,7 @@ class Strategy(ABC):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.model is not None
-        # With a loss_fn, and in eval (chunked_loss), the model gets no labels: it returns logits and computes no loss.
+        # With a loss_fn, and in eval (loss.chunked_causal_lm_loss), the model gets no labels: it returns logits, no loss.
         own = self.loss_fn is None and torch.is_grad_enabled()
         inputs = batch if own else {k: v for k, v in batch.items() if k != "labels"}
         # one unpadded sequence per row: the model's mask is plain causal, also while dynamo traces (sdpa_causal.py)

@@ -51,4 +51,3 @@ def autotuned_in_first_step(optimizer: str) -> bool:
     CPU offload copies each step's gradients into pinned blocks it frees and reuses, and emptying the cache after its first
     step made bloom-7b1's second step pin 28.4 GiB again (23.6 s against 13.2, call 5)."""
     return optimizer == "adamw8bit"
-

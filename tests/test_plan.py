@@ -448,3 +448,26 @@ def test_the_first_adamw8bit_runs_host_memory_counts_the_autotuners_pinned_copie
     assert fp32 - bf16 == pytest.approx(4.0, abs=0.01)  # the fp32 weight's copy is twice the size; the build is on the GPU
     exact, notes = host()
     assert exact == pytest.approx(1.93, abs=0.01) and "autotuning" not in notes
+
+
+def test_plan_shows_where_the_host_ram_goes():
+    """The recommended strategy's host buffers and those of every strategy refused for host RAM, one row each, with the
+    total: bloom-7b1 on an 80 GB GPU and a 125.9 GiB host recommends fsdp_offload (119.0 GiB) and refuses zero2_offload
+    (136.6). A run whose recommendation keeps only the process on the host prints no such table."""
+    from rich.console import Console
+
+    from shardlab.planning.planner import plan as make_plan, render
+
+    def text(cfg, gpu, host):
+        console = Console(width=200, record=True)
+        render(make_plan(cfg, gpu_memory_gb=gpu, host_ram_gb=host), console)
+        return console.export_text()
+
+    big = text(RunConfig(model="bloom-7b1", seq_len=1024, precision="bf16", micro_batch=8, global_batch=32,
+                         gradient_checkpointing=True), 79.2, 125.9)
+    table = big[big.index("Host memory per node"):]
+    assert "against 125.9 GiB less 3% headroom" in table
+    assert "fsdp_offload" in table and "AdamW m, v shards" in table and "119.02" in table
+    assert "zero2_offload" in table and "fp32 master partition" in table and "136.60" in table
+    small = text(RunConfig(model="tiny-gpt2", seq_len=64, micro_batch=2), 80, 64)
+    assert "Host memory per node" not in small

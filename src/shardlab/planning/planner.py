@@ -1162,6 +1162,7 @@ def render(p: Plan, console=None) -> None:
                   "start of backward (unless --grad-accum > 1), and step buffers exist only during the optimizer step.")
     console.print(f"Not in 'peak': CUDA context ~{CUDA_CONTEXT_BYTES / GiB:.1f} GiB per process; 'fits' also allows x{RESERVED_OVER_ALLOCATED} for "
                   "allocator fragmentation (reserved/allocated measured 1.05-1.15 on H100).")
+    render_host(p, console)
     f = Table(title="Model states, bytes per parameter per GPU: ZeRO paper vs DeepSpeed's estimator vs shardlab")
     for col in ("strategy", "ZeRO paper", "DeepSpeed estimator (GPU GiB / CPU GiB per node)", "shardlab params+grads+optim", "where"):
         f.add_column(col)
@@ -1186,6 +1187,27 @@ def render(p: Plan, console=None) -> None:
                       + (f" Next fastest that fits: {p.next_option}." if p.next_option else ""))
     else:
         console.print(f"[bold red]Nothing fits:[/bold red] {p.reason}. Next: {p.next_option}.")
+
+
+def render_host(p: Plan, console) -> None:
+    """Where the host RAM goes, buffer by buffer, for the strategies whose host figure decides something: the recommended
+    one and those that do not fit for host RAM (``_limit``). Nothing for runs that keep nothing but the process there."""
+    shown = [s for s, sp in p.strategies.items()
+             if (s == p.recommendation or _limit(sp) == "host RAM" and not sp.fits) and len(sp.cpu_detail) > 2]
+    if not shown:
+        return
+    t = Table(title="Host memory per node (GiB): what the CPU/node column adds up"
+                    + (f", against {p.host_ram / GiB:.1f} GiB less {HOST_HEADROOM - 1:.0%} headroom" if p.host_ram else ""))
+    for col in ("strategy", "buffer", "GiB"):
+        t.add_column(col, justify="right" if col == "GiB" else "left")
+    for s in shown:
+        sp = p.strategies[s]
+        rows = [(name, nbytes) for name, nbytes in sp.cpu_detail.items() if nbytes]
+        for i, (name, nbytes) in enumerate(rows):
+            t.add_row(s if i == 0 else "", name, f"{nbytes / GiB:.2f}")
+        t.add_row("", "[bold]peak per node[/bold] (the larger of the build moment and training)",
+                  f"[bold]{sp.cpu_per_node / GiB:.2f}[/bold]", end_section=True)
+    console.print(t)
 
 
 # Predicted vs measured, documented (not fitted): tests/test_plan.py::test_h100_foundation_errors, against

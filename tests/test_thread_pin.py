@@ -172,3 +172,17 @@ def test_a_users_choices_win(tmp_path):
                               None, 1000, 4, ["GPT2Block"])["zero_optimization"]
     assert zero["leaf_module"] == {"classes": []} and zero["contiguous_gradients"] is True
     assert zero["stage3_module_granularity_threshold"] == 1500000
+
+
+@pytest.mark.parametrize("model, block", [("tiny-gpt2", "GPT2Block"), ("tiny-bloom", "BloomBlock"), ("tiny-llama", "LlamaDecoderLayer")])
+def test_dry_run_shows_the_leaves_the_engine_gets(model, block, tmp_path, capsys, monkeypatch):
+    """`train --dry-run` prints the DeepSpeed JSON with the block class counted on the meta device (planner.Arch), the
+    class the engine gets from the built model: one-rank zero3 only."""
+    from shardlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", model, "--strategy", "zero3", "--device", "cpu", "--dry-run"]) == 0
+    zero = json.loads(capsys.readouterr().out.split("# DeepSpeed config\n")[1])["zero_optimization"]
+    assert zero["leaf_module"]["classes"][-1] == block
+    assert main(["train", "--model", model, "--strategy", "zero3", "--device", "cpu", "--gpus", "2", "--dry-run"]) == 0
+    assert "leaf_module" not in json.loads(capsys.readouterr().out.split("# DeepSpeed config\n")[1])["zero_optimization"]

@@ -227,7 +227,8 @@ def _dry_run(cfg) -> None:
 
         precision = resolve_precision(cfg.precision, device_type).name
         arch = arch_from_hf_config(build_hf_config(cfg), name=cfg.model)  # the model's size and width size the buckets
-        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type, n_params=arch.n_params, hidden=arch.hidden)
+        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type, n_params=arch.n_params, hidden=arch.hidden,
+                                leaf_classes=list(arch.leaf_classes))  # as the engine gets them (one-rank ZeRO-3)
         print("# DeepSpeed config")
         print(json.dumps(ds, indent=2))
 

@@ -87,7 +87,7 @@ from .memory import (
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
-                                         zero3_sub_groups)
+                                         zero3_leaf_classes, zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
 
@@ -178,7 +178,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         root_params=n - in_blocks, persistent_params=persistent, hidden=hidden, layers=layers, heads=heads,
         kv_heads=kv_heads, ffn=ffn, vocab=int(c.vocab_size), attn_impl=attn_impl,
         attn_dropout=float(drops[0]), resid_dropout=float(drops[1]), embd_dropout=float(drops[2]),
-        pipeline_parts=_pipeline_parts(model), param_sizes=tuple(sizes),
+        pipeline_parts=_pipeline_parts(model), param_sizes=tuple(sizes), leaf_classes=tuple(zero3_leaf_classes(model)),
     )
 
 

@@ -1193,11 +1193,11 @@ def render_host(p: Plan, console) -> None:
     """Where the host RAM goes, buffer by buffer, for the strategies whose host figure decides something: the recommended
     one and those that do not fit for host RAM (``_limit``). Nothing for runs that keep nothing but the process there."""
     shown = [s for s, sp in p.strategies.items()
-             if (s == p.recommendation or _limit(sp) == "host RAM" and not sp.fits) and len(sp.cpu_detail) > 2]
+             if (s == p.recommendation or (_limit(sp) == "host RAM" and not sp.fits)) and len(sp.cpu_detail) > 2]
     if not shown:
         return
     t = Table(title="Host memory per node (GiB): what the CPU/node column adds up"
-                    + (f", against {p.host_ram / GiB:.1f} GiB less {HOST_HEADROOM - 1:.0%} headroom" if p.host_ram else ""))
+                    + (f"; it fits when x {HOST_HEADROOM} it is at most {p.host_ram / GiB:.1f} GiB" if p.host_ram else ""))
     for col in ("strategy", "buffer", "GiB"):
         t.add_column(col, justify="right" if col == "GiB" else "left")
     for s in shown:

@@ -1196,8 +1196,8 @@ def render_host(p: Plan, console) -> None:
              if (s == p.recommendation or (_limit(sp) == "host RAM" and not sp.fits)) and len(sp.cpu_detail) > 2]
     if not shown:
         return
-    t = Table(title="Host memory per node (GiB): what the CPU/node column adds up"
-                    + (f"; it fits when x {HOST_HEADROOM} it is at most {p.host_ram / GiB:.1f} GiB" if p.host_ram else ""))
+    t = Table(title="Host memory per node (GiB), the CPU/node column's parts"
+                    + (f"; fits when {HOST_HEADROOM} x peak <= {p.host_ram / GiB:.1f}" if p.host_ram else ""))
     for col in ("strategy", "buffer", "GiB"):
         t.add_column(col, justify="right" if col == "GiB" else "left")
     for s in shown:

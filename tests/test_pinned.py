@@ -3,6 +3,7 @@ benchmarks/results/2026-11-26-h100x2-ds-offload)."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -52,7 +53,13 @@ def test_a_run_gives_back_the_cache_after_set_up_and_after_an_autotuned_first_st
         monkeypatch.setattr(pinned, "autotuned_in_first_step", lambda optimizer: autotuned)
         cfg = RunConfig(model="tiny-gpt2", device="cpu", dataset={"source": "synthetic", "num_samples": 16}, seq_len=16,
                         micro_batch=2, max_steps=3, export=False, output_dir=str(tmp_path / name))
-        result = run_worker(cfg)
+        env, threads = dict(os.environ), torch.get_num_threads()
+        try:  # the worker runs in this process here: what it sets for itself (caches, threads) must not outlive the test
+            result = run_worker(cfg)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
         assert result.summary["steps"] == 3
         return calls, json.loads((tmp_path / name / "summary.json").read_text())["pinned_released_gib"]
 

@@ -13,8 +13,10 @@ runs them, so that `shardlab --help` loads no torch (tests/test_layout_imports.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
+import logging
 import os
 import sys
 import types
@@ -227,8 +229,14 @@ def _dry_run(cfg) -> None:
 
         precision = resolve_precision(cfg.precision, device_type).name
         arch = arch_from_hf_config(build_hf_config(cfg), name=cfg.model)  # the model's size and width size the buckets
-        ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type, n_params=arch.n_params, hidden=arch.hidden,
-                                leaf_classes=list(arch.leaf_classes))  # as the engine gets them (one-rank ZeRO-3)
+        # The leaf classes (one-rank ZeRO-3) repeat DeepSpeed's own defaults, read from DeepSpeed, which logs its
+        # accelerator to stdout on first use: to stderr here, so that the output stays YAML then JSON.
+        with contextlib.redirect_stdout(sys.stderr):  # a logger made now binds to stderr; one made before is moved
+            for handler in logging.getLogger("DeepSpeed").handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream is sys.__stdout__:
+                    handler.setStream(sys.stderr)
+            ds = resolved_ds_config(cfg, precision, micro, accum, world, device_type, n_params=arch.n_params,
+                                    hidden=arch.hidden, leaf_classes=list(arch.leaf_classes))
         print("# DeepSpeed config")
         print(json.dumps(ds, indent=2))
 

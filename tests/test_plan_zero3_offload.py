@@ -122,3 +122,12 @@ def test_worker_replans_with_the_eval_split():
         assert with_eval_split(rec, cfg, gpus, 100) is rec  # 100 blocks fill the eval batch on every rank: nothing to refine
     cpu = {"device": "cpu", "gpu_peak_gib": None, "cpu_gib": 1.0}
     assert with_eval_split(cpu, cfg, 1, 6) is cpu
+
+
+def test_the_trainer_and_the_planner_take_the_eval_batch_from_the_spec():
+    """One owner: StrategySpec.eval_batch (a micro batch, or a whole step's for pipeline schedules)."""
+    from shardlab.strategies.spec import spec
+
+    assert spec("dp").eval_batch(8, 4) == 8 and spec("pipeline").eval_batch(8, 4) == 32
+    cfg = RunConfig(model="tiny-gpt2", micro_batch=8)
+    assert eval_batch_per_rank(cfg, "pipeline", 8, 4, 1, None) == spec("pipeline").eval_batch(8, 4)

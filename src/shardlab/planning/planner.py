@@ -481,7 +481,7 @@ def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, d
     is read) a full eval batch: what an eval split of at least ``dp`` batches uses. 0 when there is no eval split."""
     if cfg.dataset.eval_split <= 0 or eval_blocks == 0:
         return 0
-    batch = micro * (accum if spec(strategy).eval_whole_steps else 1)
+    batch = spec(strategy).eval_batch(micro, accum)
     if eval_blocks is None:
         return batch
     return min(batch, math.ceil(eval_blocks / max(1, dp)))

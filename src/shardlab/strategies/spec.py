@@ -75,6 +75,11 @@ class StrategySpec:
     def offloads(self) -> bool:
         return self.offload_params is not None or self.offload_optimizer is not None
 
+    def eval_batch(self, micro: int, accum: int) -> int:
+        """Rows of one eval batch: the micro batch, or a whole step's micro-batches where the strategy evaluates whole
+        steps (the trainer's eval loader and the planner's eval moment both use this)."""
+        return micro * (accum if self.eval_whole_steps else 1)
+
     def load(self) -> type:
         """The implementation class (imports its module: torch and the engine's libraries)."""
         module, cls = self.impl.split(":")

@@ -265,9 +265,9 @@ class Trainer:
         evl = None
         if splits.eval is not None and len(splits.eval) > 0:
             es = DistributedSampler(splits.eval, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=False)
-            whole_steps = spec(self.cfg.strategy).eval_whole_steps
-            eval_batch = self.micro * (self.accum if whole_steps else 1)
-            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=whole_steps,
+            strategy_spec = spec(self.cfg.strategy)
+            eval_batch = strategy_spec.eval_batch(self.micro, self.accum)  # what the planner's eval moment counts
+            evl = DataLoader(splits.eval, batch_size=eval_batch, sampler=es, pin_memory=pin, drop_last=strategy_spec.eval_whole_steps,
                              generator=torch.Generator().manual_seed(self.cfg.seed))  # fmt: skip
             if len(evl) == 0:
                 log0(self.env, f"no eval: {len(splits.eval)} eval samples per rank are fewer than one eval batch of {eval_batch} "

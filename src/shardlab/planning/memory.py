@@ -31,6 +31,14 @@ RESERVED_OVER_ALLOCATED = 1.15
 # there with its process tree last sampled at 121.7 GiB (benchmarks/results/2026-11-26-h100-big-model call 6,
 # 2026-11-27-h100-big-model). A prediction fits when it times this is at most the RAM.
 HOST_HEADROOM = 1.03
+
+
+def host_fits(need: float, ram: float) -> bool:
+    """Whether a host prediction ``need`` fits ``ram`` (same units) with HOST_HEADROOM to spare: the one rule `plan` and
+    `train`'s refusal apply."""
+    return need * HOST_HEADROOM <= ram
+
+
 # CPU resident memory of one training process besides the model (python, torch, CUDA libraries,
 # data loader): cpu_rss_max_rank_gib of the dp and fsdp cells in the same foundation.json is 1.95 GiB,
 # which includes gpt2-medium built in fp32 on the CPU (354,823,168 x 4 B = 1.32 GiB): 1.95 - 1.32 = 0.63 GiB.

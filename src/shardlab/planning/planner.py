@@ -82,6 +82,7 @@ from .memory import (
     StrategyPlan,
     activation_bytes,
     compiled_layers_modelled,
+    host_fits,
     layer_backward_bytes,
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
@@ -791,7 +792,7 @@ def _fits(sp: StrategyPlan, gpu_memory: float, host_ram: float | None, nvme_free
     need = sp.gpu_peak * RESERVED_OVER_ALLOCATED
     if need > _usable(gpu_memory):
         return False, f"GPU needs {need / GiB:.1f} GiB (peak {sp.gpu_peak / GiB:.1f} + fragmentation) of {_usable(gpu_memory) / GiB:.1f} usable"
-    if host_ram is not None and sp.cpu_per_node * HOST_HEADROOM > host_ram:
+    if host_ram is not None and not host_fits(sp.cpu_per_node, host_ram):
         return False, (f"CPU needs {sp.cpu_per_node / GiB:.1f} GiB (+{HOST_HEADROOM - 1:.0%} for the OS and the prediction's "
                        f"error) of {host_ram / GiB:.1f} GiB host RAM")
     nvme = spec(sp.strategy).offload_params == "nvme"

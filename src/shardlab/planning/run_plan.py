@@ -25,7 +25,7 @@ import psutil
 from ..config import RunConfig
 from ..errors import UserError
 from ..strategies.spec import spec, speed_order
-from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB
+from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB, host_fits
 from .microbatch import largest_that_fits, micro_candidates
 
 # Function-local imports below are lazy on purpose: torch, training.optim and planner.py (torch, transformers) load
@@ -152,7 +152,7 @@ def check_host_ram(cfg: RunConfig, record: dict[str, Any], device_type: str, npr
     if need is None:
         return
     avail = available_gib if available_gib is not None else host_available_gib()
-    if need * HOST_HEADROOM <= avail:
+    if host_fits(need, avail):
         return
     fixes = _host_fixes(cfg, record, device_type, nproc, avail)
     raise UserError(
@@ -183,7 +183,7 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
     if cfg.strategy_options.pin_memory and device_type == "cuda":
         unpinned = run_cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"pin_memory": False})})
         need, _ = _host_need(unpinned, device_type, nproc, gpu_memory)
-        if need < record["cpu_gib"] and need * HOST_HEADROOM <= avail:
+        if need < record["cpu_gib"] and host_fits(need, avail):
             out.append(f"--no-pin-memory ({need:.1f} GiB: the pinned allocator rounds each buffer up to a power of two)")
     for s in speed_order():
         if s == cfg.strategy or (device_type == "cpu" and spec(s).offload_params == "nvme"):
@@ -192,7 +192,7 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
             need, gpu_fits = _host_need(run_cfg.model_copy(update={"strategy": s}), device_type, nproc, gpu_memory)
         except UserError:
             continue
-        if gpu_fits and need * HOST_HEADROOM <= avail:
+        if gpu_fits and host_fits(need, avail):
             out.append(f"--strategy {s} ({need:.1f} GiB)")
             break
     if not out:

@@ -45,9 +45,14 @@ from ..errors import UserError
 # Lazy import below: liger_kernel is optional (the `gpu` extra) and CUDA-only.
 
 
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: token t predicts t+1; the last position predicts nothing (IGNORE)."""
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' ForCausalLMLoss (num_items_in_batch=None): mean token cross-entropy, fp32."""
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # token t predicts t+1
+    shift_labels = next_token_labels(labels)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE)
 
 
@@ -66,7 +71,7 @@ def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_mib
     GPU: 18% above training's, benchmarks/results/2026-11-26-h100-z3off-plan). Here only one chunk's fp32 copies exist
     beside the model's own logits (``eval_chunk_tokens``). The same mean over the non-ignored positions, summed in fp32
     chunk by chunk."""
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    shift_labels = next_token_labels(labels).reshape(-1)
     flat = logits.reshape(-1, logits.shape[-1])
     step = eval_chunk_tokens(flat.shape[1], chunk_mib) or flat.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
@@ -182,7 +187,7 @@ class HeadFusedLoss:
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
         if self._fused is None:
             self._fused = fused_linear_cross_entropy()
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # token t predicts t+1, as causal_lm_loss
+        shift_labels = next_token_labels(labels)
         weight, bias = head.weight, head.bias
         if torch.is_autocast_enabled(hidden.device.type):
             # What autocast would do for the head's linear, done once here: inside the kernel autocast would cast the

@@ -178,9 +178,51 @@ def test_plan_with_micro_batch_auto():
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch="auto", global_batch=64, precision="bf16", gpus=1, strategy="zero2")
     p = plan(cfg, gpu_memory_gb=80)
     assert 64 % p.micro_batch == 0 and p.micro_batch * p.grad_accum == 64
-    assert any("micro batch 'auto': planned at" in n for n in p.notes)
+    assert any("micro batch 'auto': each strategy is planned at its own" in n for n in p.notes)
+    assert (p.strategies["zero2"].micro_batch, p.strategies["zero2"].grad_accum) == (p.micro_batch, p.grad_accum)
     fits = lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(80 * GiB)  # noqa: E731
     assert fits(p.strategies["zero2"])
     bigger = [m for m in micro_candidates(cfg, 1) if m > p.micro_batch]
     q = plan(cfg.model_copy(update={"micro_batch": bigger[0]}), gpu_memory_gb=80, strategies=("zero2",))
     assert not fits(q.strategies["zero2"])  # the next allowed micro batch is predicted not to fit
+
+
+def test_auto_plans_each_strategy_at_its_own_micro_batch(capsys):
+    """bloom-7b1 on one 80 GB GPU and a 125.9 GiB host, global batch 32: no in-memory strategy fits, so the configured
+    strategy's (dp's) auto micro batch is 1. Each strategy gets its own: fsdp_offload the whole batch of 32 without
+    accumulation (fits), ao_offload none (with accumulation its fp32 gradients stay on the GPU; without it the compiled
+    loss' logits of 32 rows do not fit), so the plan recommends fsdp_offload at 32 x 1, not at dp's 1 x 32."""
+    from shardlab.planning.planner import plan, render
+
+    cfg = RunConfig(model="bloom-7b1", seq_len=1024, micro_batch="auto", global_batch=32, precision="bf16", gpus=1,
+                    gradient_checkpointing=True)
+    p = plan(cfg, gpu_memory_gb=79.2, host_ram_gb=125.9)
+    s = p.strategies
+    assert (p.micro_batch, p.grad_accum) == (1, 32) and not s["dp"].fits  # the header: the configured strategy's
+    assert (s["fsdp_offload"].micro_batch, s["fsdp_offload"].grad_accum) == (32, 1) and s["fsdp_offload"].fits
+    assert p.recommendation == "fsdp_offload"
+    for name, sp in s.items():
+        assert sp.micro_batch * sp.grad_accum == 32, name
+    render(p)
+    out = capsys.readouterr().out
+    assert "micro x accum" in out and "Recommendation: fsdp_offload at micro 32 x accum 1" in " ".join(out.split())
+    # with Liger's loss (no logits) ao_offload fits the whole batch, and only without accumulation
+    q = plan(cfg.model_copy(update={"loss_kernel": "liger"}), gpu_memory_gb=79.2, host_ram_gb=125.9, strategies=("ao_offload",))
+    ao = q.strategies["ao_offload"]
+    assert (ao.micro_batch, ao.grad_accum) == (32, 1) and ao.fits
+    half = plan(cfg.model_copy(update={"loss_kernel": "liger", "micro_batch": 16}), gpu_memory_gb=79.2, host_ram_gb=125.9,
+                strategies=("ao_offload",)).strategies["ao_offload"]
+    assert half.grad_accum == 2 and not half.fits  # not monotone: a bisection from micro 1 would never have tried 32
+
+
+def test_fixed_micro_plans_every_strategy_at_it():
+    cfg = RunConfig(model="gpt2", seq_len=256, micro_batch=4, grad_accum=2, precision="bf16", gpus=1)
+    p = plan_for_all(cfg)
+    assert not p.micro_auto and {(sp.micro_batch, sp.grad_accum) for n, sp in p.strategies.items()
+                                 if n != "pipeline"} == {(4, 2)}
+
+
+def plan_for_all(cfg):
+    from shardlab.planning.planner import plan
+
+    return plan(cfg, gpu_memory_gb=80, host_ram_gb=64)

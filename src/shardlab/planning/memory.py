@@ -347,5 +347,8 @@ class StrategyPlan:
     headroom: float = 0.0  # bytes of GPU memory left after peak, context and fragmentation allowance
     why: str = ""
     max_micro_batch: int = 0
+    # the batch shape it was planned at: the run's, or under `--micro-batch auto` this strategy's own largest that fits
+    micro_batch: int = 0
+    grad_accum: int = 0
     notes: list[str] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline

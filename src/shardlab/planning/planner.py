@@ -509,7 +509,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     (``eval_batch_per_rank``)."""
     s = spec(strategy)
     if s.engine == "pipelining":
-        return pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
+        sp = pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
+        sp.micro_batch, sp.grad_accum = micro, accum
+        return sp
     n = arch.n_params
     d = gpus_per_node * nodes
     opts = cfg.strategy_options
@@ -732,7 +734,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
         cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
         model_state_bytes_per_param=ms_bpp, paper_bytes_per_param=None if paper is None else float(paper),
-        deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes,
+        deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes, micro_batch=micro, grad_accum=accum,
     )
 
 
@@ -771,6 +773,7 @@ class Plan:
     predicts: str = "peak torch.cuda.max_memory_allocated per GPU (bytes); fits adds the CUDA context and x1.15 fragmentation"
     compile: bool = False
     compile_modelled: bool | None = None  # --compile runs: whether their layers were planned as compiled (None: eager run)
+    micro_auto: bool = False  # `--micro-batch auto`: each strategy planned at its own micro batch (StrategyPlan.micro_batch)
     notes: list[str] = field(default_factory=list)  # caveats: --compile not modelled, strategies left out, micro 'auto'
     # When no strategy fits with exact AdamW: the lightest-touch optimizer option that does (``_beyond_exact``), as the
     # flags to add, and its prediction. None when something exact fits or the run already asks for such options.
@@ -882,14 +885,19 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     d = gpus_per_node * cfg.nodes
     precision = cfg.precision if cfg.precision != "auto" else "bf16"  # plan is for GPUs: auto = bf16 (A100/H100)
     plan_notes: list[str] = []
-    if cfg.micro_batch == "auto":
+    host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
+    nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None
+    auto_cfg = cfg if cfg.micro_batch == "auto" else None  # each strategy then gets its own micro batch, below
+    if auto_cfg is not None:
         dp_main = _dp_size(cfg.strategy, cfg, d)
         check_auto_batch(cfg, dp_main)
         micro_auto, why = _auto_micro(arch, cfg, cfg.strategy, precision, gpus_per_node, dp_main,
-                                      lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory), "cuda", max_search)
+                                      lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_memory), "cuda", max_search,
+                                      eval_blocks)
         cfg = cfg.model_copy(update={"micro_batch": max(1, micro_auto)})
-        plan_notes.append(f"micro batch 'auto': planned at {cfg.micro_batch}, {why}; `shardlab train --micro-batch auto` "
-                          "confirms it with short trial runs")
+        plan_notes.append(f"micro batch 'auto': each strategy is planned at its own largest micro batch predicted to fit GPU and "
+                          f"host memory (column 'micro x accum'; {cfg.strategy}: {cfg.micro_batch}, {why}); "
+                          "`shardlab train --micro-batch auto` confirms its strategy's with short trial runs")
     micro, accum, _ = cfg.resolve_batch(_dp_size(cfg.strategy, cfg, d))
     compile_modelled = compile_is_modelled(cfg, arch)
     if compile_modelled:
@@ -915,8 +923,6 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         plan_notes.append("the loss is Liger-Kernel's fused linear cross-entropy (loss_kernel=liger): no logits; the head "
                           "weight's gradient is held from forward to backward instead")
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
-    host_ram = host_ram_gb * GiB if host_ram_gb is not None else None
-    nvme_free = nvme_free_gb * GiB if nvme_free_gb is not None else None
     out: dict[str, StrategyPlan] = {}
     for s in strategies or names():
         if spec(s).single_process and d > 1 and not strategies:  # e.g. torchao's offload (strategies/ao_offload.py)
@@ -924,6 +930,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
             continue
         if spec(s).engine == "pipelining":  # as `train --strategy pipeline` runs it: without --microbatches, its default
             s_micro, s_accum, _ = cfg.model_copy(update={"strategy": s}).with_pipeline_microbatches(d)[0].resolve_batch(_dp_size(s, cfg, d))
+        elif auto_cfg is not None:
+            s_micro, s_accum = _own_auto_micro(s, arch, auto_cfg, precision, gpus_per_node, d, gpu_memory, host_ram, nvme_free,
+                                               max_search, eval_blocks)
         else:
             s_micro, s_accum = micro, accum
         try:
@@ -954,9 +963,22 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=arch.attn_impl,
         gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=gpu_memory, gpu_memory_source=source,
         host_ram=host_ram, nvme_free=nvme_free, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
-        compile=cfg.compile, compile_modelled=compile_modelled, notes=plan_notes,
+        compile=cfg.compile, compile_modelled=compile_modelled, notes=plan_notes, micro_auto=auto_cfg is not None,
         recommended_flags=flags, recommended_plan=option,
     )
+
+
+def _own_auto_micro(s: str, arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int, d: int, gpu_memory: float,
+                    host_ram: float | None, nvme_free: float | None, max_search: int, eval_blocks: int | None) -> tuple[int, int]:
+    """(micro, accum) for strategy ``s`` under `--micro-batch auto`: its largest micro batch that fits GPU and host memory
+    (1 when none does, so the table still says why not). One micro batch for every strategy would plan them all at the
+    configured strategy's: for bloom-7b1 on one 80 GB GPU, dp's (none fits, so 1 x accum 32), where ao_offload fits the
+    whole batch of 32 without accumulation and runs 2.3x faster than what fits at 1 (benchmarks/results/2026-11-27-h100-big-model)."""
+    dp = _dp_size(s, cfg, d)
+    m, _ = _auto_micro(arch, cfg, s, precision, gpus_per_node, dp, lambda sp: _fits(sp, gpu_memory, host_ram, nvme_free)[0],
+                       "cuda", max_search, eval_blocks)
+    s_micro, s_accum, _ = with_micro_batch(cfg, max(1, m)).resolve_batch(dp)
+    return s_micro, s_accum
 
 
 # The optimizer options tried, in order, when nothing fits with exact AdamW: each drops more exactness for memory
@@ -997,7 +1019,7 @@ def _beyond_exact(arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int
 
 
 def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_per_node: int, dp: int,
-                fits: Callable[[StrategyPlan], bool], device: str, upper: int) -> tuple[int, str]:
+                fits: Callable[[StrategyPlan], bool], device: str, upper: int, eval_blocks: int | None = None) -> tuple[int, str]:
     """Largest allowed micro batch (microbatch.micro_candidates: divisors of a given global batch) whose
     prediction ``fits``, the accumulation following the batch triple; 0 when even the smallest does not."""
     ds_est = deepspeed_estimates(arch, gpus_per_node, cfg.nodes)
@@ -1006,9 +1028,17 @@ def _auto_micro(arch: Arch, cfg: RunConfig, strategy: str, precision: str, gpus_
     def ok(i: int) -> bool:
         c = with_micro_batch(cfg, cands[i])
         m, a, _ = c.resolve_batch(dp)
-        return fits(_strategy_plan(strategy, arch, c, m, a, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est, device))
+        return fits(_strategy_plan(strategy, arch, c, m, a, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing, ds_est, device,
+                                   eval_blocks=eval_blocks))
 
-    lo = largest_that_fits(len(cands), ok)  # predicted peaks grow with the micro batch
+    if cfg.global_batch is not None:
+        # The accumulation falls as the micro batch grows, and at 1 the accumulation buffers go (dp's gradients at the
+        # start of backward, ao_offload's fp32 gradients: 26 GiB for bloom-7b1), so the peak is not monotone in the
+        # micro batch: the whole per-rank batch can fit where half of it with accumulation does not. Few candidates
+        # (the divisors): try them from the largest down.
+        lo = next((i for i in reversed(range(len(cands))) if ok(i)), -1)
+    else:
+        lo = largest_that_fits(len(cands), ok)  # fixed accumulation: predicted peaks grow with the micro batch
     if lo < 0:
         return 0, f"not even micro batch 1 is predicted to fit {strategy}"
     return cands[lo], f"the largest predicted to fit {strategy}"
@@ -1139,11 +1169,14 @@ def render(p: Plan, console=None) -> None:
         f"{p.gpu_memory / GiB:.1f} GiB per GPU ({p.gpu_memory_source})"
     )
     t = Table(title="Predicted memory per GPU (GiB; peak = max_memory_allocated)")
-    for col in ("strategy", "params", "grads", "optim", "activ.", "logits", "temp", "step buf", "peak", "fits", "headroom", "max micro", "CPU/node", "NVMe"):
+    own = p.micro_auto  # `--micro-batch auto`: each strategy at its own micro batch
+    for col in ("strategy", *(("micro x accum",) if own else ()), "params", "grads", "optim", "activ.", "logits", "temp", "step buf",
+                "peak", "fits", "headroom", "max micro", "CPU/node", "NVMe"):
         t.add_column(col, justify="right" if col != "strategy" else "left")
     for s, sp in p.strategies.items():
         t.add_row(
-            s, g(sp.gpu["parameters"]), g(sp.gpu["gradients"]), g(sp.gpu["optimizer"]), g(sp.gpu["activations"]),
+            s, *((f"{sp.micro_batch} x {sp.grad_accum}",) if own else ()),
+            g(sp.gpu["parameters"]), g(sp.gpu["gradients"]), g(sp.gpu["optimizer"]), g(sp.gpu["activations"]),
             g(sp.gpu["logits (loss)"]), g(sp.gpu["temporary"]), g(sp.gpu["step buffers"]), f"[bold]{g(sp.gpu_peak)}[/bold]",
             "[green]yes[/green]" if sp.fits else "[red]no[/red]", g(sp.headroom), str(sp.max_micro_batch), g(sp.cpu_per_node),
             g(sp.nvme_per_node) if sp.nvme_per_node else "-",
@@ -1183,8 +1216,10 @@ def render(p: Plan, console=None) -> None:
         console.print(f"[bold green]Recommendation:[/bold green] {p.recommended_flags} - {p.reason}. "
                       f"Predicted: GPU peak {g(sp.gpu_peak)} GiB, host {g(sp.cpu_per_node)} GiB per node.")
     elif p.recommendation:
-        console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation} - {p.reason}. "
-                      f"Largest micro batch that fits: {p.strategies[p.recommendation].max_micro_batch}."
+        rec = p.strategies[p.recommendation]
+        at = f" at micro {rec.micro_batch} x accum {rec.grad_accum}" if p.micro_auto else ""
+        console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation}{at} - {p.reason}. "
+                      f"Largest micro batch that fits: {rec.max_micro_batch}."
                       + (f" Next fastest that fits: {p.next_option}." if p.next_option else ""))
     else:
         console.print(f"[bold red]Nothing fits:[/bold red] {p.reason}. Next: {p.next_option}.")

@@ -207,9 +207,10 @@ def test_auto_plans_each_strategy_at_its_own_micro_batch(capsys):
     out = capsys.readouterr().out
     assert "micro x accum" in out and "Recommendation: fsdp_offload at micro 32 x accum 1" in " ".join(out.split())
     # with Liger's loss (no logits) ao_offload fits the whole batch, and only without accumulation
-    q = plan(cfg.model_copy(update={"loss_kernel": "liger"}), gpu_memory_gb=79.2, host_ram_gb=125.9, strategies=("ao_offload",))
+    q = plan(cfg.model_copy(update={"loss_kernel": "liger"}), gpu_memory_gb=79.2, host_ram_gb=125.9)
     ao = q.strategies["ao_offload"]
     assert (ao.micro_batch, ao.grad_accum) == (32, 1) and ao.fits
+    assert q.recommendation == "ao_offload" and "measured" in q.reason and "not measured" not in q.reason
     half = plan(cfg.model_copy(update={"loss_kernel": "liger", "micro_batch": 16}), gpu_memory_gb=79.2, host_ram_gb=125.9,
                 strategies=("ao_offload",)).strategies["ao_offload"]
     assert half.grad_accum == 2 and not half.fits  # not monotone: a bisection from micro 1 would never have tried 32

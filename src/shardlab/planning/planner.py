@@ -99,9 +99,11 @@ from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
 # zero3 and zero2_offload are within noise of each other there (the file quotes ±10% for DeepSpeed);
 # zero3 is ranked first because it keeps everything on the GPU and scales with more GPUs.
-# zero0/zero1/zero1_offload/ao_offload/zero3_offload/fsdp_offload/infinity were not measured: placed by
-# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; ao_offload after the
-# measured zero2_offload until benchmarks/gpu_big_model.sh has compared them; NVMe slowest).
+# The offloads for a model that does not fit, side by side on one H100 (benchmarks/results/2026-11-27-h100-big-model,
+# calls 6-7: bloom-7b1, global batch 32, checkpointing, exact AdamW): ao_offload 24.3% MFU > fsdp_offload 14.4% >
+# zero3_offload 9.5% (--offload-ratio 0.7; 18.3% fully offloaded on a larger host); zero2_offload 24.8% on that larger
+# host (2026-11-26), so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
+# reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
 # Each strategy's rank is its spec's speed_rank (strategies/specs/); these are read from there.
 SPEED_ORDER = speed_order()
 MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}
@@ -1123,7 +1125,7 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
         faster = [f"{s}: {_limit(out[s])}" for s in order[: order.index(best)]]
         measured = "measured" if spec(best).speed_measured else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
-        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order from benchmarks/results/h100-foundation.md, {measured}){why_not}"
+        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: one H100, benchmarks/results/h100-foundation.md and 2026-11-27-h100-big-model; {measured}){why_not}"
         nxt = fitting[1] if len(fitting) > 1 else None
         return best, reason, nxt
     # nothing fits: what would

@@ -35,14 +35,21 @@ def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | 
 # (model, GPUs, eval_at_start, measured torch.cuda.max_memory_allocated GiB, where)
 MEASURED = [
     # benchmarks/results/2026-11-26-h100x2-ds-offload/call2 (shardlab train, 10 steps, H100): the peak is the eval's,
-    # 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.10 persistent = 14.45
-    ("bloom-7b1", 1, True, 14.45, "eval forward"),
+    # 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.10 persistent = 14.45. Measured before shardlab cleared DeepSpeed's
+    # release cache (strategies/zero3_release_cache.py): the eval-first run kept the initial eval's release decisions,
+    # so its final eval held no gathered params. With the fix its final eval holds the training trace's, as bloom-3b's
+    # did without the eval (below): planned 16.28 (+1.87 GiB); a GPU re-measurement should show about that.
+    pytest.param("bloom-7b1", 1, True, 14.45, "eval forward",
+                 marks=pytest.mark.xfail(strict=True, reason="measured before the ZeRO-3 release-cache fix; ~16.3 expected")),
     # benchmarks/results/2026-11-26-h100-z3off-plan (peak_snapshot.py --markers, 2 steps, H200), no initial eval
     ("bloom-7b1", 2, False, 12.246, "start of backward"),
     ("bloom-3b", 1, False, 16.300, "eval forward"),  # the final eval, with the training trace's gathered params
     ("bloom-3b", 2, False, 11.426, "start of backward"),
     # the same run on 2 GPUs with the initial eval (call2, 10 steps) measured 11.43: planned 12.14, +6.2%. With the eval
-    # first DeepSpeed left less gathered at the start of backward than without it (12.25 above); not explained yet.
+    # first DeepSpeed left less gathered at the start of backward than without it (12.25 above): it kept the eval trace's
+    # release decisions (its lru_cache'd __params_to_release) for the whole run and released the tied embedding after
+    # forward. Measured before shardlab cleared that cache (strategies/zero3_release_cache.py, CPU check:
+    # tests/test_zero3_release_cache.py); the fix should move this to ~12.25, as without the eval. Kept until re-measured.
     pytest.param("bloom-7b1", 2, True, 11.43, "start of backward",
                  marks=pytest.mark.xfail(strict=True, reason="issue 14: zero3_offload 2 GPUs with the initial eval, +6.2%")),
 ]
@@ -63,8 +70,9 @@ def test_world_size_dependence_is_the_eval_batch():
     assert one.gpu_peak - _plan("bloom-7b1", 1, eval_blocks=0).gpu_peak > 0  # the eval moment is the peak ...
     no_eval_1, no_eval_2 = _plan("bloom-7b1", 1, eval_blocks=0), _plan("bloom-7b1", 2, eval_blocks=0)
     assert no_eval_1.gpu_peak == pytest.approx(no_eval_2.gpu_peak, rel=0.01)  # ... training is the same on 1 and 2 GPUs
-    # eval: 10 B a logit (bf16 logits, fp32 copy, fp32 log-softmax) on 6 rows, over the persistent buffers only
-    assert one.gpu_peak == pytest.approx(10 * 6 * bsv + 0.05 * GiB, abs=0.06 * GiB)
+    # eval: 10 B a logit (bf16 logits, fp32 copy, fp32 log-softmax) on 6 rows, over the persistent buffers and the
+    # params the final eval keeps gathered (1.87 GiB, the training trace's: strategies/zero3_release_cache.py)
+    assert one.gpu_peak == pytest.approx(10 * 6 * bsv + (0.05 + 1.87) * GiB, abs=0.06 * GiB)
     # unknown eval size: a full eval batch (8 rows), on any number of GPUs
     assert _plan("bloom-7b1", 2, eval_blocks=None).peak_moment.startswith("eval forward (8 rows")
 
@@ -75,7 +83,7 @@ def test_the_chunked_eval_loss_is_not_the_peak_any_more():
     one, two = _plan("bloom-7b1", 1, eval_loss_chunk_mib=512), _plan("bloom-7b1", 2, eval_loss_chunk_mib=512)
     assert one.peak_moment.startswith("start of backward") and two.peak_moment.startswith("start of backward")
     assert one.gpu_peak == pytest.approx(two.gpu_peak, rel=0.01)
-    assert one.gpu_peak / GiB < _plan("bloom-7b1", 1).gpu_peak / GiB - 2.2  # 14.39 GiB with the whole batch at once
+    assert one.gpu_peak / GiB < _plan("bloom-7b1", 1).gpu_peak / GiB - 2.2  # 16.28 GiB with the whole batch at once
     # the eval moment itself: the logits in bf16 plus one chunk of 267 tokens x 8 B a logit
     from shardlab.planning.planner import eval_loss_bytes
 
@@ -111,7 +119,7 @@ def test_worker_replans_with_the_eval_split():
     the eval split's size (run_plan.with_eval_split), which is what summary.json then compares with the measurement."""
     from shardlab.planning.run_plan import predict_run, with_eval_split
 
-    for gpus, full, refined in ((1, 19.17, 14.39), (2, 19.17, 12.14)):
+    for gpus, full, refined in ((1, 21.06, 16.28), (2, 21.06, 12.14)):
         cfg = RunConfig(model="bloom-7b1", seq_len=1024, precision="bf16", gpus=gpus, micro_batch=8, global_batch=32,
                         gradient_checkpointing=True, strategy=S, eval_loss_chunk_mib=0)
         rec = predict_run(cfg, "cuda", gpus, gpu_memory=79, host_ram=250)

@@ -642,13 +642,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if buckets["stage3_param_persistence_threshold"] >= n:  # one rank: every parameter persists, none is gathered
                 gather, label = 0, "ZeRO-3 gathered params (none: every parameter persists on one rank)"
             temp[label] = float(lo * gather)
-            if not cfg.eval_at_start:
-                # An eval forward after training replays the training trace, so it keeps the same gathered params (their
-                # next use is the backward that does not come): bloom-3b zero3_offload's final eval held the embedding and
-                # the last blocks' weights, 1.87 GiB, on one GPU (16.30 GiB measured). With the initial eval (the default)
-                # nothing beyond the persistent params was left at bloom-7b1's evals (14.45 GiB = the logits + 0.10).
-                # Measured, not explained: DeepSpeed's first trace is then the eval's (partitioned_param_coordinator).
-                eval_gathered = float(lo * gather)
+            # An eval forward after training replays the training trace, so it keeps the same gathered params (their
+            # next use is the backward that does not come): bloom-3b zero3_offload's final eval held the embedding and
+            # the last blocks' weights, 1.87 GiB, on one GPU (16.30 GiB measured, no initial eval). With the initial eval
+            # (the default) DeepSpeed alone kept the eval trace's release decisions for the whole run (its lru_cache'd
+            # __params_to_release, never cleared): nothing beyond the persistent params was left at bloom-7b1's evals
+            # (14.45 GiB). shardlab clears that cache when a new trace completes (strategies/zero3_release_cache.py), so
+            # the final eval holds these params with or without the initial eval (CPU: tests/test_zero3_release_cache.py).
+            eval_gathered = float(lo * gather)
             persistent_temp["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * arch.persistent_params * (1 - 1 / d))
             if on_gpu:
                 # torch AdamW's foreach step (torch/optim/adam.py _multi_tensor_adam: every update in place but

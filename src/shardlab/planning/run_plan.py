@@ -204,7 +204,7 @@ def with_eval_split(record: dict[str, Any], cfg: RunConfig, nproc: int, eval_blo
     """The record re-planned with the eval split's size, once the worker has read the data. The launcher plans before
     that, with a full eval batch on every rank; an eval split smaller than that (the offline corpus at seq 1024: 6 blocks)
     makes the eval forward's logits smaller (planner.eval_batch_per_rank), and that forward can be the run's peak (bloom-7b1
-    zero3_offload on one GPU: 14.45 GiB measured, 19.17 planned with a full eval batch of 8, 14.39 with the 6 blocks).
+    zero3_offload on one GPU: 21.06 GiB planned with a full eval batch of 8, 16.28 with the 6 blocks).
     Unchanged where the eval batch is full anyway, on CPU runs, and where the plan failed; never raises."""
     if record.get("device") != "cuda" or record.get("gpu_peak_gib") is None or record.get("error"):
         return record

@@ -21,6 +21,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from .base import Strategy
 from .spec import all_specs, spec
+from .zero3_release_cache import apply_release_cache_fix
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 from ..training.optim import resolve_precision
 
@@ -651,8 +652,15 @@ class DeepSpeedStrategy(Strategy):
             lr_fn = optim.lr_lambda(self.cfg, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn)
         self.ds_json = ds
+
+        def log(message: str) -> None:
+            if self.env.is_main:
+                print(f"[shardlab] {message}", flush=True)
+
         if self.env.is_main:
-            announce_op_builds(ds, lambda m: print(f"[shardlab] {m}", flush=True))
+            announce_op_builds(ds, log)
+        if STAGE[self.cfg.strategy] == 3:  # DeepSpeed keeps the first trace's release decisions otherwise (the eval's)
+            apply_release_cache_fix(log)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
         if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place

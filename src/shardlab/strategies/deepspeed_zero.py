@@ -722,6 +722,23 @@ class DeepSpeedStrategy(Strategy):
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
 
+    _evaluated = False  # an eval forward ran since training last did
+
+    def eval(self) -> None:
+        super().eval()
+        self._evaluated = True
+
+    def train(self) -> None:
+        super().train()
+        if self._evaluated and STAGE[self.cfg.strategy] == 3 and getattr(self, "engine", None) is not None:
+            # An eval forward replays the training trace, so it ends with what backward would use first still gathered
+            # (the tied embedding, the last blocks) or in flight; backward does not come, and the next training
+            # micro-batch gathered its own on top: bloom-3b zero3_offload on one H100 peaked at 13.28 GiB in the step
+            # after an epoch-end eval, 11.41 + the 1.87 the eval kept (2026-11-27-h100-big-model call 9). DeepSpeed's
+            # own call for the end of an eval/inference pass releases them (as full_state_dict does below).
+            self.engine.empty_partition_cache()
+        self._evaluated = False
+
     def full_state_dict(self):
         module = self.engine.module
         if STAGE[self.cfg.strategy] < 3:

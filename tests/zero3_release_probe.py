@@ -60,10 +60,8 @@ def gathered(model) -> int:
                if not getattr(p, "ds_persist", False) and p.ds_status == ZeroParamStatus.AVAILABLE)
 
 
-def run(eval_first: bool, mid_eval: bool = False, release_after_eval: bool = False) -> list[int]:
-    """Non-persistent elements gathered at the start of backward, one count per training micro-batch. ``mid_eval``: a
-    forward-only eval after micro-batch 2 (an epoch end's); ``release_after_eval``: then engine.empty_partition_cache(),
-    as DeepSpeedStrategy.train() does after an eval."""
+def run(eval_first: bool) -> list[int]:
+    """Non-persistent elements gathered at the start of backward, one count per training micro-batch."""
     ds = ds_config()
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds, remote_device="cpu"):
@@ -76,32 +74,19 @@ def run(eval_first: bool, mid_eval: bool = False, release_after_eval: bool = Fal
         with torch.no_grad():
             engine(input_ids=torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
         engine.train()
-    counts, fwd_seen, peak_seen = [], [], []
-    if mid_eval:  # the most gathered after any module's forward: where the eval's prefetches would add to training's
-        for m in engine.module.modules():
-            m.register_forward_hook(lambda *_: fwd_seen.append(gathered(engine.module)))
-    for i in range(STEPS + (2 if mid_eval else 0)):
-        if mid_eval and i == 2:
-            engine.eval()
-            with torch.no_grad():
-                engine(input_ids=torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
-            engine.train()
-            if release_after_eval:
-                engine.empty_partition_cache()
+    counts = []
+    for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
         logits = engine(input_ids=ids).logits  # the loss outside the model, as shardlab's loss_fn takes it
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         seen = []
-        if mid_eval:
-            peak_seen.append(max(fwd_seen) if fwd_seen else 0)
-            fwd_seen.clear()
         # fires when backward starts, before any module's backward hook
         loss.register_hook(lambda grad: seen.append(gathered(engine.module)) or grad)
         engine.backward(loss)
         engine.step()
         counts.append(seen[0])
     engine.destroy()
-    return counts + ([peak_seen] if mid_eval else [])
+    return counts
 
 
 def main() -> None:
@@ -110,8 +95,6 @@ def main() -> None:
     out["applied"] = apply_release_cache_fix(lambda m: print(m, file=sys.stderr))
     out["eval_first_fixed"] = run(True)
     out["no_eval_fixed"] = run(False)
-    out["mid_eval_fixed"] = run(False, mid_eval=True)
-    out["mid_eval_released"] = run(False, mid_eval=True, release_after_eval=True)
     out["embedding"] = VOCAB * HIDDEN
     print(json.dumps(out), flush=True)
 

@@ -610,6 +610,12 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if contiguous_gradients(opts, stage, d, s.offloads):
                 k = 2 if overlap else 1
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
+            if s.offload_optimizer is not None:
+                # ZeRO-Offload's GPU twin of the host staging buffer (stage_1_and_2.py __init__,
+                # temp_grad_buffer_for_gpu_offload): the largest parameter in 16 bits, for the whole run. Missing, the
+                # plan validation grid had zero2_offload 0.22-0.27 GiB low (gpt2 seq 512: -19.6%; 2026-11-27-h100-plan-validation)
+                persistent_temp["GPU gradient staging buffer (largest parameter)"] = float(
+                    lo * max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params))
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
             elif gpu_grad_accum_fp32(cfg, strategy, precision, accum):

@@ -981,8 +981,9 @@ def _own_auto_micro(s: str, arch: Arch, cfg: RunConfig, precision: str, gpus_per
                     host_ram: float | None, nvme_free: float | None, max_search: int, eval_blocks: int | None) -> tuple[int, int]:
     """(micro, accum) for strategy ``s`` under `--micro-batch auto`: its largest micro batch that fits GPU and host memory
     (1 when none does, so the table still says why not). One micro batch for every strategy would plan them all at the
-    configured strategy's: for bloom-7b1 on one 80 GB GPU, dp's (none fits, so 1 x accum 32), where ao_offload fits the
-    whole batch of 32 without accumulation and runs 2.3x faster than what fits at 1 (benchmarks/results/2026-11-27-h100-big-model)."""
+    configured strategy's: for bloom-7b1 on one 80 GB GPU and a global batch of 32, dp's (none fits, so 1 x accum 32),
+    where fsdp_offload fits all 32 without accumulation (14.4% MFU measured at 32 x 1, 10.8% at 8 x 4) and, with Liger's
+    loss, ao_offload does too (24.3%; benchmarks/results/2026-11-27-h100-big-model calls 5-7)."""
     dp = _dp_size(s, cfg, d)
     m, _ = _auto_micro(arch, cfg, s, precision, gpus_per_node, dp, lambda sp: _fits(sp, gpu_memory, host_ram, nvme_free)[0],
                        "cuda", max_search, eval_blocks)

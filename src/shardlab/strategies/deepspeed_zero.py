@@ -734,7 +734,7 @@ class DeepSpeedStrategy(Strategy):
             # An eval forward replays the training trace, so it ends with what backward would use first still gathered
             # (the tied embedding, the last blocks) or in flight; backward does not come, and the next training
             # micro-batch gathered its own on top: bloom-3b zero3_offload on one H100 peaked at 13.28 GiB in the step
-            # after an epoch-end eval, 11.41 + the 1.87 the eval kept (2026-11-27-h100-big-model call 9). DeepSpeed's
+            # after an epoch-end eval, 11.41 + the 1.87 the eval kept (2026-11-27-h100-big-model call 8; 11.41 with this, call 9). DeepSpeed's
             # own call for the end of an eval/inference pass releases them (as full_state_dict does below).
             self.engine.empty_partition_cache()
         self._evaluated = False

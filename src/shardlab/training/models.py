@@ -25,9 +25,7 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import socket
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,7 @@ from transformers import (
 
 from . import sdpa_causal
 from .bloom_sdpa import is_bloom, use_sdpa_attention
-from ..cachedir import cache_root
+from ..cachedir import built_once, cache_root
 from ..config import RunConfig
 from ..errors import UserError
 
@@ -474,30 +472,28 @@ def _gguf_cache(path: Path, part: str) -> Path:
     a separate pass over it, so a preset that needs only the tokenizer parses only that.
 
     Under ``$SHARDLAB_CACHE`` (default ~/.cache/shardlab) ``/gguf/<name>-<hash of path, size, mtime>/<part>``;
-    written to a temporary directory and renamed, so concurrent ranks never see half of it.
+    built by one process while the others wait (``cachedir.built_once``: the ranks of a run all need it at once).
     """
-    base = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
-    out = base / part
+    out = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}" / part
     if out.is_dir():
         return out
     try:
         from gguf import GGUFReader
     except ImportError:
         raise UserError("reading a GGUF file needs the gguf package, which is not installed", "`pip install gguf accelerate`") from None
+
     def unreadable(exc: Exception) -> UserError:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return UserError(f"cannot read the {part} of the GGUF {str(path)!r}: {first}",
                          "pass a GGUF written by llama.cpp's converters, of an architecture transformers supports "
                          "(llama, qwen2, mistral, ...)")
 
-    try:
-        reader = GGUFReader(str(path)) if part == "info" else None
-    except Exception as exc:  # truncated or not a GGUF: numpy/struct errors of all kinds
-        raise unreadable(exc) from None
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=base))
-    try:
-        if reader is not None:
+    def build(tmp: Path) -> None:
+        if part == "info":
+            try:
+                reader = GGUFReader(str(path))
+            except Exception as exc:  # truncated or not a GGUF: numpy/struct errors of all kinds
+                raise unreadable(exc) from None
             types = Counter(t.tensor_type.name for t in reader.tensors)
             field = reader.fields.get("general.architecture")
             arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
@@ -517,14 +513,8 @@ def _gguf_cache(path: Path, part: str) -> Path:
                 loader.from_pretrained(str(path.parent), gguf_file=str(path)).save_pretrained(tmp)
             except Exception as exc:  # not a GGUF, or an architecture transformers cannot convert
                 raise unreadable(exc) from None
-        try:
-            tmp.rename(out)
-        except OSError:  # another process renamed its copy first
-            if not out.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return built_once(out, build)  # one rank builds it, the others wait and read it
 
 
 def _dequantise(path: Path, **kwargs: Any) -> transformers.PreTrainedModel:

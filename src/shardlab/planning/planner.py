@@ -67,6 +67,7 @@ from rich.table import Table
 from ..config import RunConfig
 from ..errors import UserError
 from ..layout import data_parallel_size, model_family
+from ..training.head_padding import padded_vocab, pads
 from ..training.loss import eval_chunk_tokens, resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
@@ -552,6 +553,13 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     temp_step: dict[str, float] = {}  # live at the end of backward / optimizer step
     at_head: dict[str, float] = {}  # live besides `temp` once the loss' backward is done and the gradient reaches the head
     persistent_temp: dict[str, float] = {}  # allocated once, live throughout
+    if mode != "autocast" and not cfg.compile and pads(cfg, device, kernel, arch.vocab):
+        # training/head_padding.py runs the head's matmul on a copy of its weight padded to a multiple of 64 rows, which
+        # the matmul saves for backward. Under autocast it takes the place of autocast's own 16-bit copy; over the
+        # engine's own weights it is one more (gpt2 zero2_offload seq 512, one H100: 0.072 GiB at the peak,
+        # benchmarks/diag/peak_snapshot.py, 2026-11-27-h100-plan-validation). Compiled, inductor recomputes the pad.
+        temp["pad_head: the head weight padded to a multiple of 64 rows (saved for backward)"] = float(
+            lo * padded_vocab(arch.vocab) * arch.hidden)
     notes: list[str] = []
     stage = s.zero_stage
     eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss

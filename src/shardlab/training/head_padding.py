@@ -32,12 +32,21 @@ def needs_padding(vocab: int) -> bool:
     return vocab % MULTIPLE != 0
 
 
-def wanted(cfg, device_type: str, loss_kernel: str, head: nn.Module | None) -> bool:
-    """Whether this run pads the head's matmul: `pad_head` true, or None (auto) on a CUDA GPU, where the alignment
-    decides the kernels; never for the liger loss (no head matmul of its own) nor for a head that is no plain linear map."""
-    if not isinstance(head, nn.Linear) or not needs_padding(_vocab(head)) or loss_kernel == "liger":
+def padded_vocab(vocab: int) -> int:
+    return vocab + (-vocab % MULTIPLE)
+
+
+def pads(cfg, device_type: str, loss_kernel: str, vocab: int) -> bool:
+    """Whether a run pads a plain linear head of ``vocab`` rows: `pad_head` true, or None (auto) on a CUDA GPU, where
+    the alignment decides the kernels; never for the liger loss (no head matmul of its own). The planner asks this."""
+    if not needs_padding(vocab) or loss_kernel == "liger":
         return False
     return cfg.pad_head if cfg.pad_head is not None else device_type == "cuda"
+
+
+def wanted(cfg, device_type: str, loss_kernel: str, head: nn.Module | None) -> bool:
+    """Whether this run pads this head's matmul (``pads``); never a head that is no plain linear map."""
+    return isinstance(head, nn.Linear) and pads(cfg, device_type, loss_kernel, _vocab(head))
 
 
 def _vocab(head: nn.Linear) -> int:

@@ -60,7 +60,7 @@ def _padded_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-    extra = -vocab % MULTIPLE
+    extra = padded_vocab(vocab) - vocab
     weight = F.pad(weight, (0, 0, 0, extra))
     bias = F.pad(bias, (0, extra)) if bias is not None else None
     return F.linear(x, weight, bias)[..., :vocab]
@@ -85,5 +85,5 @@ def apply(model: nn.Module, cfg, device_type: str, loss_kernel: str) -> str | No
         return None
     vocab = _vocab(head)
     pad_head(head)
-    return (f"output head: its matmul runs on the vocabulary padded {vocab:,} -> {vocab + (-vocab % MULTIPLE):,} (aligned "
+    return (f"output head: its matmul runs on the vocabulary padded {vocab:,} -> {padded_vocab(vocab):,} (aligned "
             f"GEMM kernels), the padded logits sliced off: same logits and gradients (--set pad_head=false turns it off)")

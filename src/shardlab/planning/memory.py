@@ -79,6 +79,11 @@ class Arch:
     # The decoder-block class one-rank ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
     leaf_classes: tuple[str, ...] = ()
 
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest single parameter (``param_sizes``; DeepSpeed's largest layer where they are unknown)."""
+        return max((k for k, _ in self.param_sizes), default=self.largest_layer_params)
+
 
 # --------------------------------------------------------------------------------------------------
 # Activations

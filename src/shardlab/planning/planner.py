@@ -395,7 +395,7 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
     ds = s.engine == "deepspeed"
     if ds and s.offload_optimizer == "cpu" and s.offload_params is None:
         parts = [math.ceil(g / d) for g in _ds_groups(arch, cfg.weight_decay)]
-        largest = max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params)
+        largest = arch.largest_param
         out["fp32 master partition (one flat buffer per param group)"] = sum(pinned_bytes(4 * k, pin) for k in parts)
         out["fp32 gradient partition"] = sum(pinned_bytes(4 * k, pin) for k in parts)
         out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
@@ -622,8 +622,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 # ZeRO-Offload's GPU twin of the host staging buffer (stage_1_and_2.py __init__,
                 # temp_grad_buffer_for_gpu_offload): the largest parameter in 16 bits, for the whole run. Missing, the
                 # plan validation grid had zero2_offload 0.22-0.27 GiB low (gpt2 seq 512: -19.6%; 2026-11-27-h100-plan-validation)
-                persistent_temp["GPU gradient staging buffer (largest parameter)"] = float(
-                    lo * max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params))
+                persistent_temp["GPU gradient staging buffer (largest parameter)"] = float(lo * arch.largest_param)
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
             elif gpu_grad_accum_fp32(cfg, strategy, precision, accum):
@@ -735,7 +734,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
         states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
     if device == "cuda" and cfg.optimizer == "adamw8bit":
-        largest = max((k for k, _ in arch.param_sizes), default=arch.largest_layer_params)
+        largest = arch.largest_param
         states["inductor's first-run autotuning of the 8-bit step: pinned copies of the largest weight and its moments "
                "(given back after the first step)"] = autotune_pinned_bytes(
                    math.ceil(largest / d) if s.engine == "fsdp2" else largest, 2 if bf16_master else 4)

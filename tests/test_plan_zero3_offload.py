@@ -34,24 +34,16 @@ def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | 
 
 # (model, GPUs, eval_at_start, measured torch.cuda.max_memory_allocated GiB, where)
 MEASURED = [
-    # benchmarks/results/2026-11-26-h100x2-ds-offload/call2 (shardlab train, 10 steps, H100): the peak is the eval's,
-    # 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.10 persistent = 14.45. Measured before shardlab cleared DeepSpeed's
-    # release cache (strategies/zero3_release_cache.py): the eval-first run kept the initial eval's release decisions,
-    # so its final eval held no gathered params. With the fix its final eval holds the training trace's, as bloom-3b's
-    # did without the eval (below): planned 16.28 (+1.87 GiB); a GPU re-measurement should show about that.
-    pytest.param("bloom-7b1", 1, True, 14.45, "eval forward",
-                 marks=pytest.mark.xfail(strict=True, reason="measured before the ZeRO-3 release-cache fix; ~16.3 expected")),
+    # With the initial eval, after both ZeRO-3 release fixes (strategies/zero3_release_cache.py; the partition cache
+    # emptied after an eval): benchmarks/results/2026-11-27-h100-remeasure call 2 (shardlab train, 10 steps, one GPU of a
+    # 2 x H200 host). The peak is the final eval's: 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.05 persistent + the 1.87
+    # GiB the training trace keeps gathered = 16.37 (planned 16.28). Before the fixes the same run peaked at 14.45: the
+    # initial eval's release decisions held for the whole run, so the final eval held no gathered params.
+    ("bloom-7b1", 1, True, 16.37, "eval forward"),
     # benchmarks/results/2026-11-26-h100-z3off-plan (peak_snapshot.py --markers, 2 steps, H200), no initial eval
     ("bloom-7b1", 2, False, 12.246, "start of backward"),
     ("bloom-3b", 1, False, 16.300, "eval forward"),  # the final eval, with the training trace's gathered params
     ("bloom-3b", 2, False, 11.426, "start of backward"),
-    # the same run on 2 GPUs with the initial eval (call2, 10 steps) measured 11.43: planned 12.14, +6.2%. With the eval
-    # first DeepSpeed left less gathered at the start of backward than without it (12.25 above): it kept the eval trace's
-    # release decisions (its lru_cache'd __params_to_release) for the whole run and released the tied embedding after
-    # forward. Measured before shardlab cleared that cache (strategies/zero3_release_cache.py, CPU check:
-    # tests/test_zero3_release_cache.py); the fix should move this to ~12.25, as without the eval. Kept until re-measured.
-    pytest.param("bloom-7b1", 2, True, 11.43, "start of backward",
-                 marks=pytest.mark.xfail(strict=True, reason="issue 14: zero3_offload 2 GPUs with the initial eval, +6.2%")),
 ]
 
 
@@ -60,6 +52,21 @@ def test_zero3_offload_peak_within_5_percent(model, gpus, eval_at_start, measure
     sp = _plan(model, gpus, eval_at_start)
     assert sp.gpu_peak / GiB == pytest.approx(measured, rel=0.05)
     assert sp.peak_moment.startswith(moment)
+
+
+def test_two_gpus_as_they_ran_with_deepspeeds_default_buckets():
+    """bloom-7b1 on 2 GPUs with the initial eval, after the release fixes (2026-11-27-h100-remeasure call 2): 13.15 GiB.
+    Its workers read the launcher's config.yaml, where every option was listed, so they took DeepSpeed's default buckets
+    (5e8 reduce, 5e7 prefetch, persistence 1e5) instead of the sized ones (tests/test_offload.py, the round trip). Planned
+    with the options it ran with: 13.11. The same run after the fix (call 3, sized buckets): 12.25, planned 12.14, as the
+    run without the eval measured (12.25): the initial eval no longer changes training's peak."""
+    from shardlab.strategies.deepspeed_zero import DEEPSPEED_DEFAULTS
+
+    as_ran = _plan("bloom-7b1", 2, eval_loss_chunk_mib=512, strategy_options=DEEPSPEED_DEFAULTS)
+    assert as_ran.gpu_peak / GiB == pytest.approx(13.15, rel=0.05) and as_ran.peak_moment.startswith("start of backward")
+    sized = _plan("bloom-7b1", 2, eval_loss_chunk_mib=512)
+    assert sized.gpu_peak / GiB == pytest.approx(12.25, rel=0.05) and sized.peak_moment.startswith("start of backward")
+    assert sized.gpu_peak / GiB == pytest.approx(12.14, abs=0.02)
 
 
 def test_world_size_dependence_is_the_eval_batch():

@@ -73,10 +73,19 @@ class StrategyOptions(_Strict):
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
         "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work: issue 15; on otherwise)")
-    reduce_bucket_size: int = Field(500_000_000, gt=0)
-    allgather_bucket_size: int = Field(500_000_000, gt=0)
-    stage3_prefetch_bucket_size: int = Field(50_000_000, gt=0)
-    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    # None: shardlab chooses (strategies/deepspeed_zero.sized_buckets): DeepSpeed's own default, sized from the model's width
+    # under offload, every parameter persistent for ZeRO-3 on one rank. "Not set" is the value None, not pydantic's record
+    # of which fields were given, which a config.yaml written by one process and read by another (the launcher's
+    # workers, SLURM jobs, a run's config.yaml given back to --config) does not carry.
+    reduce_bucket_size: int | None = Field(None, gt=0, description="DeepSpeed gradient bucket (elements; default: "
+        "DeepSpeed's 5e8, hidden^2 with offload)")
+    allgather_bucket_size: int | None = Field(None, gt=0, description="DeepSpeed all-gather bucket (elements; default: "
+        "DeepSpeed's 5e8, hidden^2 with offload)")
+    stage3_prefetch_bucket_size: int | None = Field(None, gt=0, description="ZeRO-3 prefetch (elements; default: "
+        "DeepSpeed's 5e7, 0.9 hidden^2 with offload)")
+    stage3_param_persistence_threshold: int | None = Field(None, ge=0, description="ZeRO-3: parameters up to this size "
+        "stay whole on every rank (default: DeepSpeed's 1e5; 10 hidden with offload; every parameter on one rank without "
+        "parameter offload)")
     stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
     stage3_max_reuse_distance: int = Field(
         1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "

@@ -88,7 +88,7 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
+from ..strategies.deepspeed_zero import (DEEPSPEED_DEFAULTS, contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
                                          zero3_leaf_classes, zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
@@ -334,18 +334,35 @@ def pinned_bytes(nbytes: float, pinned: bool) -> float:
     return float(2 ** math.ceil(math.log2(nbytes)))
 
 
-def autotune_pinned_bytes(largest: int, weight_bytes: int) -> float:
-    """Host bytes of inductor's first-run autotuning of torchao's compiled 8-bit AdamW step (``--optimizer adamw8bit``).
+def autotune_pinned_bytes(sizes, weight_bytes: int) -> float:
+    """Host bytes of inductor's first-run autotuning of torchao's compiled 8-bit AdamW step (``--optimizer adamw8bit``),
+    at most: `sizes` are the element counts of the parameters the step sees (a rank's shards under FSDP2).
 
-    The autotuner benchmarks each new kernel on the real tensors; those it mutates (a weight and its two 8-bit moments)
-    it clones first, and where a clone would raise the GPU's peak (``max_memory_allocated - memory_allocated`` is the
-    budget) it copies them to pinned host memory instead (torch/_inductor/runtime/triton_heuristics.py,
-    ``copy_args_to_cpu_if_needed``), which the pinned allocator rounds up to powers of two and keeps cached. bloom-7b1,
-    bf16 weights, one H100 (benchmarks/results/2026-11-27-h100-big-model, call 4): "released 8.0 GiB" after the first
-    step = 2 x (2 GiB weight + 2 x 1 GiB moments) of its 1.03 B-parameter embedding, the smaller tensors fitting the GPU
-    budget; two sets, as the previous kernel's blocks wait for their copy-back events. The trainer gives them back after
-    the first step; with the graphs already in inductor's cache there is no autotuning and none of this."""
-    return 2.0 * (pinned_bytes(weight_bytes * largest, True) + 2 * pinned_bytes(largest, True))
+    The autotuner benchmarks each new kernel (one per parameter shape) on the real tensors; those it mutates (the
+    weight, each 8-bit moment's codes and block scales) it clones first, and where a clone would raise the GPU's peak
+    (``max_memory_allocated - memory_allocated`` is the budget) it copies them to pinned host memory instead
+    (torch/_inductor/runtime/triton_heuristics.py, ``copy_args_to_cpu_if_needed``, once per config benchmarked). The
+    pinned allocator rounds each copy up to a power of two and reuses a freed block only for a request of its size
+    class, once the copy-back that used it has completed: two sets alive at a time, as one config's blocks wait for
+    their events while the next config's are copied. So per size class: twice the most blocks one kernel's set takes
+    there, over every parameter shape. Whether a shape is copied at all depends on the GPU's budget at that moment, which
+    the plan does not model: this is the most it can be (the safe side for a refusal).
+    Measured on one H100, rank RSS at the first step (released after it, summary.json ``pinned_released_gib``):
+    - bloom-7b1, bf16 weights: "released 8.0 GiB" = 2 x (2 GiB weight + 2 x 1 GiB codes) of its 1.03 B-element
+      embedding; the smaller shapes fitted the budget (planned 8.6: they are counted);
+      benchmarks/results/2026-11-27-h100-big-model, call 4;
+    - llama-2-13b, bf16 weights, micro 16: "released 2.5 GiB": the embedding's and lm_head's shape (0.5 GiB weight
+      class, 0.25 GiB codes) and the smaller shapes' new classes (planned 2.75); 2026-11-27-h100-remeasure, call 1.
+    The trainer gives them back after the first step; with the graphs already in inductor's cache there is no
+    autotuning and none of this."""
+    per_class: dict[float, int] = {}
+    for k in set(sizes):
+        blocks = [pinned_bytes(weight_bytes * k, True)]
+        eight_bit = k >= 4096 and k % 256 == 0  # torchao's rule (optim/adam.py _new_buffer); else fp32 moments
+        blocks += 2 * ([pinned_bytes(k, True), pinned_bytes(4 * (k // 256), True)] if eight_bit else [pinned_bytes(4 * k, True)])
+        for c in set(blocks):
+            per_class[c] = max(per_class.get(c, 0), blocks.count(c))
+    return 2.0 * sum(c * count for c, count in per_class.items())
 
 
 def _ds_group_params(arch: Arch, weight_decay: float) -> list[list[int]]:
@@ -734,10 +751,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
         states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
     if device == "cuda" and cfg.optimizer == "adamw8bit":
-        largest = arch.largest_param
-        states["inductor's first-run autotuning of the 8-bit step: pinned copies of the largest weight and its moments "
-               "(given back after the first step)"] = autotune_pinned_bytes(
-                   math.ceil(largest / d) if s.engine == "fsdp2" else largest, 2 if bf16_master else 4)
+        states["inductor's first-run autotuning of the 8-bit step: pinned copies of the weights and 8-bit moments it "
+               "benchmarks on, at most (given back after the first step)"] = autotune_pinned_bytes(
+                   [math.ceil(k / d) if s.engine == "fsdp2" else k for k, _ in arch.param_sizes] or [arch.largest_param],
+                   2 if bf16_master else 4)
     cpu_detail = {k: v * gpus_per_node for k, v in states.items()}
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
@@ -846,12 +863,19 @@ def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     return data_parallel_size(cfg, world, strategy)
 
 
+def _planned_persistence(opts) -> int:
+    """The ZeRO-3 persistence threshold that sizes ``Arch.persistent_params``: the user's, else DeepSpeed's default
+    (sized_buckets replaces it per strategy and world size where the engine does: offload, one rank)."""
+    t = opts.stage3_param_persistence_threshold
+    return DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"] if t is None else t
+
+
 def _arch(cfg: RunConfig) -> Arch:
     from ..training.models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
     arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
-                               persistence_threshold=cfg.strategy_options.stage3_param_persistence_threshold)
+                               persistence_threshold=_planned_persistence(cfg.strategy_options))
     from ..training.models import meta_loadable
 
     arch.meta_build = meta_loadable(cfg)

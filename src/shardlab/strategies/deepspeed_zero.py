@@ -38,9 +38,14 @@ def offload_kind(strategy: str) -> str | None:
     return spec(strategy).offload_optimizer
 
 
+# DeepSpeed 0.19.8's own defaults (runtime/zero/config.py) for the options a user leaves unset (None in StrategyOptions).
+DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                      "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000}
+
+
 def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str | None, world: int = 0,
                   params_offloaded: bool = False) -> dict[str, int]:
-    """Bucket sizes (elements) for this model, where the user left them at their defaults.
+    """Bucket sizes (elements) for this model, where the user left them unset (None).
 
     With CPU offload every gradient bucket is also the unit of the device->host copy and every ZeRO-3
     prefetch bucket a host->device copy: DeepSpeed's 5e8-element defaults are tuned for NVLink all-reduce
@@ -58,21 +63,16 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     Persisting every parameter (threshold = the model's size) keeps one copy where the gather kept two, and skips
     the copies and the coordinator's fetch/release work (issue 15: zero3 was 0.41x dp on one GPU).
     """
-    defaults = type(opts)()
-    out = {k: getattr(opts, k) for k in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                                         "stage3_param_persistence_threshold")}
+    unset = {k for k in DEEPSPEED_DEFAULTS if getattr(opts, k) is None}
+    out = {k: DEEPSPEED_DEFAULTS[k] if k in unset else getattr(opts, k) for k in DEEPSPEED_DEFAULTS}
     out["sub_group_size"] = 1_000_000_000
-    thr_default = ("stage3_param_persistence_threshold" not in opts.model_fields_set
-                   and opts.stage3_param_persistence_threshold == defaults.stage3_param_persistence_threshold)
-    if world == 1 and not params_offloaded and n_params and thr_default:
+    if world == 1 and not params_offloaded and n_params and "stage3_param_persistence_threshold" in unset:
         out["stage3_param_persistence_threshold"] = int(n_params)
     if offload is None or not hidden:
         return out
     sized = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
              "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden), "stage3_param_persistence_threshold": 10 * hidden}
-    for key, value in sized.items():
-        if key not in opts.model_fields_set and getattr(opts, key) == getattr(defaults, key):
-            out[key] = value
+    out.update({k: v for k, v in sized.items() if k in unset})
     if n_params:
         out["sub_group_size"] = int(min(1e9, max(1e8, n_params / 10)))
     return out

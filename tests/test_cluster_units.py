@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from shardlab.config import load_config
@@ -96,6 +97,38 @@ def test_slurm_script_and_snapshot(tmp_path):
     assert subprocess.run(["bash", "-n", str(job.script)]).returncode == 0
     assert job.command == ["sbatch", "--parsable", str(job.script)]
     assert json.loads((snap / "provenance.json").read_text())["shardlab_source"]
+
+
+def test_a_slurm_job_leaves_open_what_the_user_left_open(tmp_path):
+    """The job runs `shardlab train --config <snapshot>/config.yaml`. A snapshot listing every field read back as if the
+    user had given each: a job with only a DeepSpeed JSON (stage 3) then had --strategy dp "given" and was refused at
+    start on the compute node; the snapshot holds what was given, and the job takes the strategy from the JSON."""
+    from shardlab.launch.slurm import SlurmOptions, prepare
+    from shardlab.strategies.deepspeed_zero import adopt_user_json
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    cfg = load_config(None, {"model": "tiny-gpt2", "device": "cpu", "gpus": 2, "deepspeed_config": str(ds),
+                             "output_dir": str(tmp_path / "run")})
+    snap = prepare(cfg, SlurmOptions()).snapshot
+    ran = load_config(snap / "config.yaml")
+    assert "strategy" not in ran.model_fields_set and ran.strategy_options.model_fields_set == set()
+    assert adopt_user_json(ran, "cpu")[0].strategy == "zero3"
+    assert (ran.resume, ran.gpus, ran.deepspeed_config) == ("auto", 2, str(ds))
+
+
+def test_spawned_workers_read_back_what_was_given():
+    """launcher.spawn hands every worker the config as a file: it must read back the same values and the same record of
+    what was given, nested options included (strategies decide from that record and from None what is theirs)."""
+    from shardlab.config import RunConfig, config_from_dict, dump_config
+
+    cfg = load_config(None, {"model": "tiny-gpt2", "strategy": "zero3_offload", "gpus": 2},
+                      {"strategy_options.pin_memory": False, "dataset.source": "synthetic"}).model_copy(update={"micro_batch": 3})
+    back = config_from_dict(yaml.safe_load(dump_config(cfg, given_only=True)))
+    assert back == cfg
+    assert back.model_fields_set == cfg.model_fields_set
+    assert back.strategy_options.model_fields_set == {"pin_memory"} and back.dataset.model_fields_set == {"source"}
+    assert isinstance(back, RunConfig)
 
 
 @pytest.mark.parametrize("overrides,match", [

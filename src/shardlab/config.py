@@ -513,8 +513,12 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
         raise _format_validation_error(err) from None
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: RunConfig, given_only: bool = False) -> str:
+    """The config as YAML. ``given_only``: only what was given (pydantic's fields set, nested too), for a file another
+    process runs (spawned workers, SLURM jobs, `--micro-batch auto` trials, bench cells): there shardlab's choices for
+    what was left open (the strategy a DeepSpeed JSON implies, anything it derives later) must stay open. A full dump
+    reads back as if every field had been given (the run directory's config.yaml is the record of what ran)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=given_only), sort_keys=False)
 
 
 def parse_set(values: list[str]) -> dict[str, Any]:

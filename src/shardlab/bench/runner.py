@@ -133,7 +133,7 @@ def run_bench(cells: list[Cell], bench_dir: str | Path, *, suites: list[str], ti
     }
     for cell in cells:
         cfg = cell.run_config(root / "runs" / cell.label / "rK")
-        (root / "cells" / f"{cell.label}.yaml").write_text(dump_config(cfg))
+        (root / "cells" / f"{cell.label}.yaml").write_text(dump_config(cfg, given_only=True))
         state["cells"].append({"label": cell.label, "parts": cell.parts, "differs": cell.differs, "repeats_planned": cell.repeats,
                                "footing": footing(cell.config), "config": f"cells/{cell.label}.yaml", "repeats": []})
     _save(root, state)

@@ -247,7 +247,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         port = free_port()  # two single-node jobs on one machine must not fight over 29500
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         cfg_file = Path(tmp) / "config.yaml"
-        cfg_file.write_text(dump_config(cfg))
+        cfg_file.write_text(dump_config(cfg, given_only=True))
         plan_args = []
         if plan is not None:
             plan_args = [str(write_record(plan, Path(tmp) / "plan.json"))]

@@ -174,7 +174,7 @@ def prepare(cfg: RunConfig, opts: SlurmOptions) -> SlurmJob:
     try:
         tmp.mkdir(parents=True)
         shutil.copytree(_package_dir(), tmp / "code" / "shardlab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        (tmp / "config.yaml").write_text(dump_config(cfg))
+        (tmp / "config.yaml").write_text(dump_config(cfg, given_only=True))
         script = render(cfg, opts, snapshot)
         (tmp / SCRIPT_NAME).write_text(script)
         (tmp / SCRIPT_NAME).chmod(0o755)

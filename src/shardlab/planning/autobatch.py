@@ -108,7 +108,7 @@ def subprocess_trial(cfg: RunConfig, micro: int, device_type: str, nproc: int, w
     the largest of the launcher and its workers) times the ranks."""
     out = workdir / f"micro-{micro}"
     cfg_file = workdir / f"micro-{micro}.yaml"
-    cfg_file.write_text(dump_config(trial_config(cfg, micro, out, steps)))
+    cfg_file.write_text(dump_config(trial_config(cfg, micro, out, steps), given_only=True))
     log_out, log_err = workdir / f"micro-{micro}.out", workdir / f"micro-{micro}.err"
     t0 = time.perf_counter()
     with open(log_out, "w") as fo, open(log_err, "w") as fe:

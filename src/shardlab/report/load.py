@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..config import config_from_dict
 from ..dotted import get_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY
@@ -192,11 +193,18 @@ def read_run(path: Path) -> Run | None:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """A bench cell's config file, every field filled in: the file holds what the cell gave (config.dump_config's
+    given_only, so that `shardlab train --config` leaves the rest to shardlab), the report wants each value."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    try:
+        return config_from_dict(data).model_dump(mode="json")
+    except UserError:  # written by another shardlab version: show what it says
+        return data
 
 
 def _identity(config: dict[str, Any]) -> str:

@@ -348,9 +348,10 @@ def autotune_pinned_bytes(sizes, weight_bytes: int) -> float:
     there, over every parameter shape. Whether a shape is copied at all depends on the GPU's budget at that moment, which
     the plan does not model: this is the most it can be (the safe side for a refusal).
     Measured on one H100, rank RSS at the first step (released after it, summary.json ``pinned_released_gib``):
-    - bloom-7b1, bf16 weights: "released 8.0 GiB" = 2 x (2 GiB weight + 2 x 1 GiB codes) of its 1.03 B-element
+    - bloom-7b1, bf16 weights, micro 8: "released 8.0 GiB" = 2 x (2 GiB weight + 2 x 1 GiB codes) of its 1.03 B-element
       embedding; the smaller shapes fitted the budget (planned 8.6: they are counted);
-      benchmarks/results/2026-11-27-h100-big-model, call 4;
+      benchmarks/results/2026-11-27-h100-big-model, call 4. At micro 32, "released 7.0 GiB" (one codes block fitted):
+      the plan is 14.4% high there (2026-11-27-h100-remeasure, call 4);
     - llama-2-13b, bf16 weights, micro 16: "released 2.5 GiB": the embedding's and lm_head's shape (0.5 GiB weight
       class, 0.25 GiB codes) and the smaller shapes' new classes (planned 2.75); 2026-11-27-h100-remeasure, call 1.
     The trainer gives them back after the first step; with the graphs already in inductor's cache there is no

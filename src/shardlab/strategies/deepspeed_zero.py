@@ -675,6 +675,9 @@ class DeepSpeedStrategy(Strategy):
         # what one-rank ZeRO-3's defaults (or the user's JSON) gave the engine: leaf_module classes, contiguous_gradients
         out["zero_leaf_classes"] = (zero.get("leaf_module") or {}).get("classes")
         out["contiguous_gradients"] = zero.get("contiguous_gradients")
+        # the engine's ZeRO section as it ran (sized buckets, persistence, overlap, offload): the record of what shardlab
+        # chose, so a run shows it and a comparison can check it (a worker once lost the sizing without a trace)
+        out["zero_optimization"] = zero
         return out
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

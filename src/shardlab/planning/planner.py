@@ -88,7 +88,7 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from ..strategies.deepspeed_zero import (DEEPSPEED_DEFAULTS, contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
+from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
                                          zero3_leaf_classes, zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
@@ -200,6 +200,12 @@ def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
 # Formulas side by side
 
 
+# torchao's AdamW8bit state layout (optim/adam.py _new_buffer, subclass_8bit.OptimState8bit): a tensor of at least
+# EIGHT_BIT_MIN_NUMEL elements, a multiple of EIGHT_BIT_BLOCK, keeps each moment as 1 B codes plus an fp32 scale per
+# block; smaller ones keep fp32 moments.
+EIGHT_BIT_BLOCK, EIGHT_BIT_MIN_NUMEL = 256, 4096
+
+
 def paper_bytes_per_param(strategy: str, d: int) -> Fraction | None:
     """ZeRO paper (Rajbhandari et al. 2020, Fig. 1, K = 12 for mixed-precision Adam): bytes per
     parameter per GPU: baseline 16, P_os 4 + 12/N, P_os+g 2 + 14/N, P_os+g+p 16/N."""
@@ -287,7 +293,7 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
     master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
     adam = F(8)
-    torch_adam = F(2) + F(2 * 4, 256) if optimizer == "adamw8bit" else adam
+    torch_adam = F(2) + F(2 * 4, EIGHT_BIT_BLOCK) if optimizer == "adamw8bit" else adam
     weight = F(2) if master_weights == "bf16" else F(4)
     torch_grads = F(0) if in_backward else weight
     s = spec(strategy)
@@ -359,8 +365,9 @@ def autotune_pinned_bytes(sizes, weight_bytes: int) -> float:
     per_class: dict[float, int] = {}
     for k in set(sizes):
         blocks = [pinned_bytes(weight_bytes * k, True)]
-        eight_bit = k >= 4096 and k % 256 == 0  # torchao's rule (optim/adam.py _new_buffer); else fp32 moments
-        blocks += 2 * ([pinned_bytes(k, True), pinned_bytes(4 * (k // 256), True)] if eight_bit else [pinned_bytes(4 * k, True)])
+        eight_bit = k >= EIGHT_BIT_MIN_NUMEL and k % EIGHT_BIT_BLOCK == 0
+        blocks += 2 * ([pinned_bytes(k, True), pinned_bytes(4 * (k // EIGHT_BIT_BLOCK), True)] if eight_bit
+                       else [pinned_bytes(4 * k, True)])
         for c in set(blocks):
             per_class[c] = max(per_class.get(c, 0), blocks.count(c))
     return 2.0 * sum(c * count for c, count in per_class.items())
@@ -864,19 +871,15 @@ def _dp_size(strategy: str, cfg: RunConfig, world: int) -> int:
     return data_parallel_size(cfg, world, strategy)
 
 
-def _planned_persistence(opts) -> int:
-    """The ZeRO-3 persistence threshold that sizes ``Arch.persistent_params``: the user's, else DeepSpeed's default
-    (sized_buckets replaces it per strategy and world size where the engine does: offload, one rank)."""
-    t = opts.stage3_param_persistence_threshold
-    return DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"] if t is None else t
-
-
 def _arch(cfg: RunConfig) -> Arch:
     from ..training.models import build_hf_config
 
     hf_config = build_hf_config(cfg)  # unknown model / offline hub id / seq_len too long: models' UserErrors
     arch = arch_from_hf_config(hf_config, name=cfg.model, attn_impl=_planned_attn(cfg, hf_config), dropout=cfg.dropout,
-                               persistence_threshold=_planned_persistence(cfg.strategy_options))
+                               # the user's threshold, else DeepSpeed's default (sized_buckets, which replaces it per
+                               # strategy and world size where the engine does: offload, one rank)
+                               persistence_threshold=sized_buckets(cfg.strategy_options, None, None, None)[
+                                   "stage3_param_persistence_threshold"])
     from ..training.models import meta_loadable
 
     arch.meta_build = meta_loadable(cfg)

@@ -2,7 +2,10 @@
 process of a run, workers included, imports it at start-up). Nothing happens unless a variable below is set.
 
 SHARDLAB_DIAG_NO_META=1  fsdp builds the ordinary (materialised) model instead of sharding on the meta device,
-                         to compare the two builds' training speed."""
+                         to compare the two builds' training speed.
+SHARDLAB_DIAG_NO_CUDNN_SDP=1  torch.backends.cuda.enable_cudnn_sdp(False) in every process, and the SDPA priority
+                         order printed once: DeepCompile (ZeRO-3) failed in inductor's code for the cuDNN attention
+                         op (benchmarks/results/2026-11-26-h100-speed, calls 7-8)."""
 
 import os
 
@@ -10,3 +13,11 @@ if os.environ.get("SHARDLAB_DIAG_NO_META"):
     import shardlab.training.models as _models
 
     _models.meta_loadable = lambda cfg: False
+
+if os.environ.get("SHARDLAB_DIAG_NO_CUDNN_SDP"):
+    import sys
+
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    print(f"[diag] cuDNN SDPA off; priority order {torch._C._get_sdp_priority_order()}", file=sys.stderr)

@@ -91,7 +91,7 @@ from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
                                          zero3_leaf_classes, zero3_sub_groups)
 from ..training.optim import arithmetic, resolve_precision
-from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, compile_workers
+from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
 # (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.
@@ -340,37 +340,22 @@ def pinned_bytes(nbytes: float, pinned: bool) -> float:
     return float(2 ** math.ceil(math.log2(nbytes)))
 
 
-def autotune_pinned_bytes(sizes, weight_bytes: int) -> float:
-    """Host bytes of inductor's first-run autotuning of torchao's compiled 8-bit AdamW step (``--optimizer adamw8bit``),
-    at most: `sizes` are the element counts of the parameters the step sees (a rank's shards under FSDP2).
+def eight_bit_state_bytes(k: int) -> int:
+    """GPU bytes of torchao AdamW8bit's two moments for a tensor of `k` elements (the layout above)."""
+    if k >= EIGHT_BIT_MIN_NUMEL and k % EIGHT_BIT_BLOCK == 0:
+        return 2 * (k + 4 * (k // EIGHT_BIT_BLOCK))
+    return 2 * 4 * k
 
-    The autotuner benchmarks each new kernel (one per parameter shape) on the real tensors; those it mutates (the
-    weight, each 8-bit moment's codes and block scales) it clones first, and where a clone would raise the GPU's peak
-    (``max_memory_allocated - memory_allocated`` is the budget) it copies them to pinned host memory instead
-    (torch/_inductor/runtime/triton_heuristics.py, ``copy_args_to_cpu_if_needed``, once per config benchmarked). The
-    pinned allocator rounds each copy up to a power of two and reuses a freed block only for a request of its size
-    class, once the copy-back that used it has completed: two sets alive at a time, as one config's blocks wait for
-    their events while the next config's are copied. So per size class: twice the most blocks one kernel's set takes
-    there, over every parameter shape. Whether a shape is copied at all depends on the GPU's budget at that moment, which
-    the plan does not model: this is the most it can be (the safe side for a refusal).
-    Measured on one H100, rank RSS at the first step (released after it, summary.json ``pinned_released_gib``):
-    - bloom-7b1, bf16 weights, micro 8: "released 8.0 GiB" = 2 x (2 GiB weight + 2 x 1 GiB codes) of its 1.03 B-element
-      embedding; the smaller shapes fitted the budget (planned 8.6: they are counted);
-      benchmarks/results/2026-11-27-h100-big-model, call 4. At micro 32, "released 7.0 GiB" (one codes block fitted):
-      the plan is 14.4% high there (2026-11-27-h100-remeasure, call 4);
-    - llama-2-13b, bf16 weights, micro 16: "released 2.5 GiB": the embedding's and lm_head's shape (0.5 GiB weight
-      class, 0.25 GiB codes) and the smaller shapes' new classes (planned 2.75); 2026-11-27-h100-remeasure, call 1.
-    The trainer gives them back after the first step; with the graphs already in inductor's cache there is no
-    autotuning and none of this."""
-    per_class: dict[float, int] = {}
-    for k in set(sizes):
-        blocks = [pinned_bytes(weight_bytes * k, True)]
-        eight_bit = k >= EIGHT_BIT_MIN_NUMEL and k % EIGHT_BIT_BLOCK == 0
-        blocks += 2 * ([pinned_bytes(k, True), pinned_bytes(4 * (k // EIGHT_BIT_BLOCK), True)] if eight_bit
-                       else [pinned_bytes(4 * k, True)])
-        for c in set(blocks):
-            per_class[c] = max(per_class.get(c, 0), blocks.count(c))
-    return 2.0 * sum(c * count for c, count in per_class.items())
+
+def eight_bit_warmup_bytes(k: int, weight_bytes: int) -> int:
+    """GPU bytes above the weights while shardlab compiles and autotunes torchao's 8-bit step for one parameter shape
+    of `k` elements before training (training/warm_8bit.py): a scratch copy of the weight, its gradient and its two
+    moments, the autotuner's clones of what the step mutates (the weight and the moments), and the compiled step's own
+    temporaries, measured as two weight-sized and two fp32 tensors of the shape. Measured on an H100/H200
+    (benchmarks/results/2026-11-27-h100-8bit-warmup): bloom-7b1's embedding with bf16 weights 21.17 GiB above the
+    weights (22.12 B/element; this gives 22.06), gpt2-medium's with fp32 weights 1.505 under dp and 1.495 under fsdp
+    (31.2-31.4 B/element; this gives 32.06)."""
+    return 5 * weight_bytes * k + 2 * eight_bit_state_bytes(k) + 8 * k
 
 
 def _ds_group_params(arch: Arch, weight_decay: float) -> list[list[int]]:
@@ -729,11 +714,20 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     eval_rows = eval_batch_per_rank(cfg, strategy, micro, accum, d, eval_blocks)
     if eval_rows and kernel != "liger":  # liger evaluates through its fused kernel too: no logits
         moment_eval = static + eval_gathered + eval_loss_bytes(mode, eval_rows * cfg.seq_len, arch.vocab, cfg.eval_loss_chunk_mib)
+    # shardlab compiles and autotunes torchao's 8-bit step before training, one parameter shape at a time, beside the
+    # weights alone (training/warm_8bit.py); the moments and gradients of the run do not exist yet
+    moment_warm = 0.0
+    if device == "cuda" and cfg.optimizer == "adamw8bit":
+        shapes = {math.ceil(k / d) if s.engine == "fsdp2" else k for k, _ in arch.param_sizes} or {arch.largest_param}
+        moment_warm = params + sum(persistent_temp.values()) + max(
+            eight_bit_warmup_bytes(k, 2 if bf16_master else 4) for k in shapes)
     peak, moment = max((moment_fb, "start of backward (activations + loss gradients)"),
                        (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
                        (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
                        (moment_end, "optimizer step (all gradients + step buffers)"),
                        (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
+                       (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
+                                     "the autotuner's clones and the step's temporaries beside the weights)"),
                        key=lambda m: m[0])
     gpu = {
         "parameters": params,
@@ -759,10 +753,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
         states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
     if device == "cuda" and cfg.optimizer == "adamw8bit":
-        states["inductor's first-run autotuning of the 8-bit step: pinned copies of the weights and 8-bit moments it "
-               "benchmarks on, at most (given back after the first step)"] = autotune_pinned_bytes(
-                   [math.ceil(k / d) if s.engine == "fsdp2" else k for k, _ in arch.param_sizes] or [arch.largest_param],
-                   2 if bf16_master else 4)
+        # torchao compiles its step in this process (no worker pool: compile_stats.limit_compile_workers); inductor's
+        # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (training/warm_8bit.py)
+        states["torch.compile in the process (torchao's compiled 8-bit step)"] = float(INPROCESS_COMPILE_RSS_BYTES)
     cpu_detail = {k: v * gpus_per_node for k, v in states.items()}
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
@@ -957,9 +950,9 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         plan_notes.append(f"compile_mode {cfg.compile_mode!r} captures CUDA graphs, whose static memory pools are not modelled: "
                           "the GPU peak can be higher than planned")
     if cfg.optimizer == "adamw8bit":
-        plan_notes.append("--optimizer adamw8bit: the host figure counts inductor's autotuning of torchao's 8-bit step in "
-                          "a first run (pinned copies of the largest weight and its moments, given back after the first "
-                          "step); with the graphs already in inductor's cache the run takes that much less")
+        plan_notes.append("--optimizer adamw8bit: torchao compiles its step in the process (counted on the host); shardlab "
+                          "compiles and autotunes it before training, beside the weights alone, so inductor's autotuner "
+                          "clones on the GPU and copies nothing to the host")
     if resolve_loss_kernel(cfg.loss_kernel, "cuda") == "compiled":
         plan_notes.append("the loss is shardlab's compiled kernel (loss_kernel): 4 bytes per logit at the start of backward "
                           "in 16-bit runs, against 12 for the model's own loss (--set loss_kernel=hf)")

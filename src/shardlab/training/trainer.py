@@ -40,7 +40,7 @@ from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards, pin
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
-from . import compiling, head_padding, optim, pinned
+from . import compiling, head_padding, optim, pinned, warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
@@ -222,6 +222,7 @@ class Trainer:
         self.config_text: str | None = None
         self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)
         self.pinned_released: dict[str, float] = {}  # GiB of cached pinned host memory given back, by moment
+        self.warm_8bit: dict[str, Any] | None = None  # training/warm_8bit.py: what compiling the 8-bit step beforehand did
 
     # ---- setup ------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -342,6 +343,8 @@ class Trainer:
         strategy.setup(model, total_steps)
         self._release_pinned("engine set-up")  # what set-up pinned and freed (training/pinned.py)
         self.startup.mark("engine_setup")
+        if env.device.type == "cuda" and cfg.optimizer == "adamw8bit":
+            self._warm_8bit(strategy)
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
         state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
@@ -461,6 +464,20 @@ class Trainer:
             log0(self.env, f"step {step}: non-finite {what}; update skipped (nan_policy skip, {strategy.skipped_steps} skipped so far)")
         else:  # e.g. a batch without a single supervised token: 0/0 loss, zero gradients
             log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
+
+    def _warm_8bit(self, strategy) -> None:
+        """torchao's 8-bit step compiled and autotuned before training (training/warm_8bit.py: why)."""
+        try:
+            self.warm_8bit = warm_8bit.warm(strategy.optimizer, self.cfg)
+        except torch.OutOfMemoryError as e:  # the first step autotunes instead, as without the warm-up
+            torch.cuda.empty_cache()
+            self.warm_8bit = {"skipped": f"CUDA out of memory: {str(e).splitlines()[0]}"}
+            log0(self.env, "could not compile the 8-bit step before training (CUDA out of memory); the first step compiles it")
+        self._release_pinned("the 8-bit step's warm-up")
+        self.startup.mark("optimizer_compile")
+        if "seconds" in self.warm_8bit:
+            log0(self.env, f"compiled torchao's 8-bit step for {self.warm_8bit['graphs']} parameter shapes in "
+                           f"{self.warm_8bit['seconds']:.1f} s before training (inductor's autotuner cloned on the GPU)")
 
     def _release_pinned(self, after: str) -> None:
         """Give back the pinned host blocks that ``after`` freed and torch's allocator keeps cached; summary.json's
@@ -640,6 +657,7 @@ class Trainer:
             **strategy.summary_extras(),
             "thread_pin": thread_pin,
             "pinned_released_gib": dict(self.pinned_released) or None,
+            "eight_bit_warmup": self.warm_8bit,
         }
         summary.update(metrics.run_stats(summary, model_info, env, self._steps_per_epoch(stage_loaders[-1][0])))
         if env.is_main:

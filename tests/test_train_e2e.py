@@ -142,7 +142,8 @@ def test_single_rank_losses_match_dp(runs, strategy):
     run = runs.strategy(strategy)
     assert_same_losses(run, runs.strategy("dp"))
     if strategy == "zero3":  # with one-rank ZeRO-3's defaults: GPT2Block leaves, no contiguous gradients (issue 15)
-        assert run.summary["zero_leaf_classes"][-1] == "GPT2Block" and run.summary["contiguous_gradients"] is False
+        zero = run.summary["zero_optimization"]
+        assert zero["leaf_module"]["classes"][-1] == "GPT2Block" and zero["contiguous_gradients"] is False
 
 
 @pytest.mark.slow

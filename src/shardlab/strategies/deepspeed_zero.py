@@ -671,13 +671,10 @@ class DeepSpeedStrategy(Strategy):
 
     def summary_extras(self) -> dict[str, Any]:
         out = super().summary_extras()
-        zero = (getattr(self, "ds_json", None) or {}).get("zero_optimization", {})
-        # what one-rank ZeRO-3's defaults (or the user's JSON) gave the engine: leaf_module classes, contiguous_gradients
-        out["zero_leaf_classes"] = (zero.get("leaf_module") or {}).get("classes")
-        out["contiguous_gradients"] = zero.get("contiguous_gradients")
-        # the engine's ZeRO section as it ran (sized buckets, persistence, overlap, offload): the record of what shardlab
-        # chose, so a run shows it and a comparison can check it (a worker once lost the sizing without a trace)
-        out["zero_optimization"] = zero
+        # the engine's ZeRO section as it ran (sized buckets, persistence, overlap, offload, one-rank ZeRO-3's leaf_module
+        # classes and contiguous_gradients): the record of what shardlab or the user's JSON chose, so a run shows it and a
+        # comparison can check it (a worker once lost the sizing without a trace)
+        out["zero_optimization"] = (getattr(self, "ds_json", None) or {}).get("zero_optimization", {})
         return out
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

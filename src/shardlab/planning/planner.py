@@ -330,6 +330,10 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
 # pin-memory/), peak RSS minus the DeepSpeed 0.19.8 host buffers counted by host_states: 1.93 GiB pinned
 # (16.60 - 14.67), 1.94 GiB unpinned (11.79 - 9.85). PROCESS_RSS_BYTES is the same process before CUDA is used.
 GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
+# The process that starts a node's ranks and waits for them (`shardlab train` spawning its workers; torchrun's agent is
+# smaller): 0.97 GB of RSS before it spawns; during two-rank runs on an H200 host, the process tree's peak minus twice
+# the rank's, 13.1 - 2 x 6.09 GiB (benchmarks/results/2026-11-27-h100-8bit-warmup, call 5).
+LAUNCHER_RSS_BYTES = int(0.9 * GiB)
 
 
 def pinned_bytes(nbytes: float, pinned: bool) -> float:
@@ -760,6 +764,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
     cpu_total = gpus_per_node * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
+    if device == "cuda" and gpus_per_node > 1:  # ranks run in the launching process only when there is one
+        cpu_detail["the process that launched the ranks"] = float(LAUNCHER_RSS_BYTES)
+        cpu_total += LAUNCHER_RSS_BYTES
     ms_bpp = float(P + G + O) + 16.0 * sum(on_gpu) / n
     paper = paper_bytes_per_param(strategy, d)
     # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in

@@ -45,10 +45,11 @@ How
   recomputation and backward temporaries, the logits freed), the end of backward / optimizer step
   (all gradients, step temporaries, no activations) and an eval forward (shardlab evaluates before
   the first step, at epoch ends and after the last: the logits at the eval batch each rank gets,
-  ``eval_batch_per_rank``, and one chunk of the eager loss' fp32 copies, ``eval_loss_bytes``).
+  ``eval_batch_per_rank``, and one chunk of the eager loss' fp32 copies, ``eval_loss_bytes``); with 8-bit AdamW on a
+  GPU, also the compile of its step before training, beside the weights alone (``eight_bit_warmup_bytes``).
 
-Nothing here is fitted to measurements except the allowances named above (memory.py), whose source
-files are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
+Nothing here is fitted to measurements except the allowances named above (memory.py) and the 8-bit step's compiled
+temporaries (``eight_bit_warmup_bytes``), whose sources are given. tests/test_plan.py::test_h100_foundation_errors documents the current error against
 the H100 runs in ``benchmarks/results/`` (their figures: tests/data/h100_foundation_peaks.json).
 """
 

@@ -23,7 +23,7 @@ def _graphs() -> int:
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    # (64, 64) and (128, 64) weights: 8-bit moments, two graphs; the biases: fp32 moments, one graph (no decay)
+    # (64, 64) and (128, 64) weights: 8-bit moments, two graphs; the 64 and 128 biases: fp32 moments, no decay, two more
     return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 128))
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
-from ..planning.planner import eight_bit_warmup_bytes
 from . import optim
 
 GIB = 2**30
@@ -72,6 +71,8 @@ def warm(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> dict[str, Any]:
     """Compile and autotune the 8-bit step for each distinct parameter before training (on any device; the trainer
     calls it on GPUs, where the autotuner's copies are at stake). The real weights, moments and random state are
     untouched. Returns what summary.json records."""
+    from ..planning.planner import eight_bit_warmup_bytes  # here: the trainer imports this module for every run
+
     cls = optim.torchao_optim().AdamW8bit
     pairs = distinct(optimizer)
     device = pairs[0][0].device if pairs else torch.device("cpu")

@@ -82,9 +82,9 @@ class StrategyOptions(_Strict):
     allgather_bucket_size: int | None = Field(None, gt=0, description="DeepSpeed all-gather bucket (elements; default: "
         "DeepSpeed's 5e8, hidden^2 with offload)")
     stage3_prefetch_bucket_size: int | None = Field(None, gt=0, description="ZeRO-3 prefetch (elements; default: "
-        "DeepSpeed's 5e7; with offload 0.9 hidden^2 on one GPU, at least 5e7 on several)")
+        "DeepSpeed's 5e7; with offload the larger of 5e7 and 0.9 hidden^2)")
     stage3_param_persistence_threshold: int | None = Field(None, ge=0, description="ZeRO-3: parameters up to this size "
-        "stay whole on every rank (default: DeepSpeed's 1e5; with offload 10 hidden on one GPU, at least 1e5 on several; "
+        "stay whole on every rank (default: DeepSpeed's 1e5; with offload the larger of 1e5 and 10 hidden; "
         "every parameter on one rank without parameter offload)")
     stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
     stage3_max_reuse_distance: int = Field(

@@ -57,7 +57,7 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     `sub_group_size` (ZeRO-3: the unit of the optimizer step and of Twin-Flow's GPU/CPU split) is a tenth
     of the model, between 1e8 and DeepSpeed's 1e9: ten groups let the partial offload's ratio land within
     10% and one group's CPU step overlap the next group's copies, and 1e8 keeps the per-group overhead small.
-    On several ranks the ZeRO-3 prefetch bucket and persistence threshold are at least DeepSpeed's (measured below).
+    The ZeRO-3 prefetch bucket and persistence threshold are at least DeepSpeed's (measured below).
 
     ZeRO-3 on one rank (`world` 1) with its parameters on the GPU: a rank's partition of a parameter is the whole
     parameter, so gathering it only copies it into a second buffer in every forward and backward and frees it after.
@@ -73,14 +73,14 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
         return out
     sized = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
              "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden), "stage3_param_persistence_threshold": 10 * hidden}
-    if world > 1:
-        # Several ranks: a prefetch bucket below one layer (bloom-1b7's 3.8 M elements against ~50 M a layer) left the
-        # parameter fetches of two-GPU zero3_offload unoverlapped. At least DeepSpeed's prefetch and persistence:
-        # 16.9 k tok/s (one run) against 14.4-15.3 k (three), 16.3 k median (four) with every DeepSpeed default; GPU
-        # peak 10.70 GiB against 10.72 sized and 11.63 with DeepSpeed's reduce buckets (2 x H200,
-        # benchmarks/results/2026-11-27-h200x2-offload-buckets). One GPU keeps the rule above (not measured there).
-        for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
-            sized[k] = max(sized[k], DEEPSPEED_DEFAULTS[k])
+    # The ZeRO-3 prefetch bucket and persistence threshold are at least DeepSpeed's: a prefetch bucket below one layer
+    # (bloom-1b7's 3.8 M elements against ~50 M a layer) leaves the parameter fetches unoverlapped. Two-GPU zero3_offload:
+    # 16.9 k tok/s (one run) against 14.4-15.3 k sized, GPU peak 10.70 GiB against 10.72 (2 x H200,
+    # benchmarks/results/2026-11-27-h200x2-offload-buckets); one GPU: 7.36 k median of 3 against 7.00 k, every round
+    # faster, the same 10.70 GiB peak (H200, benchmarks/results/2026-11-27-h200-one-gpu-offload-prefetch). The memory
+    # saving is the reduce bucket's, which stays sized.
+    for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        sized[k] = max(sized[k], DEEPSPEED_DEFAULTS[k])
     out.update({k: v for k, v in sized.items() if k in unset})
     if n_params:
         out["sub_group_size"] = int(min(1e9, max(1e8, n_params / 10)))

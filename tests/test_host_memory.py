@@ -9,7 +9,7 @@ import torch
 
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.planning.memory import HOST_HEADROOM
+from shardlab.planning.memory import HOST_HEADROOM, host_fits
 
 GiB = 2**30
 
@@ -235,9 +235,43 @@ def test_train_refuses_what_host_ram_cannot_hold(monkeypatch, tmp_path):
     with pytest.raises(UserError) as err:
         launch.train(cfg)
     msg = str(err.value)
-    assert "host RAM" in msg and "0.1 GiB are available" in msg and "smaller micro batch does not lower it" in msg
+    assert "host RAM" in msg and "0.1 GiB are available" in msg
+    assert "smaller micro batch does not lower it" not in msg  # on a CPU device it does: activations are host memory
     assert "--force" in err.value.hint and "\n" not in msg
     assert not out.exists()
+
+
+def test_a_cpu_run_that_does_not_fit_is_offered_the_micro_batch_that_does():
+    """On a CPU device the activations are host memory: the fix is the largest micro batch that fits, with the
+    accumulation that keeps the global batch, and --gradient-checkpointing where no micro batch fits without it. On a
+    GPU the host holds the model and optimizer states, and the message says a smaller micro batch does not help."""
+    from shardlab.planning.run_plan import check_host_ram, predict_run
+
+    def refusal(cfg, device="cpu", avail=20.0):
+        record = predict_run(cfg, device, 1, gpu_memory=80, host_ram=avail)
+        with pytest.raises(UserError) as err:
+            check_host_ram(cfg, record, device, 1, available_gib=avail)
+        return str(err.value), err.value.hint
+
+    cfg = RunConfig(model="gpt2-large", device="cpu", seq_len=1024, micro_batch=64)
+    msg, hint = refusal(cfg)
+    assert "smaller micro batch" not in msg
+    fix = hint.split(" (same global batch")[0].split()
+    assert fix[0] == "--micro-batch" and fix[2] == "--grad-accum" and fix[4] == "--gradient-checkpointing"
+    m, k = int(fix[1]), int(fix[3])
+    assert m * k == 64 and 1 < m < 64
+    fixed = cfg.model_copy(update={"micro_batch": m, "grad_accum": k, "gradient_checkpointing": True})
+    assert host_fits(predict_run(fixed, "cpu", 1, host_ram=20.0)["cpu_gib"], 20.0)
+    doubled = fixed.model_copy(update={"micro_batch": 2 * m, "grad_accum": k // 2})  # the largest that fits
+    assert not host_fits(predict_run(doubled, "cpu", 1, host_ram=20.0)["cpu_gib"], 20.0)
+    # with checkpointing on already, the fix is the micro batch alone
+    _, hint = refusal(cfg.model_copy(update={"gradient_checkpointing": True}))
+    assert hint.startswith(f"--micro-batch {m} --grad-accum {k} (same global batch")
+    # a GPU run's host need is the model's states: no micro batch is offered, and the message says why
+    gpu = RunConfig(model="bloom-7b1", strategy="zero2_offload", micro_batch=1, seq_len=512, precision="bf16",
+                    gradient_checkpointing=True)
+    msg, hint = refusal(gpu, "cuda", 100.0)
+    assert "smaller micro batch does not lower it" in msg and "--micro-batch" not in hint
 
 
 def test_host_fixes_name_an_unpinned_run_or_another_strategy():

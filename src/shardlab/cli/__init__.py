@@ -251,10 +251,11 @@ def _add_plan_parser(sub) -> None:
         usage="shardlab plan [--gpu-memory-gb GIB] [--host-ram-gb GIB] [--nvme-free-gb GIB] [--json] [run flags as for `shardlab train`]",
         description="Predict, for the run described by the flags (or --config), the peak memory per GPU of every strategy, "
                     "the host memory per node and the NVMe space it needs, and recommend the fastest strategy that fits. "
-                    "Needs no GPU: without one, say how much memory a GPU has with --gpu-memory-gb.")
+                    "Needs no GPU: without one, say how much memory a GPU has with --gpu-memory-gb. With --device cpu, "
+                    "the host memory of a run on this machine's CPU under every strategy.")
     pl.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
                     help="memory per GPU in GiB, e.g. 80 for an H100 80GB (default: detected; required without a GPU)")
-    pl.add_argument("--host-ram-gb", type=float, default=None, metavar="GIB", help="CPU RAM per node in GiB (default: this machine's)")
+    pl.add_argument("--host-ram-gb", type=float, default=None, metavar="GIB", help="CPU RAM per node in GiB (default: this machine's; with --device cpu, what is available now)")
     pl.add_argument("--nvme-free-gb", type=float, default=None, metavar="GIB", help="free NVMe space per node in GiB, checked for infinity (default: not checked)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_run_flags(pl.add_argument_group("run configuration (the flags of `shardlab train`)"))
@@ -264,6 +265,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from ..planning.planner import plan, render
 
     cfg = config_from_args(args)
+    if cfg.device == "cpu":  # a run on this machine's CPU: its host memory is the one figure (planning/cpu_plan.py)
+        from ..launch.distributed import processes_per_node
+        from ..launch.launcher import preflight
+        from ..planning.cpu_plan import plan_cpu, render_cpu
+        from ..planning.run_plan import host_available_gib
+
+        host = args.host_ram_gb if args.host_ram_gb is not None else host_available_gib()  # what `train` checks
+        result = plan_cpu(cfg, processes_per_node(cfg, "cpu"), host, check=preflight)
+        print(result.to_json()) if args.json else render_cpu(result)
+        return
     host = args.host_ram_gb
     if host is None:  # this node's RAM, so the recommendation fits in host memory too
         from ..planning.run_plan import host_ram_gib

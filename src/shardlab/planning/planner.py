@@ -924,7 +924,8 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
     else:
         detected = _detect_gpu_memory(cfg.device)
         if detected is None:
-            raise UserError("no CUDA GPU visible to read its memory from", "pass --gpu-memory-gb (e.g. 80 for an H100 80GB)")
+            raise UserError("no CUDA GPU visible to read its memory from",
+                            "pass --gpu-memory-gb (e.g. 80 for an H100 80GB), or --device cpu to plan a run on this machine's CPU")
         gpu_memory, source = detected, "detected (GPU 0)"
     gpus_per_node = _gpus_per_node(cfg)
     d = gpus_per_node * cfg.nodes

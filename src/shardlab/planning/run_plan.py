@@ -75,10 +75,13 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": precision})
     host_ram = host_ram if host_ram is not None else host_ram_gib()
     if device_type == "cpu":
+        from ..layout import data_parallel_size
+
         sp, total = predict_cpu_run(run_cfg, nproc)
+        micro, accum, _ = run_cfg.resolve_batch(data_parallel_size(run_cfg, nproc * cfg.nodes, cfg.strategy))
         out: dict[str, Any] = {
             "cpu_gib": _gib(total), "per_rank_gib": _gib(sp.gpu_peak), "host_ram_gib": round(host_ram, 2),
-            "precision": precision, "peak_moment": sp.peak_moment,
+            "precision": precision, "peak_moment": sp.peak_moment, "micro_batch": micro, "grad_accum": accum,
             "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
             "compile_modelled": compile_is_modelled(run_cfg),
         }
@@ -157,8 +160,10 @@ def check_host_ram(cfg: RunConfig, record: dict[str, Any], device_type: str, npr
     fixes = _host_fixes(cfg, record, device_type, nproc, avail)
     raise UserError(
         f"the plan predicts {cfg.strategy} needs {need:.1f} GiB of host RAM on this node (+{HOST_HEADROOM - 1:.0%} for "
-        f"the prediction's error) but {avail:.1f} GiB are available "
-        "(a smaller micro batch does not lower it: host memory holds the model and optimizer states)",
+        f"the prediction's error) but {avail:.1f} GiB are available"
+        # on a GPU the host holds the model and optimizer states, not activations; on a CPU device it holds everything
+        + (" (a smaller micro batch does not lower it: host memory holds the model and optimizer states)"
+           if device_type != "cpu" else ""),
         "; or ".join(fixes + ["--force to start anyway"]),
     )
 
@@ -180,6 +185,10 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": record.get("precision") or cfg.precision})
     gpu_memory = record.get("gpu_memory_gib")
     out, forced = [], []
+    if device_type == "cpu":  # the activations are in host memory too: a smaller micro batch, the same global batch
+        m = _cpu_micro_that_fits(run_cfg, record, nproc, avail)
+        if m:
+            out.append(m)
     if cfg.strategy_options.pin_memory and device_type == "cuda":
         unpinned = run_cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"pin_memory": False})})
         need, _ = _host_need(unpinned, device_type, nproc, gpu_memory)
@@ -201,6 +210,32 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
     if not out:
         out.append("a smaller model, or a node with more RAM")
     return out + forced
+
+
+def _cpu_micro_that_fits(run_cfg: RunConfig, record: dict[str, Any], nproc: int, avail: float) -> str | None:
+    """The largest micro batch, with the accumulation that keeps each rank's batch, whose CPU run fits ``avail``; with
+    --gradient-checkpointing where none fits without it."""
+    micro, accum = record.get("micro_batch"), record.get("grad_accum")
+    if not micro or not accum:
+        return None
+    per_rank = micro * accum
+    for ckpt in sorted({run_cfg.gradient_checkpointing, True}):
+        cands = micro_candidates(run_cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1,
+                                 micro if ckpt and not run_cfg.gradient_checkpointing else micro - 1)
+
+        def need(i: int) -> float:
+            smaller = run_cfg.model_copy(update={"micro_batch": cands[i], "grad_accum": per_rank // cands[i],
+                                                 "global_batch": None, "gradient_checkpointing": ckpt})
+            return _host_need(smaller, "cpu", nproc, None)[0]
+
+        i = largest_that_fits(len(cands), lambda i: host_fits(need(i), avail), start=len(cands) - 1)
+        if i >= 0:
+            m = cands[i]
+            flags = f"--micro-batch {m} --grad-accum {per_rank // m}" if m != micro else ""
+            if ckpt and not run_cfg.gradient_checkpointing:
+                flags = f"{flags} --gradient-checkpointing".strip()
+            return f"{flags} (same global batch; {need(i):.1f} GiB)"
+    return None
 
 
 def with_eval_split(record: dict[str, Any], cfg: RunConfig, nproc: int, eval_blocks: int) -> dict[str, Any]:

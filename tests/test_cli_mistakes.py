@@ -347,3 +347,17 @@ def test_overwrite_replaces_the_old_run_and_leaves_none_of_its_files(tmp_path, t
     run = train_cli(base + ["--no-export", "--overwrite", "--seed", "7"], out).check()
     assert "--overwrite: deleting the earlier run's files" in run.stdout
     assert not (out / "model").exists() and run.config["seed"] == 7 and len(run.rows) == len(run.losses) >= 1
+
+
+def test_pipeline_options_given_to_another_strategy_are_named_as_unused(capsys):
+    """--stages/--schedule/--chunks mean nothing to dp: one line says so (not an error: a bench's shared --set or a
+    YAML written for several strategies carries them to every cell); a pipeline run and defaults say nothing."""
+    from shardlab.config import RunConfig
+    from shardlab.launch.launcher import preflight
+
+    opts = {"pp_stages": 2, "pp_chunks": 3}
+    capsys.readouterr()
+    preflight(RunConfig(model="tiny-gpt2", device="cpu", strategy="dp", strategy_options=opts))
+    assert "--stages, --chunks: pipeline options, unused by strategy 'dp'" in capsys.readouterr().out
+    preflight(RunConfig(model="tiny-gpt2", device="cpu", strategy="zero2"))
+    assert "pipeline options" not in capsys.readouterr().out

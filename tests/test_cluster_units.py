@@ -217,6 +217,12 @@ def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path):
     assert find_resume_dir("auto", tmp_path / "elsewhere") is None
     with pytest.raises(UserError, match="not a complete shardlab checkpoint"):
         find_resume_dir(str(root / "step-0000008"), tmp_path)
+    # a run directory (what users pass first, e.g. another run's output_dir): its newest complete checkpoint
+    assert find_resume_dir(str(tmp_path), tmp_path / "new-run") == root / "step-0000004"
+    empty = tmp_path / "no-saves"
+    (empty / "checkpoints" / "step-0000002").mkdir(parents=True)  # never completed
+    with pytest.raises(UserError, match="holds no complete checkpoint"):
+        find_resume_dir(str(empty), tmp_path / "new-run")
 
 
 # ---- signals and guards -------------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ def check(strategy="dp", world=1, accum=1, device="cpu", **kw):
         ({"strategy": "fsdp", "optimizer_in_backward": True, "max_grad_norm": None, "resume": "auto"}, 2, 1, "cpu", "checkpoints"),
         ({"strategy": "zero2_offload", "strategy_options": {"offload_ratio": 0.5}}, 1, 1, "cuda", "needs strategy zero3_offload"),
         ({"strategy": "zero3_offload", "strategy_options": {"zenflow": True}}, 1, 1, "cuda", "--zenflow needs strategy zero1_offload"),
+        # strategies outside DeepSpeed refuse DeepSpeed's options too (they ran without them, silently, before)
+        ({"strategy_options": {"zenflow": True}}, 1, 1, "cuda", "--zenflow needs strategy zero1_offload or zero2_offload, not 'dp'"),
+        ({"strategy": "fsdp_offload", "strategy_options": {"offload_ratio": 0.5}}, 1, 1, "cuda", "needs strategy zero3_offload"),
+        ({"strategy": "pipeline", "strategy_options": {"zenflow": True}}, 2, 2, "cpu", "--zenflow needs strategy"),
         ({"strategy": "zero2_offload", "strategy_options": {"zenflow": True}}, 1, 1, "cpu", "needs a CUDA GPU"),
         ({"strategy": "ao_offload"}, 1, 1, "cpu", "needs a CUDA GPU"),
         ({"strategy": "ao_offload"}, 2, 1, "cuda", "runs on one GPU"),

@@ -119,21 +119,32 @@ def is_complete(path: Path) -> bool:
     return (path / TRAINER_STATE).is_file() and not path.name.endswith(".tmp")
 
 
+def _newest_complete(run_dir: Path) -> Path | None:
+    root = checkpoints_root(run_dir)
+    latest = root / "latest"
+    done = sorted(p for p in root.glob("step-*") if is_complete(p))
+    if latest.is_file():
+        cand = root / latest.read_text().strip()
+        if is_complete(cand) and (not done or cand.name >= done[-1].name):
+            return cand
+    return done[-1] if done else None
+
+
 def find_resume_dir(resume: str, output_dir: Path) -> Path | None:
-    """'auto': the newest complete checkpoint under output_dir (None if there is none); else a path."""
+    """'auto': the newest complete checkpoint under output_dir (None if there is none); else a checkpoint, or a run
+    directory (another run's output_dir, what users reach for first): its newest complete checkpoint."""
     if resume == "auto":
-        root = checkpoints_root(output_dir)
-        latest = root / "latest"
-        done = sorted(p for p in root.glob("step-*") if is_complete(p))
-        if latest.is_file():
-            cand = root / latest.read_text().strip()
-            if is_complete(cand) and (not done or cand.name >= done[-1].name):
-                return cand
-        return done[-1] if done else None
+        return _newest_complete(output_dir)
     path = Path(resume)
-    if not is_complete(path):
-        raise UserError(f"{resume!r} is not a complete shardlab checkpoint (no {TRAINER_STATE})", "pass --resume auto or a checkpoints/step-N directory")
-    return path
+    if is_complete(path):
+        return path
+    if checkpoints_root(path).is_dir():
+        found = _newest_complete(path)
+        if found is not None:
+            return found
+        raise UserError(f"run directory {resume!r} holds no complete checkpoint", "pass a run that saved one (--save-every N)")
+    raise UserError(f"{resume!r} is not a complete shardlab checkpoint (no {TRAINER_STATE})",
+                    "pass --resume auto, a run directory or a checkpoints/step-N directory")
 
 
 def read_state(directory: Path) -> dict[str, Any]:

@@ -57,6 +57,8 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     s = spec(cfg.strategy)
     if s.engine == "pipelining":
         _check_pipeline(cfg, device_type)
+    else:
+        _say_pipeline_options_unused(cfg)
     # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
     dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
     if cfg.micro_batch == "auto":
@@ -85,6 +87,18 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
         check_nvme_path(cfg.strategy_options.nvme_path, n_params, cfg.strategy_options.nvme_min_free_gb)
     return device_type, nproc
+
+
+def _say_pipeline_options_unused(cfg: RunConfig) -> None:
+    """One line for pipeline options given to another strategy. Not an error: a bench's shared --set or a YAML written
+    for several strategies carries them to every cell, and the run is the same without them."""
+    from ..config import StrategyOptions
+
+    fields = StrategyOptions.model_fields
+    unused = [fields[k].json_schema_extra["cli"]["flag"] for k in ("pp_stages", "pp_schedule", "pp_chunks")
+              if getattr(cfg.strategy_options, k) != fields[k].default]
+    if unused:
+        print(f"[shardlab] {', '.join(unused)}: pipeline options, unused by strategy {cfg.strategy!r}", flush=True)
 
 
 def _check_pipeline(cfg: RunConfig, device_type: str) -> None:

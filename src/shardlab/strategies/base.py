@@ -18,6 +18,7 @@ from torch import nn
 
 from ..training import attention_backend, loss, optim, sdpa_causal
 from ..config import RunConfig
+from ..errors import UserError
 from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
 from ..training.optim import Precision
@@ -107,6 +108,13 @@ class Strategy(ABC):
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
         s = spec(cfg.strategy)
+        opts = cfg.strategy_options
+        # DeepSpeed's partial offload and ZenFlow, asked of a strategy that has neither (dp, fsdp, pipeline included)
+        if opts.offload_ratio < 1.0 and not (s.engine == "deepspeed" and s.offload_params == "cpu"):
+            raise UserError(f"offload_ratio {opts.offload_ratio} (partial offload) needs strategy zero3_offload, not {cfg.strategy!r}",
+                            "use --strategy zero3_offload, or drop --offload-ratio")
+        if opts.zenflow and not s.supports_zenflow:
+            raise UserError(f"--zenflow needs strategy zero1_offload or zero2_offload, not {cfg.strategy!r}", "use --strategy zero2_offload")
         optim.check_optimizer_options(cfg, s, world, accum, device_type)
         attention_backend.check(cfg.sdpa_backend, device_type)
         if cfg.loss_kernel == "liger":

@@ -41,6 +41,11 @@ def test_two_cpu_ranks_are_planned_as_a_whole_run(capsys):
     one, two = _plan(capsys, "--host-ram-gb", "50"), _plan(capsys, "--host-ram-gb", "50", "--gpus", "2")
     dp1, dp2 = (next(r for r in p["rows"] if r["strategy"] == "dp") for p in (one, two))
     assert two["ranks"] == 2 and dp2["host_gib"] > dp1["host_gib"]  # every rank holds its own replica and process
+    # a pipeline is planned as `train` runs it (its default micro-batches per stage), and the run notes that the
+    # other strategies' checks print stay out of the JSON
+    staged = _plan(capsys, "--host-ram-gb", "50", "--gpus", "2", "--stages", "2")
+    pipe = next(r for r in staged["rows"] if r["strategy"] == "pipeline")
+    assert pipe["refused"] is None and pipe["host_gib"] > 0
 
 
 def test_nothing_fits_names_what_train_would_suggest(capsys):

@@ -8,6 +8,8 @@ strategy, with the reason a strategy cannot run on a CPU where it cannot (the sa
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -58,10 +60,12 @@ def plan_cpu(cfg: RunConfig, nproc: int, host_ram_gib: float, check: Callable[[R
         raise UserError("a CPU plan needs a micro batch", "pass --micro-batch N; the plan then says which strategies fit")
     rows, record = [], {}
     for s in all_specs():
-        one = cfg.model_copy(update={"strategy": s.name, "gpus": nproc})
+        # as `train` makes it: a pipeline without --microbatches gets its default micro-batches per stage
+        one = cfg.model_copy(update={"strategy": s.name, "gpus": nproc}).with_pipeline_microbatches(nproc * cfg.nodes)[0]
         row = CpuRow(s.name)
         try:
-            check(one)
+            with contextlib.redirect_stdout(io.StringIO()):  # its notes are for a run (and would break --json)
+                check(one)
         except UserError as err:
             row.refused = str(err)
             rows.append(row)

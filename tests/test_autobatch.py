@@ -192,7 +192,8 @@ def test_auto_plans_each_strategy_at_its_own_micro_batch(capsys):
     strategy's (dp's) auto micro batch is 1. Each strategy gets its own: fsdp_offload the whole batch of 32 without
     accumulation (fits), ao_offload none (with accumulation its fp32 gradients stay on the GPU; without it the compiled
     loss' logits of 32 rows do not fit), so the plan recommends fsdp_offload at 32 x 1, not at dp's 1 x 32."""
-    from shardlab.planning.planner import plan, render
+    from shardlab.planning.planner import plan
+    from shardlab.planning.render import render
 
     cfg = RunConfig(model="bloom-7b1", seq_len=1024, micro_batch="auto", global_batch=32, precision="bf16", gpus=1,
                     gradient_checkpointing=True)

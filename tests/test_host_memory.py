@@ -163,7 +163,8 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     import subprocess
     import sys
 
-    from shardlab.planning.planner import _arch, _ds_group_params
+    from shardlab.planning.host import ds_group_params
+    from shardlab.planning.planner import _arch
     from shardlab.strategies.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
     user = tmp_path / "ds.json"
@@ -173,7 +174,7 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     engine = json.loads(proc.stdout.strip().splitlines()[-1])
     cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64)
-    planned = zero3_sub_groups(_ds_group_params(_arch(cfg), cfg.weight_decay), 150_000)
+    planned = zero3_sub_groups(ds_group_params(_arch(cfg), cfg.weight_decay), 150_000)
     assert len(planned) > 2 and engine["numel"] == planned
     assert engine["devices"] == len(planned) and engine["ratio"] == 0.5
     assert twin_flow_gpu_sub_groups(len(planned), 0.5) == len(planned) // 2  # which, on a GPU, step on the GPU
@@ -193,14 +194,15 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     ("bloom-7b1", "fsdp_offload", 1, 512, True, 111.0),
 ])
 def test_gpu_host_prediction_within_10_percent_of_measured(model, strategy, micro, seq, pin, measured, monkeypatch):
-    from shardlab.planning import planner
+    from shardlab.planning import host, planner
     from shardlab.planning.planner import plan
 
     if strategy == "zero3_offload":
         # These ran with DeepSpeed's sub_group_size, 1e9: sized_buckets' tenth of the model never reached a ZeRO-3
         # engine until setup counted the partitioned parameters' ds_numel (model_numel). Planned as they ran.
         sized = planner.sized_buckets
-        monkeypatch.setattr(planner, "sized_buckets", lambda *a: {**sized(*a), "sub_group_size": 1_000_000_000})
+        for module in (planner, host):  # the GPU side and the host side (its optimizer sub-groups) read it
+            monkeypatch.setattr(module, "sized_buckets", lambda *a: {**sized(*a), "sub_group_size": 1_000_000_000})
     cfg = RunConfig(model=model, strategy=strategy, micro_batch=micro, grad_accum=1, seq_len=seq, precision="bf16", gpus=1,
                     gradient_checkpointing=model == "bloom-7b1")
     cfg.strategy_options.pin_memory = pin

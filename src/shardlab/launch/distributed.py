@@ -176,7 +176,9 @@ def reuse_freed_heap(enabled: bool = True):
     with the heap reused (+0.3 GiB resident peak); its head and loss alone, 0.90 s and 0.45-0.56 s. jemalloc and tcmalloc, which PyTorch's CPU performance guide recommends,
     reuse memory the same way; this does it with the allocator every Linux has. The cost is a higher resident peak
     (freed memory is not given back during the run): tiny-gpt2 at micro 23 x 32 peaked at 1.22 GiB with it and under
-    1.0 GiB without, so a run given an explicit host-RAM budget (`cpu_memory_budget_gb`, which `--micro-batch auto`
+    1.0 GiB without, and gpt2 (124M) at micro 2 x 256 climbed from 2.86 to 3.77 GiB over 12 steps where glibc's default
+    stayed at 2.8-3.0, for steps of 2.89 s against 3.2 s (benchmarks/results/2026-11-27-cpu-plan-gpt2; the planner does
+    not count it yet), so a run given an explicit host-RAM budget (`cpu_memory_budget_gb`, which `--micro-batch auto`
     and the planner's host model are about) keeps glibc's default (the trainer passes enabled=False). Restored afterwards, with the heap trimmed, so a notebook's
     process that ran `shardlab.train()` gets its memory back. A no-op where the C library is not glibc."""
     libc = None

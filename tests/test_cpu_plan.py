@@ -41,6 +41,13 @@ def test_two_cpu_ranks_are_planned_as_a_whole_run(capsys):
     one, two = _plan(capsys, "--host-ram-gb", "50"), _plan(capsys, "--host-ram-gb", "50", "--gpus", "2")
     dp1, dp2 = (next(r for r in p["rows"] if r["strategy"] == "dp") for p in (one, two))
     assert two["ranks"] == 2 and dp2["host_gib"] > dp1["host_gib"]  # every rank holds its own replica and process
+    # ... and the `shardlab train` process that spawned them waits beside them (0.44 GiB measured with its supervisor)
+    from shardlab.planning.host import CPU_LAUNCHER_RSS_BYTES, CPU_PROCESS_RSS_BYTES
+
+    GiB = 2**30
+    ranks = 2 * (dp2["per_rank_gib"] + CPU_PROCESS_RSS_BYTES / GiB)
+    assert dp2["host_gib"] == pytest.approx(ranks + CPU_LAUNCHER_RSS_BYTES / GiB, abs=1e-3)
+    assert dp1["host_gib"] == pytest.approx(dp1["per_rank_gib"] + CPU_PROCESS_RSS_BYTES / GiB, abs=1e-3)  # one rank: itself
     # a pipeline is planned as `train` runs it (its default micro-batches per stage), and the run notes that the
     # other strategies' checks print stay out of the JSON
     staged = _plan(capsys, "--host-ram-gb", "50", "--gpus", "2", "--stages", "2")

@@ -173,12 +173,17 @@ CPU_PROCESS_RSS_BYTES = int(0.53 * GiB)
 # DeepSpeed's import and engine add to that: zero1/2/3(_offload) tiny-gpt2 runs peaked 0.06-0.09 GiB above
 # the same prediction for dp on the same machine.
 CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
+# A CPU run of several ranks has the `shardlab train` process that spawned them beside them, waiting (as on GPUs:
+# LAUNCHER_RSS_BYTES, which holds the CUDA libraries too), and its supervisor: 0.41 and 0.03 GiB throughout a two-rank
+# tiny-gpt2 run (ps, 2026-11-27); that run's process tree peaked at 2.43 GiB against 1.76 planned without them
+# (benchmarks/results/2026-11-27-cpu-plan-gpt2).
+CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 
 
 def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
     """Host memory of a whole CPU run (all ranks) for a StrategyPlan computed with ``device='cpu'``:
     what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
-    what the strategy offloads (already host memory, per node)."""
+    what the strategy offloads (already host memory, per node), and with several ranks the process that launched them."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
     baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
-    return nproc * (sp.gpu_peak + baseline) + offloaded
+    return nproc * (sp.gpu_peak + baseline) + offloaded + (CPU_LAUNCHER_RSS_BYTES if nproc > 1 else 0)

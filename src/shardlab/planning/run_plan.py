@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -110,6 +110,18 @@ def _pipeline_fields(sp) -> dict[str, Any]:
                         "peak_in_flight": st["peak_in_flight"]} for st in sp.stages]}
 
 
+def same_batch_micro(cfg: RunConfig, per_rank: int, upper: int, fits: Callable[[RunConfig], bool]) -> RunConfig | None:
+    """``cfg`` at the largest micro batch up to ``upper`` that divides ``per_rank`` (each rank's batch, kept by the
+    accumulation) and for which ``fits`` holds; None if none does. The advice's one search, for GPU and CPU runs."""
+    cands = micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, upper)
+
+    def at(i: int) -> RunConfig:
+        return cfg.model_copy(update={"micro_batch": cands[i], "grad_accum": per_rank // cands[i], "global_batch": None})
+
+    i = largest_that_fits(len(cands), lambda i: fits(at(i)), start=len(cands) - 1)
+    return at(i) if i >= 0 else None
+
+
 def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     """What the plan says would fit instead, fastest change first: one line."""
     from .planner import plan
@@ -118,17 +130,11 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
     out = []
     per_rank = p.micro_batch * p.grad_accum
     if 0 < sp.max_micro_batch < p.micro_batch:
-        # divisors of the per-rank batch, from the largest; with accumulation the gradients live through forward too
-        cands = micro_candidates(cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1, sp.max_micro_batch)
-
-        def fits(i: int) -> bool:
-            smaller = cfg.model_copy(update={"micro_batch": cands[i], "grad_accum": per_rank // cands[i], "global_batch": None})
-            return plan(smaller, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits
-
-        i = largest_that_fits(len(cands), fits, start=len(cands) - 1)
-        if i >= 0:
-            m = cands[i]
-            out.append(f"--micro-batch {m} --grad-accum {per_rank // m} (same global batch)")
+        # with accumulation the gradients live through forward too: the plan's max micro batch is only the upper end
+        smaller = same_batch_micro(cfg, per_rank, sp.max_micro_batch, lambda c: plan(
+            c, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy].fits)
+        if smaller is not None:
+            out.append(f"--micro-batch {smaller.micro_batch} --grad-accum {smaller.grad_accum} (same global batch)")
     if not cfg.gradient_checkpointing:
         ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
         if ck.strategies[cfg.strategy].fits:
@@ -218,23 +224,16 @@ def _cpu_micro_that_fits(run_cfg: RunConfig, record: dict[str, Any], nproc: int,
     micro, accum = record.get("micro_batch"), record.get("grad_accum")
     if not micro or not accum:
         return None
-    per_rank = micro * accum
     for ckpt in sorted({run_cfg.gradient_checkpointing, True}):
-        cands = micro_candidates(run_cfg.model_copy(update={"global_batch": per_rank, "grad_accum": None}), 1,
-                                 micro if ckpt and not run_cfg.gradient_checkpointing else micro - 1)
-
-        def need(i: int) -> float:
-            smaller = run_cfg.model_copy(update={"micro_batch": cands[i], "grad_accum": per_rank // cands[i],
-                                                 "global_batch": None, "gradient_checkpointing": ckpt})
-            return _host_need(smaller, "cpu", nproc, None)[0]
-
-        i = largest_that_fits(len(cands), lambda i: host_fits(need(i), avail), start=len(cands) - 1)
-        if i >= 0:
-            m = cands[i]
-            flags = f"--micro-batch {m} --grad-accum {per_rank // m}" if m != micro else ""
-            if ckpt and not run_cfg.gradient_checkpointing:
+        added = ckpt and not run_cfg.gradient_checkpointing  # checkpointing alone, at this micro batch, may be the fix
+        base = run_cfg.model_copy(update={"gradient_checkpointing": ckpt})
+        smaller = same_batch_micro(base, micro * accum, micro if added else micro - 1,
+                                   lambda c: host_fits(_host_need(c, "cpu", nproc, None)[0], avail))
+        if smaller is not None:
+            flags = f"--micro-batch {smaller.micro_batch} --grad-accum {smaller.grad_accum}" if smaller.micro_batch != micro else ""
+            if added:
                 flags = f"{flags} --gradient-checkpointing".strip()
-            return f"{flags} (same global batch; {need(i):.1f} GiB)"
+            return f"{flags} (same global batch; {_host_need(smaller, 'cpu', nproc, None)[0]:.1f} GiB)"
     return None
 
 

@@ -186,4 +186,11 @@ def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
     what the strategy offloads (already host memory, per node), and with several ranks the process that launched them."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
     baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
-    return nproc * (sp.gpu_peak + baseline) + offloaded + (CPU_LAUNCHER_RSS_BYTES if nproc > 1 else 0)
+    return nproc * (sp.gpu_peak + baseline) + offloaded + launcher_bytes("cpu", nproc)
+
+
+def launcher_bytes(device: str, ranks_per_node: int) -> int:
+    """The process that started a node's ranks and waits beside them; none where the one rank runs in it."""
+    if ranks_per_node <= 1:
+        return 0
+    return LAUNCHER_RSS_BYTES if device == "cuda" else CPU_LAUNCHER_RSS_BYTES

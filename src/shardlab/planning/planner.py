@@ -87,7 +87,7 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from .host import GPU_PROCESS_RSS_BYTES, LAUNCHER_RSS_BYTES, cpu_run_bytes, host_build, host_states, zero3_optimizer_split
+from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, host_build, host_states, launcher_bytes, zero3_optimizer_split
 from ..strategies.deepspeed_zero import contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, zero3_leaf_classes
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
@@ -611,9 +611,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     cpu_detail[build_label] = build * gpus_per_node
     cpu_detail["process (python, torch, CUDA libs)"] = float(baseline * gpus_per_node)
     cpu_total = gpus_per_node * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
-    if device == "cuda" and gpus_per_node > 1:  # ranks run in the launching process only when there is one
-        cpu_detail["the process that launched the ranks"] = float(LAUNCHER_RSS_BYTES)
-        cpu_total += LAUNCHER_RSS_BYTES
+    launcher = launcher_bytes(device, gpus_per_node) if device == "cuda" else 0  # a CPU run's total: cpu_run_bytes
+    if launcher:
+        cpu_detail["the process that launched the ranks"] = float(launcher)
+        cpu_total += launcher
     ms_bpp = float(P + G + O) + 16.0 * sum(on_gpu) / n
     paper = paper_bytes_per_param(strategy, d)
     # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in

@@ -60,6 +60,7 @@ def test_nothing_fits_names_what_train_would_suggest(capsys):
     assert p["recommendation"] is None
     assert not any(r["fits"] for r in p["rows"]) and all(not host_fits(r["host_gib"], 0.3) for r in p["rows"] if r["host_gib"])
     assert p["fix"] and "--force" in p["fix"]
+    assert p["fix_for"] == next(s for s in speed_order() if any(r["strategy"] == s and r["host_gib"] for r in p["rows"]))
 
 
 def test_the_table_and_the_mistakes(capsys):

@@ -41,13 +41,9 @@ class CpuPlan:
     host_ram_gib: float
     rows: list[CpuRow]
     recommendation: str | None
-    fix: str | None = None  # when nothing fits: what the fastest strategy would need (check_host_ram's hint)
+    fix: str | None = None  # when nothing fits: what the fastest planned strategy would need (check_host_ram's hint)
+    fix_for: str | None = None  # that strategy
     notes: list[str] = field(default_factory=list)
-
-    def rows_fastest(self) -> str | None:
-        """The fastest strategy that was planned (the one ``fix`` is for)."""
-        planned = {r.strategy for r in self.rows if r.host_gib is not None}
-        return next((s for s in speed_order() if s in planned), None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -89,7 +85,7 @@ def plan_cpu(cfg: RunConfig, nproc: int, host_ram_gib: float, check: Callable[[R
             check_host_ram(cfg.model_copy(update={"strategy": planned[0], "gpus": nproc}), record[planned[0]], "cpu", nproc,
                            available_gib=host_ram_gib)
         except UserError as err:
-            out.fix = err.hint
+            out.fix, out.fix_for = err.hint, planned[0]
     out.notes.append(f"fits: {HOST_HEADROOM} x the predicted peak within this node's RAM; offload strategies move "
                      "nothing off a CPU device (they run, for testing, with the same host memory)")
     # measured, not modelled yet: benchmarks/results/2026-11-27-cpu-plan-gpt2
@@ -119,5 +115,5 @@ def render_cpu(p: CpuPlan, console=None) -> None:
     if p.recommendation:
         console.print(f"[bold]Recommended:[/bold] {p.recommendation} (the fastest that fits this node's RAM)")
     else:
-        console.print("[bold]Nothing fits[/bold] this node's RAM" + (f"; for {p.rows_fastest()}, `shardlab train` would "
+        console.print("[bold]Nothing fits[/bold] this node's RAM" + (f"; for {p.fix_for}, `shardlab train` would "
                                                                      f"suggest: {p.fix}" if p.fix else ""))

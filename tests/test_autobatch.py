@@ -116,7 +116,7 @@ def test_resolve_on_cpu_with_a_fake_trial(capsys):
     from shardlab.planning.planner import predict_cpu_run
 
     start = result.plan_start
-    predicted = lambda m: predict_cpu_run(with_micro_batch(cfg, m).model_copy(update={"gpus": 1}), 1)[1]  # noqa: E731
+    predicted = lambda m: predict_cpu_run(with_micro_batch(cfg, m).model_copy(update={"gpus": 1}), 1, reuse_heap=False)[1]  # noqa: E731
     assert predicted(start) <= 1.2 * 2**30
     above = [m for m in micro_candidates(cfg, 1) if m > start]
     assert not above or predicted(above[0]) > 1.2 * 2**30

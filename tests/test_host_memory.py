@@ -180,6 +180,78 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     assert twin_flow_gpu_sub_groups(len(planned), 0.5) == len(planned) // 2  # which, on a GPU, step on the GPU
 
 
+# One DeepSpeed engine per fresh interpreter (as above), fp32 on the CPU without offload: torch's AdamW over the flat
+# fp32 partitions. After a first step, the optimizer's own tensors, and the allocations of a second step's
+# optimizer_step under the profiler.
+_DS_STEP = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, sys.argv[2])
+from allocations import peak_allocated
+from shardlab.config import RunConfig
+from shardlab.launch.distributed import DistEnv, free_port
+from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
+from shardlab.training.optim import Precision
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = RunConfig(model="tiny-gpt2", strategy=sys.argv[1], device="cpu", seq_len=64, micro_batch=2, grad_accum=1)
+strategy = DeepSpeedStrategy(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 1)
+strategy.setup(strategy.build_model(), total_steps=4)
+ids = torch.randint(0, 1000, (2, 64))
+def step(prof=False):
+    strategy.engine.backward(strategy.engine(input_ids=ids, labels=ids).loss)
+    if not prof:
+        return strategy.optimizer_step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        strategy.optimizer_step()
+    return peak_allocated(p)
+step()
+opt = strategy.engine.optimizer
+inner = opt.optimizer
+# the fp32 partitions the inner optimizer steps (ZeRO-3 hands them to it one sub-group at a time, during step only)
+masters = list(getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups)
+params = {q.untyped_storage().data_ptr() for q in strategy.hf_model.parameters() if q.numel()}
+params |= {q.ds_tensor.untyped_storage().data_ptr() for q in strategy.hf_model.parameters() if hasattr(q, "ds_tensor")}
+states = sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+print(json.dumps({"master": sum(q.numel() * 4 for q in masters),
+                  "master_is_a_copy": not any(q.untyped_storage().data_ptr() in params for q in masters),
+                  "states": states, "step_peak": step(prof=True)}))
+"""
+
+
+@pytest.mark.slow  # two DeepSpeed engines, each in a fresh interpreter
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path, strategy):
+    """ZeRO 1-3 keep an fp32 master copy even when the run is fp32 (stage_1_and_2.py clones the partition; stage3.py
+    compares a torch.device with a device name, never equal, and clones too), and on a CPU their step runs torch's
+    AdamW over the flat fp32 partition: the planner had neither (gpt2 zero2/zero3 on a CPU measured 0.46 and 1.39 GiB
+    above the plan, benchmarks/results/2026-11-27-cpu-host-model)."""
+    import json
+    import subprocess
+    import sys
+
+    from shardlab.planning.planner import predict_cpu_run
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    tests_dir = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, "-c", _DS_STEP, strategy, tests_dir], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64, micro_batch=2, grad_accum=1,
+                    precision="fp32")
+    sp, _ = predict_cpu_run(cfg, 1, reuse_heap=False)
+    n = sp.gpu["parameters"] / 4  # fp32 params, one rank: the whole model
+    assert got["master_is_a_copy"] and got["master"] == pytest.approx(4 * n, rel=0.01)
+    assert got["master"] + got["states"] == pytest.approx(sp.gpu["optimizer"], rel=0.01)  # master + m + v
+    # The step's new allocations: the fp32 gradient it flattens and AdamW's temporaries over the flat partition
+    # (zero2 frees the 16-bit gradients it flattened before AdamW runs; the profiler does not see frees of blocks made
+    # before its window, so the planned gradients come back in here)
+    planned = sp.gpu["step buffers"] + (sp.gpu["gradients"] if strategy == "zero2" else 0.0)
+    assert got["step_peak"] == pytest.approx(planned, rel=0.05)
+
+
 # ---- the plan's host memory -------------------------------------------------------------------------
 
 

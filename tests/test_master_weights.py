@@ -71,7 +71,7 @@ def test_plan_counts_bf16_weights_and_grads_without_autocast_copies():
     # On a GPU the bf16 model is built on meta and materialised there: nothing on the host at load time
     assert bf16.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
     assert fp32.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
-    cpu, _ = planner.predict_cpu_run(RunConfig(**base, device="cpu", master_weights="bf16"), 1)
+    cpu, _ = planner.predict_cpu_run(RunConfig(**base, device="cpu", master_weights="bf16"), 1, reuse_heap=True)
     assert cpu.cpu_detail["model built in bf16 on the CPU (load time)"] == 2 * n
     assert bf16.gpu_peak < fp32.gpu_peak - 4 * n  # 2 B/param of weights, 2 of grads, and the 2 of autocast copies less
 

@@ -362,7 +362,7 @@ def test_cpu_adamw_step_temporaries_are_per_tensor():
     from shardlab.planning.planner import predict_cpu_run
 
     cfg = RunConfig(model="tiny-gpt2", device="cpu", seq_len=64, micro_batch=2, weight_decay=0.1)
-    sp, _ = predict_cpu_run(cfg, 1)
+    sp, _ = predict_cpu_run(cfg, 1, reuse_heap=False)
     torch.manual_seed(0)
     model = build_model(cfg)
     opt = adamw(model, cfg, "cpu")

@@ -93,7 +93,7 @@ def test_cpu_run_is_host_memory_whatever_the_ratio():
     def cpu(ratio):
         cfg = RunConfig(model="gpt2", strategy=S, device="cpu", seq_len=64, micro_batch=2, grad_accum=1,
                         strategy_options={"offload_ratio": ratio})
-        sp, total = predict_cpu_run(cfg, 1)
+        sp, total = predict_cpu_run(cfg, 1, reuse_heap=True)
         return sp.gpu_peak, sp.cpu_detail, total
 
     assert cpu(0.5) == cpu(1.0)

@@ -88,7 +88,9 @@ def test_cpu_record_and_a_planner_failure(monkeypatch):
     cfg = RunConfig(model="tiny-gpt2", seq_len=64, micro_batch=2, strategy="zero2", device="cpu")
     rec = predict_run(cfg, "cpu", 2, host_ram=16)
     assert rec["gpu_peak_gib"] is None and rec["fits"] is None and rec["strategy"] == "zero2"
-    assert 2 * 0.6 < rec["cpu_gib"] < 2 * 1.0  # two ranks of ~0.7 GiB (process baseline + tiny model)
+    # two ranks of ~0.7 GiB (process baseline + tiny model), what their heaps keep, and the process that spawned them
+    assert 2 * 0.6 < rec["cpu_gib"] - rec["heap_kept_gib"] < 2 * 1.0 + 0.5 and rec["heap_reuse"]
+    assert 0 < rec["heap_kept_gib"] < 2 * rec["per_rank_gib"]
     assert warning_line(rec) is None
 
     import shardlab.planning.planner
@@ -116,3 +118,55 @@ def test_spawned_ranks_write_the_launchers_plan(tmp_path, train_cli):
     used = re.search(r"blocks split (\[.*?\])", run.stdout)[1]
     assert [tuple(b) for b in rec["pipeline_split"]] == ast.literal_eval(used)
     assert [s["gpu"] for s in rec["stages"]] == [0, 1]
+
+
+def test_a_cpu_run_tight_for_the_kept_heap_gives_freed_memory_back(monkeypatch):
+    """The heap kept for reuse makes CPU steps faster but holds more (planning/host.heap_kept_bytes): a node that fits
+    the run only with glibc's default gets that, says so in one line, and the worker does not keep the heap."""
+    import contextlib
+
+    from shardlab.launch.distributed import heap_reuse
+    from shardlab.planning.memory import HOST_HEADROOM, host_fits
+    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.run_plan import check_host_ram, heap_line
+
+    cfg = RunConfig(model="gpt2", device="cpu", seq_len=256, micro_batch=2, precision="fp32")
+    glibc = predict_cpu_run(cfg, 1, reuse_heap=False)[1] / GiB
+    kept = predict_cpu_run(cfg, 1, reuse_heap=True)[1] / GiB
+    assert glibc + 0.5 < kept  # gpt2: 3.70 against 4.65 GiB
+    roomy = predict_run(cfg, "cpu", 1, host_ram=20)
+    assert roomy["heap_reuse"] and roomy["cpu_gib"] == pytest.approx(kept, abs=1e-3) and heap_reuse(cfg, "cpu", roomy)
+    assert heap_line(cfg, roomy) is None
+    ram = glibc * HOST_HEADROOM + 0.1  # fits with glibc's default, not with the kept heap
+    assert host_fits(glibc, ram) and not host_fits(kept, ram)
+    tight = predict_run(cfg, "cpu", 1, host_ram=ram)
+    assert tight["heap_reuse"] is False and tight["cpu_gib"] == pytest.approx(glibc, abs=1e-3)
+    check_host_ram(cfg, tight, "cpu", 1, available_gib=ram)  # no refusal
+    assert not heap_reuse(cfg, "cpu", tight) and "freed memory goes back to the system" in heap_line(cfg, tight)
+    # an explicit host-RAM budget is planned with glibc's default; GPU runs never touch the heap
+    budget = cfg.model_copy(update={"cpu_memory_budget_gb": 10})
+    assert predict_run(budget, "cpu", 1, host_ram=20)["heap_reuse"] is False and not heap_reuse(budget, "cpu", roomy)
+    assert heap_line(budget, tight) is None and not heap_reuse(cfg, "cuda", roomy)
+
+    # the worker passes the decision to reuse_freed_heap
+    import shardlab.training.trainer as trainer
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_heap(enabled):
+        seen.append(enabled)
+        yield enabled
+
+    class Done(Exception):
+        pass
+
+    def no_trainer(*a, **k):
+        raise Done
+
+    monkeypatch.setattr(trainer, "reuse_freed_heap", fake_heap)
+    monkeypatch.setattr(trainer, "Trainer", no_trainer)
+    for record in (roomy, tight, None):
+        with pytest.raises(Done):
+            trainer.run_worker(cfg, plan=record)
+    assert seen == [True, False, True]  # a rank without the record (torchrun's others) keeps the heap

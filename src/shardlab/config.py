@@ -155,7 +155,7 @@ class RunConfig(_Strict):
         description="sequences per optimizer step over all GPUs (default: micro x accum x world)")
     cpu_memory_budget_gb: float | None = Field(None, gt=0, json_schema_extra=cli("--cpu-memory-budget-gb"),
         description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
-        "given, the run also keeps glibc's default of returning freed memory "
+        "given, the run also keeps glibc's default of returning freed memory, which the budget is planned with "
         "(launch.distributed.reuse_freed_heap)")
     # length of training
     epochs: float | None = Field(None, gt=0, json_schema_extra=cli("--epochs"),

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
+from ..planning.memory import HEAP_TRIM_BYTES
 from .supervise import NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free supervise.py, used here and by others
 
 if TYPE_CHECKING:
@@ -166,21 +167,30 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 
+def heap_reuse(cfg: RunConfig, device_type: str, record: dict | None) -> bool:
+    """Whether a run keeps freed heap memory for the next step (reuse_freed_heap): a CPU run without
+    an explicit host-RAM budget (``cpu_memory_budget_gb``, which sizes runs by glibc's default), unless the launcher's
+    plan (``record``, run_plan.predict_run) found that only glibc's default fits this node. A rank started without the
+    record (torchrun's other ranks) keeps the heap."""
+    if device_type != "cpu" or cfg.cpu_memory_budget_gb is not None:
+        return False
+    return bool((record or {}).get("heap_reuse", True))
+
+
 @contextlib.contextmanager
 def reuse_freed_heap(enabled: bool = True):
     """While a CPU-device run trains, keep freed large buffers in the heap for the next step.
 
     glibc serves every allocation above its largest mmap threshold (32 MB) with a fresh mmap and unmaps it on free, so
     each step's big tensors (tiny-gpt2's logits at micro 8 x 128: 206 MB, and as much again for their gradient) are
-    page-faulted and zeroed by the kernel anew. Measured on 2 cores: tiny-gpt2 at micro 8 x 128 stepped in 0.82 s, 0.54 s
-    with the heap reused (+0.3 GiB resident peak); its head and loss alone, 0.90 s and 0.45-0.56 s. jemalloc and tcmalloc, which PyTorch's CPU performance guide recommends,
-    reuse memory the same way; this does it with the allocator every Linux has. The cost is a higher resident peak
-    (freed memory is not given back during the run): tiny-gpt2 at micro 23 x 32 peaked at 1.22 GiB with it and under
-    1.0 GiB without, and gpt2 (124M) at micro 2 x 256 climbed from 2.86 to 3.77 GiB over 12 steps where glibc's default
-    stayed at 2.8-3.0, for steps of 2.89 s against 3.2 s (benchmarks/results/2026-11-27-cpu-plan-gpt2; the planner does
-    not count it yet), so a run given an explicit host-RAM budget (`cpu_memory_budget_gb`, which `--micro-batch auto`
-    and the planner's host model are about) keeps glibc's default (the trainer passes enabled=False). Restored afterwards, with the heap trimmed, so a notebook's
-    process that ran `shardlab.train()` gets its memory back. A no-op where the C library is not glibc."""
+    page-faulted and zeroed by the kernel anew. jemalloc and tcmalloc, which PyTorch's CPU performance guide recommends,
+    reuse memory the same way; this does it with the allocator every Linux has. Measured on 2 cores, gpt2 fp32
+    (benchmarks/results/2026-11-27-cpu-host-model): steps 12-22% shorter than with glibc's default (dp at micro 2 x 256:
+    2.87 s against 3.27 s), for a resident peak 0.26-1.26 GiB higher; what the heap keeps beyond live memory is
+    planning.host.heap_kept_bytes, which the plan counts. The trainer turns it on only where the plan says the run fits
+    with it (``heap_reuse`` above).
+    Restored afterwards, with the heap trimmed, so a notebook's process that ran `shardlab.train()` gets its memory back.
+    A no-op where the C library is not glibc."""
     libc = None
     if enabled and sys.platform == "linux":
         try:
@@ -193,7 +203,7 @@ def reuse_freed_heap(enabled: bool = True):
         return
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # both C ints: a larger Python int would be truncated
     libc.mallopt(_M_MMAP_MAX, 0)
-    libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)  # the top of the heap is given back only above 2 GiB free
+    libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_BYTES)
     try:
         yield True
     finally:

@@ -26,6 +26,8 @@ class CpuRow:
     strategy: str
     host_gib: float | None = None  # the whole run (all ranks) at its peak
     per_rank_gib: float | None = None  # one rank's allocations, without the process baseline
+    heap_kept_gib: float | None = None  # what the ranks' heaps keep beyond their allocations (in host_gib)
+    heap_reuse: bool | None = None  # freed memory kept for the next step (faster), or glibc's default where only it fits
     fits: bool | None = None
     peak_moment: str | None = None
     refused: str | None = None  # why the strategy cannot run this configuration on a CPU
@@ -72,6 +74,7 @@ def plan_cpu(cfg: RunConfig, nproc: int, host_ram_gib: float, check: Callable[[R
         else:
             record[s.name] = rec
             row.host_gib, row.per_rank_gib, row.peak_moment = rec["cpu_gib"], rec["per_rank_gib"], rec["peak_moment"]
+            row.heap_kept_gib, row.heap_reuse = rec["heap_kept_gib"], rec["heap_reuse"]
             row.fits = host_fits(rec["cpu_gib"], host_ram_gib)
         rows.append(row)
     by_name = {r.strategy: r for r in rows}
@@ -88,10 +91,11 @@ def plan_cpu(cfg: RunConfig, nproc: int, host_ram_gib: float, check: Callable[[R
             out.fix, out.fix_for = err.hint, planned[0]
     out.notes.append(f"fits: {HOST_HEADROOM} x the predicted peak within this node's RAM; offload strategies move "
                      "nothing off a CPU device (they run, for testing, with the same host memory)")
-    # measured, not modelled yet: benchmarks/results/2026-11-27-cpu-plan-gpt2
-    out.notes.append("checked against runs of tiny models; gpt2 (124M) on one rank peaked above it: dp by 28% after 12 "
-                     "steps (the heap kept for reuse between steps grows), zero3 by 77% (DeepSpeed's set-up on a CPU): "
-                     "leave that margin for models of that size")
+    # planning/host.heap_kept_bytes; benchmarks/results/2026-11-27-cpu-host-model
+    out.notes.append("heap: what glibc keeps resident beyond the allocations, an allowance fitted to gpt2 runs (the largest "
+                     "measured); 'reuse' keeps freed memory for the next step (steps 12-22% shorter measured), 'glibc' "
+                     "gives it back where only that fits; checked against gpt2 (124M) on one rank: 2-26% above the "
+                     "measured resident peak")
     return out
 
 
@@ -103,12 +107,13 @@ def render_cpu(p: CpuPlan, console=None) -> None:
     console.print(f"[bold]{p.model}[/bold] on the CPU: {p.ranks} rank(s), micro {p.micro_batch} x accum {p.grad_accum}, "
                   f"{p.precision}; {p.host_ram_gib:.1f} GiB of host RAM")
     t = Table(title="Predicted host memory of the whole CPU run (GiB)")
-    for col in ("strategy", "run (all ranks)", "per rank", "fits", "peak at / why not"):
+    for col in ("strategy", "run (all ranks)", "per rank", "heap", "fits", "peak at / why not"):
         t.add_column(col, justify="left" if col in ("strategy", "peak at / why not") else "right")
     g = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for r in p.rows:
         fits = "-" if r.fits is None else ("[green]yes[/green]" if r.fits else "[red]no[/red]")
-        t.add_row(r.strategy, g(r.host_gib), g(r.per_rank_gib), fits, r.refused or r.peak_moment or "")
+        heap = "-" if r.heap_kept_gib is None else f"{r.heap_kept_gib:.2f} {'reuse' if r.heap_reuse else 'glibc'}"
+        t.add_row(r.strategy, g(r.host_gib), g(r.per_rank_gib), heap, fits, r.refused or r.peak_moment or "")
     console.print(t)
     for n in p.notes:
         console.print(n)

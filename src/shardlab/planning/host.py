@@ -12,7 +12,7 @@ import math
 from ..config import RunConfig
 from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, sized_buckets, twin_flow_gpu_sub_groups, zero3_sub_groups
 from ..strategies.spec import spec
-from .memory import CPU_ADAMW_TEMP_TENSORS, Arch, GiB, StrategyPlan
+from .memory import CPU_ADAMW_TEMP_TENSORS, HEAP_TRIM_BYTES, Arch, GiB, StrategyPlan
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
 # host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/2026-11-21-h200x4-session2/
@@ -180,13 +180,37 @@ CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 
 
-def cpu_run_bytes(sp: StrategyPlan, nproc: int) -> float:
+# What glibc's heap keeps resident beyond a CPU rank's live memory, as a fraction of the rank's planned peak of live
+# allocations (StrategyPlan.gpu_peak on a CPU). Measured (benchmarks/results/2026-11-27-cpu-host-model): gpt2 fp32, one
+# rank, seq 256 micro 2 (dp, zero2, zero3, fsdp) and seq 512 micro 4 (dp), the resident high-water mark against the
+# same run's live peak (MALLOC_MMAP_THRESHOLD_=65536, where freed memory leaves the resident set):
+#   - the heap kept for reuse (launch.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57
+#     and +1.55 GiB, 0.24-0.70 x the live peak; the top of the heap is trimmed above HEAP_TRIM_BYTES (2 GiB) of free
+#     memory, so what it keeps stays within that and the interior fragmentation (at most 0.26 GiB measured);
+#   - glibc's default: +0.55, +0.99, +1.14, +0.96 and +0.87 GiB, 0.14-0.33 x.
+# The fractions are the largest measured: an allowance against the OOM killer (the prediction errs high, by up to 25%
+# on the smallest run measured), not a model of the allocator.
+HEAP_KEPT_FRACTION = 0.70
+HEAP_KEPT_CAP_BYTES = HEAP_TRIM_BYTES + int(0.3 * GiB)
+GLIBC_HEAP_FRACTION = 0.34
+
+
+def heap_kept_bytes(live_peak: float, reuse_heap: bool) -> float:
+    """Resident memory a CPU rank's heap holds beyond its live peak ``live_peak`` (HEAP_KEPT_FRACTION above)."""
+    kept = min(HEAP_KEPT_FRACTION * live_peak, HEAP_KEPT_CAP_BYTES)
+    # glibc's default keeps less than the heap kept for reuse (its trim threshold follows the mmap threshold, <= 64 MB)
+    return kept if reuse_heap else min(GLIBC_HEAP_FRACTION * live_peak, kept)
+
+
+def cpu_run_bytes(sp: StrategyPlan, nproc: int, reuse_heap: bool) -> float:
     """Host memory of a whole CPU run (all ranks) for a StrategyPlan computed with ``device='cpu'``:
-    what each rank allocates (the 'GPU' side lives in host RAM too), a process baseline per rank, and
-    what the strategy offloads (already host memory, per node), and with several ranks the process that launched them."""
+    what each rank allocates (the 'GPU' side lives in host RAM too) and what its heap keeps beyond that
+    (``heap_kept_bytes``: more when freed memory is kept for reuse), a process baseline per rank, what the strategy
+    offloads (already host memory, per node), and with several ranks the process that launched them."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
     baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
-    return nproc * (sp.gpu_peak + baseline) + offloaded + launcher_bytes("cpu", nproc)
+    rank = sp.gpu_peak + heap_kept_bytes(sp.gpu_peak, reuse_heap) + baseline
+    return nproc * rank + offloaded + launcher_bytes("cpu", nproc)
 
 
 def launcher_bytes(device: str, ranks_per_node: int) -> int:

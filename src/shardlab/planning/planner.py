@@ -87,7 +87,7 @@ from .memory import (
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
-from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, host_build, host_states, launcher_bytes, zero3_optimizer_split
+from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, ds_group_params, host_build, host_states, launcher_bytes, zero3_optimizer_split
 from ..strategies.deepspeed_zero import contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, zero3_leaf_classes
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
@@ -288,14 +288,19 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     a step in backward frees each gradient as soon as it is applied (none left for a whole model);
     `master_weights='bf16'` (dp): bf16 weights and gradients, no fp32 copy anywhere."""
     F = Fraction
+    s = spec(strategy)
     mixed = precision != "fp32"
     lo = F(2) if mixed else F(4)  # DeepSpeed's working copy of params/grads
-    master = F(4) if mixed else F(0)  # fp32 master copy (fp32 runs update the params themselves)
+    # The fp32 master copy. fp32 runs update the params themselves, except under ZeRO 1-3, which step a copy even then:
+    # stage_1_and_2.py clones the partition (single_partition_of_fp32_groups: .clone().float()), and stage3.py's
+    # _create_fp32_partitions shares it only when the partition's torch.device equals the accelerator's device *name*
+    # (a str: never equal), so it clones too. Measured on the CPU, gpt2 fp32 (benchmarks/diag/cpu_census.py): zero2 and
+    # zero3 hold a 0.464 GiB master beside the 0.464 GiB params (benchmarks/results/2026-11-27-cpu-host-model).
+    master = F(4) if mixed or (s.engine == "deepspeed" and s.zero_stage >= 1) else F(0)
     adam = F(8)
     torch_adam = F(2) + F(2 * 4, EIGHT_BIT_BLOCK) if optimizer == "adamw8bit" else adam
     weight = F(2) if master_weights == "bf16" else F(4)
     torch_grads = F(0) if in_backward else weight
-    s = spec(strategy)
     if s.engine == "ddp":
         if master_weights == "bf16":
             return weight, torch_grads, torch_adam, "bf16 weights and grads (no fp32 copy), 8-bit AdamW m and v on every GPU"
@@ -319,6 +324,14 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     if s.offload_params == "cpu":
         return F(0), F(0), F(0), "parameters, gradients and optimizer states on the CPU"
     return F(0), F(0), F(0), "parameters and optimizer states on NVMe"  # infinity: gradient partitions on the CPU
+
+
+def _ds_cpu_adamw_temps(flat_partitions: list[int]) -> float:
+    """DeepSpeed without optimizer offload on a CPU steps torch's AdamW (strategies.deepspeed_zero.use_deepspeed_optimizer)
+    over its flat fp32 partitions, one tensor each: the single-tensor path's temporaries (CPU_ADAMW_TEMP_TENSORS) are
+    the size of the largest. Measured on gpt2 fp32, one rank: zero2's and zero3's step peaked 3 x 0.464 GiB over their
+    states (this, and the fp32 gradient the step reads)."""
+    return CPU_ADAMW_TEMP_TENSORS * 4.0 * max(flat_partitions)
 
 
 def eight_bit_state_bytes(k: int) -> int:
@@ -476,7 +489,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         if stage in (0,):
             temp_step["fp32 gradient copy for the step (FP16_Optimizer)"] = 4.0 * n
         elif stage in (1, 2):
-            if contiguous_gradients(opts, stage, d, s.offloads):
+            # On a CPU the bucket is host memory that becomes resident only as backward writes gradients into it, past
+            # the activations' peak, and is freed at the end of backward (_release_ipg_buffers): gpt2 zero2 on one CPU
+            # rank peaked at its states + activations in backward (benchmarks/results/2026-11-27-cpu-host-model)
+            if contiguous_gradients(opts, stage, d, s.offloads) and device != "cpu":
                 k = 2 if overlap else 1
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
             if s.offload_optimizer is not None:
@@ -486,6 +502,12 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 persistent_temp["GPU gradient staging buffer (largest parameter)"] = float(lo * arch.largest_param)
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
+                if device == "cpu" and cfg.optimizer == "adamw":
+                    # stage_1_and_2.py step, one param group at a time: the group's 16-bit gradients are freed once
+                    # made fp32 (free_grad_in_param_list), before its AdamW step: only what the temporaries exceed them
+                    k = max(math.ceil(sum(g) / d) for g in ds_group_params(arch, cfg.weight_decay))
+                    temp_step["AdamW temporaries over the flat fp32 partition (CPU), beyond the gradients freed before"] = max(
+                        0.0, _ds_cpu_adamw_temps([k]) - lo * k)
             elif gpu_grad_accum_fp32(cfg, strategy, precision, accum):
                 # data_types.grad_accum_dtype=fp32 (shardlab's, or a user JSON's): the micro-batches' gradients summed
                 # on the GPU, copied out once. A user JSON's bf16 keeps DeepSpeed's host accumulation: no GPU buffer
@@ -498,6 +520,15 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
             if stage == 3 and not s.offloads:
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
+                # The step, one sub-group at a time (stage3.py _prepare_fp32_grad_for_sub_group): the sub-group's
+                # gradients flattened and made fp32 (a 16-bit flat copy, then its fp32 one; fp32's .to is the same
+                # tensor), freed after that sub-group's step; on a CPU torch's AdamW then steps the flat fp32 master.
+                _, subs = zero3_optimizer_split(strategy, arch, cfg, d, device)
+                k = max(subs)
+                step_temp = 4.0 * k + (lo * k if mixed else 0.0)
+                if device == "cpu" and cfg.optimizer == "adamw":
+                    step_temp = max(step_temp, 4.0 * k + _ds_cpu_adamw_temps(subs))
+                temp_step["fp32 gradient of the largest optimizer sub-group (step)"] = step_temp
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":
                 gather = min(gather, n)
@@ -952,7 +983,7 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
         if cpu_budget is None:
             raise UserError("a CPU plan needs a host-RAM budget", "set cpu_memory_budget_gb")
         micro, _ = _auto_micro(arch, run_cfg, cfg.strategy, precision, nproc, dp,
-                               lambda sp: cpu_run_bytes(sp, nproc) <= cpu_budget, "cpu", CPU_MAX_MICRO)
+                               lambda sp: cpu_run_bytes(sp, nproc, reuse_heap=False) <= cpu_budget, "cpu", CPU_MAX_MICRO)
         return micro, f"the largest predicted within the {cpu_budget / GiB:.1f} GiB host-RAM budget, at most {CPU_MAX_MICRO} on CPU"
     precision = cfg.precision if cfg.precision != "auto" else "bf16"
     if gpu_memory_gb is not None:
@@ -966,16 +997,17 @@ def auto_micro_batch(cfg: RunConfig, *, device_type: str, nproc: int, dp: int, c
     return micro, f"the largest predicted to fit {cfg.strategy} in {gpu_memory / GiB:.1f} GiB per GPU"
 
 
-def predict_cpu_run(cfg: RunConfig, nproc: int) -> tuple[StrategyPlan, float]:
+def predict_cpu_run(cfg: RunConfig, nproc: int, reuse_heap: bool) -> tuple[StrategyPlan, float]:
     """A CPU run of ``cfg`` (integer micro batch, its own precision) on ``nproc`` ranks: the per-rank
-    StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``)."""
+    StrategyPlan with CPU activations, and the whole run's host memory (``cpu_run_bytes``) with the heap kept for
+    reuse or glibc's default (``reuse_heap``)."""
     precision = resolve_precision(cfg.precision, "cpu").name
     arch = _arch(cfg)
     world = nproc * cfg.nodes
     micro, accum, _ = cfg.resolve_batch(_dp_size(cfg.strategy, cfg, world))
     sp = _strategy_plan(cfg.strategy, arch, cfg, micro, accum, precision, nproc, cfg.nodes, cfg.gradient_checkpointing,
                         deepspeed_estimates(arch, nproc, cfg.nodes), device="cpu")
-    return sp, cpu_run_bytes(sp, nproc)
+    return sp, cpu_run_bytes(sp, nproc, reuse_heap)
 
 
 def _largest_micro(strategy: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,

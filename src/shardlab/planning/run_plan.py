@@ -68,6 +68,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None,
              eval_blocks: int | None = None) -> dict[str, Any]:
     from ..training.optim import resolve_precision
+    from .host import heap_kept_bytes
     from .planner import compile_is_modelled, plan, predict_cpu_run
 
     # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
@@ -77,12 +78,21 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
     if device_type == "cpu":
         from ..layout import data_parallel_size
 
-        sp, total = predict_cpu_run(run_cfg, nproc)
+        # The heap is kept for reuse between steps (faster) where the run fits with it, else glibc's default
+        # (launch.distributed.heap_reuse); under an explicit host-RAM budget always glibc's default
+        sp, total = predict_cpu_run(run_cfg, nproc, reuse_heap=False)
+        reuse = cfg.cpu_memory_budget_gb is None
+        if reuse:
+            _, with_reuse = predict_cpu_run(run_cfg, nproc, reuse_heap=True)
+            reuse = host_fits(with_reuse / GiB, host_ram)
+            total = with_reuse if reuse else total
         micro, accum, _ = run_cfg.resolve_batch(data_parallel_size(run_cfg, nproc * cfg.nodes, cfg.strategy))
         out: dict[str, Any] = {
             "cpu_gib": _gib(total), "per_rank_gib": _gib(sp.gpu_peak), "host_ram_gib": round(host_ram, 2),
+            "heap_reuse": reuse, "heap_kept_gib": _gib(nproc * heap_kept_bytes(sp.gpu_peak, reuse)),
             "precision": precision, "peak_moment": sp.peak_moment, "micro_batch": micro, "grad_accum": accum,
-            "predicts": "host memory of the whole CPU run (all ranks): allocations + a process baseline",
+            "predicts": "host memory of the whole CPU run (all ranks): allocations, what the heap keeps beyond them "
+                        "(heap_kept_gib) and a process baseline",
             "compile_modelled": compile_is_modelled(run_cfg),
         }
         return out | _pipeline_fields(sp)
@@ -179,7 +189,7 @@ def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float |
     if device_type == "cpu":
         from .planner import predict_cpu_run
 
-        return predict_cpu_run(cfg, nproc)[1] / GiB, True
+        return predict_cpu_run(cfg, nproc, reuse_heap=False)[1] / GiB, True  # what the run falls back to when tight
     from .planner import plan
 
     sp = plan(cfg, gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,)).strategies[cfg.strategy]
@@ -275,12 +285,21 @@ def warning_line(record: dict[str, Any]) -> str | None:
             f"{record['gpu_memory_gib']:.1f} GiB GPUs{compiled}; fits instead: {record.get('advice', '-')}")
 
 
+def heap_line(cfg: RunConfig, record: dict[str, Any]) -> str | None:
+    """A CPU run that fits this node only if freed memory goes back to the system between steps says so: its steps are
+    slower than with the heap kept (launch.distributed.heap_reuse)."""
+    if record.get("heap_reuse") is not False or cfg.cpu_memory_budget_gb is not None:
+        return None
+    return (f"host RAM is tight for this run ({record['cpu_gib']:.1f} GiB planned of {record['host_ram_gib']:.1f}): freed "
+            "memory goes back to the system between steps, which makes CPU steps slower than with it kept (14-28% measured)")
+
+
 def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=None) -> dict[str, Any]:
     """What the launcher does before spawning: predict, warn on a GPU when it does not fit, return the record."""
     record = predict_run(cfg, device_type, nproc)
     if auto is not None:
         record["micro_batch_auto"] = auto.to_dict()
-    line = warning_line(record) if device_type == "cuda" else None
+    line = warning_line(record) if device_type == "cuda" else heap_line(cfg, record)
     if line:
         (log or (lambda m: print(f"[shardlab] {m}", flush=True)))(line)
     return record

@@ -44,7 +44,7 @@ from . import compiling, head_padding, optim, pinned, warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
-from ..launch.distributed import DistEnv, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
+from ..launch.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
 from .early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import ParallelLayout, local_world_size
@@ -752,8 +752,8 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     faulthandler.enable(all_threads=True)
     use_persistent_cache(cfg.sdpa_backend)  # before anything compiles
     try:
-        # why: its docstring (1.5x faster CPU steps, a higher resident peak: off under an explicit host-RAM budget)
-        with reuse_freed_heap(pick_device_type(cfg.device) == "cpu" and cfg.cpu_memory_budget_gb is None):
+        # why: its docstring (faster CPU steps, a higher resident peak: only where the plan says the run fits with it)
+        with reuse_freed_heap(heap_reuse(cfg, pick_device_type(cfg.device), plan)):
             trainer = Trainer(cfg, plan)
             try:
                 return trainer.run()

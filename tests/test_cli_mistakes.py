@@ -361,3 +361,39 @@ def test_pipeline_options_given_to_another_strategy_are_named_as_unused(capsys):
     assert "--stages, --chunks: pipeline options, unused by strategy 'dp'" in capsys.readouterr().out
     preflight(RunConfig(model="tiny-gpt2", device="cpu", strategy="zero2"))
     assert "pipeline options" not in capsys.readouterr().out
+
+
+# ---- a third sweep (2026-11-27): the output directory, the seed, the attention backend, a strategy's spelling ------
+
+
+def test_an_output_dir_that_cannot_be_a_run_directory_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """A file where the directory should be, a file among its parents, or a parent nobody can write in: each ended the
+    first rank in a traceback (FileExistsError, NotADirectoryError, FileNotFoundError under /proc) after the data was
+    staged."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    base = ["train", "--dataset", "synthetic", "--max-steps", "1", "--output-dir"]
+    assert_error(base + [str(afile)], tmp_path, capsys, monkeypatch, "is a file, not a directory")
+    assert_error(base + [str(afile / "sub")], tmp_path, capsys, monkeypatch, "cannot create --output-dir", "is a file")
+    assert_error(base + ["/proc/shardlab-test/run"], tmp_path, capsys, monkeypatch, "cannot create --output-dir", "/proc")
+    assert afile.read_text() == "not a directory"
+    assert not any(p.name.startswith(".shardlab-probe-") for p in tmp_path.iterdir())  # the write probe is gone
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_outside_numpys_range_is_a_config_error(seed, tmp_path, capsys, monkeypatch):
+    # numpy's legacy seeding (the data pipeline's) raised "Seed must be between 0 and 2**32 - 1" inside the rank
+    assert_error(["train", "--dataset", "synthetic", "--seed", seed], tmp_path, capsys, monkeypatch, "'seed'")
+
+
+def test_flash_attention_without_flash_attn_is_refused_before_the_data_is_staged(tmp_path, capsys, monkeypatch):
+    import shardlab.training.models as models
+
+    monkeypatch.setattr(models, "_flash_attn_importable", lambda: False)  # whatever this machine has installed
+    assert_error(["train", "--device", "cpu", "--attn-implementation", "flash_attention_2", "--output-dir", "run"],
+                 tmp_path, capsys, monkeypatch, "flash_attn")
+
+
+@pytest.mark.parametrize("given,meant", [("DP", "dp"), ("zero-3", "zero3"), ("FSDP_Offload", "fsdp_offload")])
+def test_a_misspelt_strategy_is_named_with_the_one_meant(given, meant, tmp_path, capsys, monkeypatch):
+    assert_error(["train", "--strategy", given], tmp_path, capsys, monkeypatch, f"did you mean '{meant}'")

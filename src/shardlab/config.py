@@ -249,8 +249,8 @@ class RunConfig(_Strict):
         "the flags decide)")
     dist_timeout_s: int = Field(1800, gt=0, json_schema_extra=cli("--dist-timeout"),
         description="seconds a collective waits for a silent rank before the job fails")
-    seed: int = Field(42, json_schema_extra=cli("--seed"),
-        description="random seed")
+    seed: int = Field(42, ge=0, lt=2**32, json_schema_extra=cli("--seed"),
+        description="random seed (0 to 2**32 - 1: numpy's range, which the data pipeline seeds too)")
     # outputs
     output_dir: str = Field("runs/latest", json_schema_extra=cli("--output-dir"),
         description="run directory")
@@ -311,7 +311,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         if self.strategy not in names():  # live: a strategy registered after import is valid too
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(names())}")
+            near = difflib.get_close_matches(self.strategy.strip().lower().replace("-", "_"), names(), n=1, cutoff=0.7)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"unknown strategy {self.strategy!r}; {hint}choose one of {', '.join(names())}")
         if self.node_rank >= self.nodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nodes {self.nodes}")
         if self.curriculum and (self.early_stopping_patience or self.save_best):

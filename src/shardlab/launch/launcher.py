@@ -49,11 +49,13 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
     device_type = pick_device_type(cfg.device)
     resolve_precision(cfg.precision, device_type)
+    check_output_dir(cfg.output_dir)
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
-    from ..training.models import build_hf_config
+    from ..training.models import build_hf_config, causal_lm_class, resolve_attn_implementation
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))  # e.g. no flash_attn
     s = spec(cfg.strategy)
     if s.engine == "pipelining":
         _check_pipeline(cfg, device_type)
@@ -87,6 +89,22 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
         check_nvme_path(cfg.strategy_options.nvme_path, n_params, cfg.strategy_options.nvme_min_free_gb)
     return device_type, nproc
+
+
+def check_output_dir(path: str) -> None:
+    """--output-dir must be a directory this process can create and write in: a file there, or a parent it cannot
+    write (a read-only or system path), otherwise ends the first rank in a traceback after the data is staged."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {path} is a file, not a directory", "pass a directory path (it is created if missing)")
+    where = out if out.is_dir() else next(p for p in out.parents if p.exists() or p == p.parent)  # nearest existing
+    if not where.is_dir():
+        raise UserError(f"cannot create --output-dir {path}: {where} is a file", "pass a directory path")
+    try:  # the one sure test of "can write here" (access() says yes to root on read-only mounts and /proc)
+        tempfile.TemporaryDirectory(dir=where, prefix=".shardlab-probe-").cleanup()
+    except OSError as err:
+        raise UserError(f"cannot create --output-dir {path}: {err.strerror or err} in {where}",
+                        "pass a directory you can write, e.g. runs/<name> under your home or scratch space") from None
 
 
 def _say_pipeline_options_unused(cfg: RunConfig) -> None:

@@ -397,3 +397,34 @@ def test_flash_attention_without_flash_attn_is_refused_before_the_data_is_staged
 @pytest.mark.parametrize("given,meant", [("DP", "dp"), ("zero-3", "zero3"), ("FSDP_Offload", "fsdp_offload")])
 def test_a_misspelt_strategy_is_named_with_the_one_meant(given, meant, tmp_path, capsys, monkeypatch):
     assert_error(["train", "--strategy", given], tmp_path, capsys, monkeypatch, f"did you mean '{meant}'")
+
+
+_NODES_ALONE = """
+import sys
+import shardlab.launch.launcher as launcher
+launcher.RENDEZVOUS_TIMEOUT_S = 3
+from shardlab.cli import main
+sys.exit(main(["train", "--nodes", "2", "--node-rank", sys.argv[1], "--master-port", sys.argv[2], "--device", "cpu",
+               "--dataset", "synthetic", "--max-steps", "1", "--output-dir", sys.argv[3]]))
+"""
+
+
+@pytest.mark.slow  # two launcher processes, each waiting out its rendezvous timeout
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_a_node_whose_peers_never_start_says_so_in_one_line(node_rank, tmp_path):
+    """`--nodes 2` with no second node (a hostfile forgotten, or --nodes taken for GPUs): the launcher says it waits and
+    for how long, then gives up with one line naming the fix, not a DistStoreError/DistNetworkError traceback."""
+    import subprocess
+    import sys
+
+    from shardlab.launch.distributed import free_port
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _NODES_ALONE, node_rank, str(free_port()), str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "waiting up to 3 s for all 2 nodes to join" in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"node {node_rank} of 2 gave up waiting for the other nodes" in errors[0]
+    assert "--node-rank" in errors[0] and "shardlab slurm" in errors[0]
+    assert "Traceback" not in proc.stderr and not out.exists()

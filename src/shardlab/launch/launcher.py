@@ -270,6 +270,11 @@ def quiet_engines(device_type: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
 
 
+# How long the nodes of a multi-node run wait for each other to start (torch's static rendezvous default, made explicit:
+# the launcher says it when it starts to wait).
+RENDEZVOUS_TIMEOUT_S = 600
+
+
 def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -291,7 +296,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             rdzv_backend="static",
             rdzv_endpoint=f"{cfg.master_addr}:{port}",
             # Explicit: with every node on one machine (tests) each would otherwise try to host the store.
-            rdzv_configs={"rank": cfg.node_rank, "is_host": cfg.node_rank == 0},
+            rdzv_configs={"rank": cfg.node_rank, "is_host": cfg.node_rank == 0, "timeout": RENDEZVOUS_TIMEOUT_S},
             max_restarts=0,
             monitor_interval=0.5,
         )
@@ -299,8 +304,9 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             launch.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded by ForwardToWorkers
         start = worker_start_method(pick_device_type(cfg.device))
         how = "forked from this launcher" if start == "fork" else "fresh interpreters"
+        wait = f"; waiting up to {RENDEZVOUS_TIMEOUT_S} s for all {cfg.nodes} nodes to join" if cfg.nodes > 1 else ""
         print(f"[shardlab] launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
-              f"(master {cfg.master_addr}:{port})", flush=True)
+              f"(master {cfg.master_addr}:{port}){wait}", flush=True)
         try:
             with ForwardToWorkers():
                 if start == "fork":
@@ -312,6 +318,13 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
                     elastic_launch(launch, forked_main)(str(cfg_file), *plan_args)
                 else:
                     elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), *plan_args)
+        # the nodes' rendezvous: not all of them started in time (node 0 waits for clients: DistStoreError; another
+        # node cannot reach node 0: DistNetworkError). Raised by the agent here, before any worker exists.
+        except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError) as err:
+            raise UserError(f"node {cfg.node_rank} of {cfg.nodes} gave up waiting for the other nodes at "
+                            f"{cfg.master_addr}:{port} after {RENDEZVOUS_TIMEOUT_S} s ({str(err).strip().rstrip('.')})",
+                            f"start the same command on every node with its own --node-rank (0 to {cfg.nodes - 1}) and "
+                            "the same --master-addr/--master-port, or submit it with `shardlab slurm`") from None
         except ChildFailedError as err:
             failed = WorkerFailed.from_failures(err.failures)
             if cfg.nodes > 1 and failed.exitcode != REQUEUE_EXIT:  # the other nodes' ranks only see a broken collective

@@ -188,7 +188,7 @@ CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 #     and +1.55 GiB, 0.24-0.70 x the live peak; the top of the heap is trimmed above HEAP_TRIM_BYTES (2 GiB) of free
 #     memory, so what it keeps stays within that and the interior fragmentation (at most 0.26 GiB measured);
 #   - glibc's default: +0.55, +0.99, +1.14, +0.96 and +0.87 GiB, 0.14-0.33 x.
-# The fractions are the largest measured: an allowance against the OOM killer (the prediction errs high, by up to 25%
+# The fractions are the largest measured: an allowance against the OOM killer (the prediction errs high, by up to 26%
 # on the smallest run measured), not a model of the allocator.
 HEAP_KEPT_FRACTION = 0.70
 HEAP_KEPT_CAP_BYTES = HEAP_TRIM_BYTES + int(0.3 * GiB)

@@ -428,3 +428,44 @@ def test_a_node_whose_peers_never_start_says_so_in_one_line(node_rank, tmp_path)
     assert len(errors) == 1 and f"node {node_rank} of 2 gave up waiting for the other nodes" in errors[0]
     assert "--node-rank" in errors[0] and "shardlab slurm" in errors[0]
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.slow  # a supervised launcher, stopped while it waits
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_a_node_that_waits_for_the_others(sig, tmp_path):
+    """The wait for the other nodes is a C++ call that holds the launcher's Python for up to 600 s: Ctrl-C (SIGINT to
+    the terminal's process group) or SIGTERM did nothing until it ended. The supervising `shardlab train` process now
+    ends it at once while no worker has started, in one line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from shardlab.launch.distributed import free_port
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDLAB_SUPERVISED")}
+    proc = subprocess.Popen([sys.executable, "-m", "shardlab", "train", "--nodes", "2", "--device", "cpu", "--dataset",
+                             "synthetic", "--max-steps", "1", "--master-port", str(free_port()), "--output-dir", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = ""
+        while "waiting up to" not in line:  # the launcher has started to wait
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+        time.sleep(1)
+        start = time.monotonic()
+        if sig == "SIGINT":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        else:
+            proc.send_signal(signal.SIGTERM)  # `kill PID` of the command the user started
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 30  # not the rendezvous' 600 s
+    assert proc.returncode == 128 + getattr(signal, sig)
+    errors = [e for e in err.splitlines() if e.startswith("error: ")]
+    assert errors == [f"error: stopped by {sig} while waiting for the other nodes to join (no worker had started)"]
+    assert not out.exists()

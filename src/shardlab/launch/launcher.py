@@ -39,7 +39,7 @@ from ..planning.run_plan import check_host_ram, plan_for_run, write_record
 from .guards import publish_failure
 from .nodes import resolve_nodes
 from .preemption import REQUEUE_EXIT, ForwardToWorkers
-from .supervise import note_for_kill, oom_kills, record_plan
+from .supervise import mark_nodes_joining, note_for_kill, oom_kills, record_plan
 
 # Lazy imports below: transformers (training.models) loads when a model config is read, the trainer in the worker that
 # runs it, torch.distributed.elastic only when workers are spawned; `shardlab train --dry-run` needs none of the last two.
@@ -307,6 +307,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         wait = f"; waiting up to {RENDEZVOUS_TIMEOUT_S} s for all {cfg.nodes} nodes to join" if cfg.nodes > 1 else ""
         print(f"[shardlab] launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
               f"(master {cfg.master_addr}:{port}){wait}", flush=True)
+        mark_nodes_joining(cfg.nodes > 1)  # until a worker starts, the supervisor ends this process on Ctrl-C/SIGTERM
         try:
             with ForwardToWorkers():
                 if start == "fork":
@@ -335,6 +336,8 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             if type(err).__name__ == "SignalException":
                 raise WorkerFailed(REQUEUE_EXIT if getattr(err, "sigval", None) == signal.SIGTERM else 130, f"stopped by {err.sigval.name}") from None
             raise
+        finally:
+            mark_nodes_joining(False)
 
 
 # "fork" or "exec": how `spawn` starts workers, where the default below is not wanted (tests run both).

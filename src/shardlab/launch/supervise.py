@@ -147,16 +147,32 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
         env = {**os.environ, **bytecode_env(os.environ), SUPERVISED_ENV: str(plan_file)}  # bytecode.py: start-up halved
         child = subprocess.Popen(command or [sys.executable, *sys.orig_argv[1:]], env=env,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        # Ctrl-C reaches the child from the terminal itself; the child stops cleanly and we report its status.
-        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        # Ctrl-C reaches the child from the terminal itself; the child stops cleanly and we report its status. Not while
+        # the child waits for the other nodes of a multi-node run (nodes_joining): that wait is a C++ call during which
+        # no signal reaches the child's Python, so Ctrl-C and SIGTERM end it from here.
+        ended: list[int] = []
+
+        def end_if_joining(signum: int, frame) -> None:
+            if nodes_joining(plan_file).exists():
+                ended.append(signum)
+                child.kill()
+            elif signum != signal.SIGINT:
+                forward._handle(signum, frame)
+
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, end_if_joining)}
         for sig in FORWARDED:
             previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
         try:
-            with ForwardToWorkers():  # SIGTERM / SIGUSR1 / SIGUSR2 sent to this process only (kill PID, SLURM's batch shell)
+            with ForwardToWorkers() as forward:  # SIGTERM / SIGUSR1 / SIGUSR2 sent to this process only (kill PID, SLURM's batch shell)
+                signal.signal(signal.SIGTERM, end_if_joining)  # restored by ForwardToWorkers
                 code = child.wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if ended:
+            say(f"error: stopped by {signal.Signals(ended[0]).name} while waiting for the other nodes to join "
+                "(no worker had started)")
+            return 128 + ended[0]
         if code >= 0:
             return code
         sig = signal.Signals(-code)
@@ -183,6 +199,20 @@ def exit_as(code: int) -> int:
         signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
     return 128 - code  # a signal whose default is not to terminate (none kills a child that way)
+
+
+def nodes_joining(plan_file: str | Path) -> Path:
+    """The marker a supervised multi-node launcher leaves beside its plan file while its node waits for the others
+    (launcher.spawn makes it; the first worker, or the end of the wait, removes it)."""
+    return Path(plan_file).with_name("nodes-joining")
+
+
+def mark_nodes_joining(joining: bool) -> None:
+    """In a supervised child (or a worker it started): this node waits for the others to join, or no longer does."""
+    path = os.environ.get(SUPERVISED_ENV)
+    if path:
+        marker = nodes_joining(path)
+        marker.touch() if joining else marker.unlink(missing_ok=True)
 
 
 def record_plan(plan: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import sys
 from .failures import report_errors
 from ..config import load_config
 from .distributed import exit_process
+from .supervise import mark_nodes_joining
 
 # The imports inside main() run inside report_errors, so that an error raised while they import is reported as one
 # raised while training is.
@@ -19,6 +20,7 @@ from .distributed import exit_process
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    mark_nodes_joining(False)  # as in forked_main: an exec'd worker exists, so the nodes have joined
     with report_errors() as status:
         from ..planning.run_plan import read_record
         from ..training.trainer import run_worker
@@ -44,6 +46,7 @@ def forked_main(*argv: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
+    mark_nodes_joining(False)  # the nodes have joined: from now on Ctrl-C stops the run as usual
     name_process(f"shardlab-r{os.environ.get('RANK', '?')}")
     code = main(list(argv))
     atexit._run_exitfuncs()

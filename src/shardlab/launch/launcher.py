@@ -55,7 +55,8 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     from ..training.models import build_hf_config, causal_lm_class, resolve_attn_implementation
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
-    resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))  # e.g. no flash_attn
+    if cfg.attn_implementation != "auto":  # an explicit choice this machine or model cannot honour (no flash_attn...)
+        resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))
     s = spec(cfg.strategy)
     if s.engine == "pipelining":
         _check_pipeline(cfg, device_type)

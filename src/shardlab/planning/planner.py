@@ -437,6 +437,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     notes: list[str] = []
     stage = s.zero_stage
     eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss
+    reduce_held = 0.0  # ZeRO-3 without contiguous gradients: what its reduce holds at the end of backward
     if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
@@ -520,6 +521,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 persistent_temp[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
             if stage == 3 and not s.offloads:
                 persistent_temp["ZeRO-3 gradient partition flat buffer"] = float(lo * n / d)
+                if not contiguous_gradients(opts, stage, d, s.offloads):
+                    # Without contiguous gradients (one-rank ZeRO-3's default) the reduce bucket is a list of the
+                    # parameters' own gradients, reduced once it holds reduce_bucket_size elements (at the end of
+                    # backward when that is the whole model), and reduce_scatter_coalesced first flattens them into one
+                    # more copy (torch.cat). gpt2 fp32, micro 1 x 256, one H200: 3.31 GiB measured, 2.81 planned
+                    # without this, the 148 gradients and a 0.46 GiB flat copy alive at the peak
+                    # (benchmarks/results/2026-11-27-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt)
+                    reduce_held = 2.0 * lo * min(rb, n)
                 # The step, one sub-group at a time (stage3.py _prepare_fp32_grad_for_sub_group): the sub-group's
                 # gradients flattened and made fp32 (a 16-bit flat copy, then its fp32 one; fp32's .to is the same
                 # tensor), freed after that sub-group's step; on a CPU torch's AdamW then steps the flat fp32 master.
@@ -587,6 +596,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         moment_layer = (static + g_fb + act.layers + act.embed_final + act.recompute + layer_backward_bytes(arch, mode) * sbh
                         + act.logits_grad + sum(temp.values()))
     moment_end = static + g_end + sum(temp_step.values())
+    moment_reduce = static + reduce_held if reduce_held else 0.0  # the activations are gone by then
     # An eval forward (shardlab evaluates before the first step, at epoch ends and after the last step): no activations
     # kept, but the logits at the per-rank eval batch. With the whole batch's fp32 copies (before the chunked eval loss)
     # this made zero3_offload's measured peak depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6
@@ -607,6 +617,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                        (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
                        (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
                        (moment_end, "optimizer step (all gradients + step buffers)"),
+                       (moment_reduce, "end of backward (ZeRO-3's reduce: the gradients it holds and their flat copy)"),
                        (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
                        (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
                                      "the autotuner's clones and the step's temporaries beside the weights)"),

@@ -49,7 +49,6 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
     device_type = pick_device_type(cfg.device)
     resolve_precision(cfg.precision, device_type)
-    check_output_dir(cfg.output_dir)
     nproc = processes_per_node(cfg, device_type)
     world = launched_world_size() or nproc * cfg.nodes
     from ..training.models import build_hf_config, causal_lm_class, resolve_attn_implementation
@@ -156,6 +155,7 @@ def _train(cfg: RunConfig, force: bool):
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
+    check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
         clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume

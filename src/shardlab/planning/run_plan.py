@@ -68,7 +68,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None,
              eval_blocks: int | None = None) -> dict[str, Any]:
     from ..training.optim import resolve_precision
-    from .host import heap_kept_bytes
+    from .host import cpu_run_bytes, heap_kept_bytes
     from .planner import compile_is_modelled, plan, predict_cpu_run
 
     # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
@@ -82,8 +82,8 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
         # (launch.distributed.heap_reuse); under an explicit host-RAM budget always glibc's default
         sp, total = predict_cpu_run(run_cfg, nproc, reuse_heap=False)
         reuse = cfg.cpu_memory_budget_gb is None
-        if reuse:
-            _, with_reuse = predict_cpu_run(run_cfg, nproc, reuse_heap=True)
+        if reuse:  # the same allocations, with what the kept heap holds
+            with_reuse = cpu_run_bytes(sp, nproc, reuse_heap=True)
             reuse = host_fits(with_reuse / GiB, host_ram)
             total = with_reuse if reuse else total
         micro, accum, _ = run_cfg.resolve_batch(data_parallel_size(run_cfg, nproc * cfg.nodes, cfg.strategy))

@@ -17,6 +17,8 @@ EOT = "<|endoftext|>"  # GPT-2's only special token
 EOT_ID = 50256
 GPT2_VOCAB = 50257
 _BLOOM_VOCAB = 250880
+# GPT-2 and BLOOM presets tokenize with the GPT-2 BPE, whose only special token is <|endoftext|>
+_GPT2_BPE_SPECIAL = dict(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID)
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,7 @@ def _gpt2(name: str, n_layer: int, n_embd: int, n_head: int, hub_id: str | None 
         n_head=n_head,
         n_positions=1024,
         vocab_size=GPT2_VOCAB,
-        bos_token_id=EOT_ID,
-        eos_token_id=EOT_ID,
-        pad_token_id=EOT_ID,
+        **_GPT2_BPE_SPECIAL,
         tie_word_embeddings=True,
         **extra,
     )
@@ -63,10 +63,7 @@ def _bloom(
         hidden_size=hidden_size,
         n_head=n_head,
         vocab_size=vocab_size,
-        # The presets tokenize with the GPT-2 BPE, whose only special token is <|endoftext|>.
-        bos_token_id=EOT_ID,
-        eos_token_id=EOT_ID,
-        pad_token_id=EOT_ID,
+        **_GPT2_BPE_SPECIAL,
         tie_word_embeddings=True,
         **extra,
     )

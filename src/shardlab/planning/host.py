@@ -12,7 +12,7 @@ import math
 from ..config import RunConfig
 from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, sized_buckets, twin_flow_gpu_sub_groups, zero3_sub_groups
 from ..strategies.spec import spec
-from .memory import CPU_ADAMW_TEMP_TENSORS, HEAP_TRIM_BYTES, Arch, GiB, StrategyPlan
+from .memory import HEAP_TRIM_BYTES, Arch, GiB, StrategyPlan, cpu_adamw_temp_bytes
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
 # host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/2026-11-21-h200x4-session2/
@@ -136,7 +136,7 @@ def host_states(strategy: str, arch: Arch, cfg: RunConfig, precision: str, d: in
         out["fp32 gradient shards"] = sum(pinned_bytes(4 * k, pin) for k in shards)
         out["AdamW m, v shards"] = 8.0 * sum(shards)
         if device == "cuda":  # on a CPU run these are counted with the rank's allocations (gpu_peak)
-            out["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * max(shards)
+            out["AdamW per-tensor temporaries (CPU)"] = cpu_adamw_temp_bytes(max(shards))
     return out
 
 

@@ -42,13 +42,13 @@ from ..layout import LayoutError, ParallelLayout
 from ..pipesim.schedules import device_orders
 from ..strategies.spec import find
 from .memory import (
-    CPU_ADAMW_TEMP_TENSORS,
     CUDA_CONTEXT_BYTES,
     PROCESS_RSS_BYTES,
     Arch,
     GiB,
     StrategyPlan,
     activation_bytes,
+    cpu_adamw_temp_bytes,
     embed_bytes,
     final_bytes,
     layer_backward_bytes,
@@ -165,7 +165,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         if replicas > 1:
             step_tmp += 4.0 * n_d  # _average_over_replicas flattens all gradients into one buffer
         if device == "cpu":
-            step_tmp = max(step_tmp, CPU_ADAMW_TEMP_TENSORS * 4.0 * largest)  # single-tensor AdamW, after the norm
+            step_tmp = max(step_tmp, cpu_adamw_temp_bytes(largest))  # single-tensor AdamW, after the norm
         moments.append((0.0, retained, grads, step_tmp, "optimizer step"))
         acts, logits, g, tmp, moment = max(moments, key=lambda m: m[0] + m[1] + m[2] + m[3])
         static = (BYTES_PER_PARAM["parameters"] + BYTES_PER_PARAM["optimizer"]) * n_d + sum(buffers[k] for k in mine)

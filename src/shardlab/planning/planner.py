@@ -71,7 +71,6 @@ from ..training.loss import eval_chunk_tokens, resolve_loss_kernel
 from ..strategies.spec import all_specs, find, names, spec, speed_order
 from ..strategies.specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 from .memory import (
-    CPU_ADAMW_TEMP_TENSORS,
     CUDA_CONTEXT_BYTES,
     HOST_HEADROOM,
     PROCESS_RSS_BYTES,
@@ -82,6 +81,7 @@ from .memory import (
     StrategyPlan,
     activation_bytes,
     compiled_layers_modelled,
+    cpu_adamw_temp_bytes,
     host_fits,
     layer_backward_bytes,
 )
@@ -326,14 +326,6 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     return F(0), F(0), F(0), "parameters and optimizer states on NVMe"  # infinity: gradient partitions on the CPU
 
 
-def _ds_cpu_adamw_temps(flat_partitions: list[int]) -> float:
-    """DeepSpeed without optimizer offload on a CPU steps torch's AdamW (strategies.deepspeed_zero.use_deepspeed_optimizer)
-    over its flat fp32 partitions, one tensor each: the single-tensor path's temporaries (CPU_ADAMW_TEMP_TENSORS) are
-    the size of the largest. Measured on gpt2 fp32, one rank: zero2's and zero3's step peaked 3 x 0.464 GiB over their
-    states (this, and the fp32 gradient the step reads)."""
-    return CPU_ADAMW_TEMP_TENSORS * 4.0 * max(flat_partitions)
-
-
 def eight_bit_state_bytes(k: int) -> int:
     """GPU bytes of torchao AdamW8bit's two moments for a tensor of `k` elements (the layout above)."""
     if k >= EIGHT_BIT_MIN_NUMEL and k % EIGHT_BIT_BLOCK == 0:
@@ -442,8 +434,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
         # quotient, freed before the next one.
-        temp_step["AdamW per-tensor temporaries (CPU)"] = CPU_ADAMW_TEMP_TENSORS * 4.0 * arch.largest_layer_params / (
-            d if s.engine == "fsdp2" else 1)
+        temp_step["AdamW per-tensor temporaries (CPU)"] = cpu_adamw_temp_bytes(arch.largest_layer_params / (
+            d if s.engine == "fsdp2" else 1))
     if s.engine == "ddp":
         if mixed and not bf16_master:
             temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
@@ -504,11 +496,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
                 if device == "cpu" and cfg.optimizer == "adamw":
-                    # stage_1_and_2.py step, one param group at a time: the group's 16-bit gradients are freed once
-                    # made fp32 (free_grad_in_param_list), before its AdamW step: only what the temporaries exceed them
+                    # DeepSpeed without offload on a CPU steps torch's AdamW (deepspeed_zero.use_deepspeed_optimizer)
+                    # over its flat fp32 partition of each param group (gpt2 fp32, one rank: zero2's and zero3's step
+                    # peaked 3 x 0.464 GiB over their states: those temporaries and the fp32 gradient). stage_1_and_2.py
+                    # steps one group at a time, and frees the group's 16-bit gradients once made fp32
+                    # (free_grad_in_param_list), before its AdamW step: only what the temporaries exceed them counts
                     k = max(math.ceil(sum(g) / d) for g in ds_group_params(arch, cfg.weight_decay))
                     temp_step["AdamW temporaries over the flat fp32 partition (CPU), beyond the gradients freed before"] = max(
-                        0.0, _ds_cpu_adamw_temps([k]) - lo * k)
+                        0.0, cpu_adamw_temp_bytes(k) - lo * k)
             elif gpu_grad_accum_fp32(cfg, strategy, precision, accum):
                 # data_types.grad_accum_dtype=fp32 (shardlab's, or a user JSON's): the micro-batches' gradients summed
                 # on the GPU, copied out once. A user JSON's bf16 keeps DeepSpeed's host accumulation: no GPU buffer
@@ -536,7 +531,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 k = max(subs)
                 step_temp = 4.0 * k + (lo * k if mixed else 0.0)
                 if device == "cpu" and cfg.optimizer == "adamw":
-                    step_temp = max(step_temp, 4.0 * k + _ds_cpu_adamw_temps(subs))
+                    step_temp = max(step_temp, 4.0 * k + cpu_adamw_temp_bytes(k))
                 temp_step["fp32 gradient of the largest optimizer sub-group (step)"] = step_temp
             gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":

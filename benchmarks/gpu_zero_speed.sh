@@ -22,5 +22,7 @@ fi
 for rep in $(seq "$REPS"); do
   left=$(( BUDGET_S - ($(date +%s) - t0) ))
   echo "== round $rep of $REPS ($left s of the budget left)"
+  # the host CPU's speed this round (one-GPU zero3 is host-bound: its step follows it; 2026-11-27-h100-zero3-gc)
+  python3 -c "import time; t = time.perf_counter(); sum(range(3_000_000)); print(f'cpu probe: {1e3 * (time.perf_counter() - t):.1f} ms for sum(range(3e6))')"
   python3 benchmarks/speed_gpu.py --out "$OUT" --steps "$STEPS" --cells "$CELLS" --budget-s "$left"
 done

@@ -33,7 +33,8 @@ EXPECTED_S = {"bloom-sdpa": 60, "bloom-eager": 70, "dp": 45, "dp-compile": 150, 
               "zero1-nocheck": 60, "zero2-nocheck": 60, "zero1-check": 60, "zero2-check": 60,
               "zero3-leaf": 110, "zero3-leaf-nocg": 110, "zero3-hooks": 110, "zero3-blocks": 110, "zero3-blocks-nocg": 110,
               "zero3-combo-pf0": 110, "zero3-combo-leaf": 110, "zero3-combo-leaf-pf0": 110,
-              "dp-nopin": 45, "zero3-before": 110, "zero3-nopin": 110}  # warm inductor cache (the first is ~100)
+              "dp-nopin": 45, "zero3-before": 110, "zero3-nopin": 110,
+              "zero3-own": 110, "zero3-keep": 110, "zero3-rs": 110, "zero3-norm": 110}  # warm inductor cache (the first is ~100)
 
 
 def ds_cell(strategy: str, config: str) -> tuple:
@@ -116,6 +117,12 @@ fg.CELLS.update({
     "dp-nopin": ("dp", 8, ["--pin-thread", "off"], None),
     "zero3-before": ("zero3", 8, ["--pin-thread", "off", "--deepspeed-config", "benchmarks/cells/zero3-before.json"], None),
     "zero3-nopin": ("zero3", 8, ["--pin-thread", "off"], None),
+    # 2026-11-27-h100-zero3-one-rank: one-rank ZeRO-3's shortcuts (strategies/zero3_one_rank.py; all three are the
+    # default): none of them (DeepSpeed's own path), then each alone
+    "zero3-own": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[]"], None),
+    "zero3-keep": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[keep_gathered]"], None),
+    "zero3-rs": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[identity_reduce_scatter]"], None),
+    "zero3-norm": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[foreach_norm]"], None),
 })
 # cell -> the cell or bare mode it is compared with, and the issue's goal for that ratio
 VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16", 1.10), "dp-compile-again": ("bare:compile-bf16", 1.10),
@@ -133,7 +140,8 @@ VERSUS = {"bloom-sdpa": ("bloom-eager", None), "dp-compile": ("bare:compile-bf16
           "zero1-check": ("dp", 0.95), "zero2-check": ("dp", 0.95),
           "zero3-leaf": ("dp", 0.7), "zero3-leaf-nocg": ("dp", 0.7), "zero3-hooks": ("dp", 0.7), "zero3-blocks": ("dp", 0.7), "zero3-blocks-nocg": ("dp", 0.7),
           "zero3-combo-pf0": ("dp", 0.7), "zero3-combo-leaf": ("dp", 0.7), "zero3-combo-leaf-pf0": ("dp", 0.7),
-          "dp-nopin": ("dp", None), "zero3-before": ("dp", 0.7), "zero3-nopin": ("dp", 0.7)}
+          "dp-nopin": ("dp", None), "zero3-before": ("dp", 0.7), "zero3-nopin": ("dp", 0.7),
+          "zero3-own": ("dp", 0.7), "zero3-keep": ("dp", 0.7), "zero3-rs": ("dp", 0.7), "zero3-norm": ("dp", 0.7)}
 BLOOM_GOAL_TOKS, BLOOM_GOAL_PEAK = 1.5 * 37.5e3, 24.0  # issue 15: bloom-560m dp eager, micro 8
 
 

@@ -73,6 +73,9 @@ class StrategyOptions(_Strict):
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
         "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work: issue 15; on otherwise)")
+    zero3_one_rank_shortcuts: list[Literal["keep_gathered", "identity_reduce_scatter", "foreach_norm"]] | None = Field(
+        None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
+        "and itself (strategies/zero3_one_rank.py: what each does; issue 15). Default: all three; [] runs DeepSpeed's own path")
     # None: shardlab chooses (strategies/deepspeed_zero.sized_buckets): DeepSpeed's own default, sized from the model's width
     # under offload, every parameter persistent for ZeRO-3 on one rank. "Not set" is the value None, not pydantic's record
     # of which fields were given, which a config.yaml written by one process and read by another (the launcher's

@@ -22,6 +22,7 @@ from ..errors import UserError
 from .base import Strategy
 from .spec import all_specs, spec
 from .zero3_release_cache import apply_release_cache_fix
+from . import zero3_one_rank
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 from ..training.optim import resolve_precision
 
@@ -667,6 +668,11 @@ class DeepSpeedStrategy(Strategy):
             apply_release_cache_fix(log)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
+        self.one_rank_shortcuts: list[str] = []
+        if one_rank_zero3(STAGE[self.cfg.strategy], self.env.world_size, spec(self.cfg.strategy).offloads):
+            wanted = self.cfg.strategy_options.zero3_one_rank_shortcuts
+            self.one_rank_shortcuts = zero3_one_rank.apply(
+                self.engine, zero3_one_rank.SHORTCUTS if wanted is None else tuple(wanted), log)
         if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place
             from ..training import compiling
 
@@ -679,6 +685,9 @@ class DeepSpeedStrategy(Strategy):
         # classes and contiguous_gradients): the record of what shardlab or the user's JSON chose, so a run shows it and a
         # comparison can check it (a worker once lost the sizing without a trace)
         out["zero_optimization"] = (getattr(self, "ds_json", None) or {}).get("zero_optimization", {})
+        if getattr(self, "one_rank_shortcuts", None):
+            out["zero3_one_rank_shortcuts"] = list(self.one_rank_shortcuts)
+            out["zero3_steps_kept_gathered"] = getattr(self.engine.optimizer, "shardlab_kept_gathered", None)
         return out
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

@@ -1,34 +1,70 @@
-"""Host (Python) work a training step costs, per strategy, with the arithmetic made negligible.
+"""Host (Python) work a training step costs, and one-rank ZeRO-3's shortcuts compared inside one run.
 
-Runs one shardlab rank in this process on the CPU with a model of a real preset's module tree (same layers, blocks and
-parameter count per block shape) but a tiny width, so that a step's wall time is almost all framework work: the hooks,
-the bookkeeping and the per-tensor operators that stay the same at any width. That is the part of a one-GPU step the
-GPU cannot hide once a strategy is host-bound (issue 15's zero3). Optionally profiles the timed steps (cProfile).
+Runs one shardlab rank in this process. On the CPU (the default) the model is a real preset's module tree (same
+layers and blocks) at a tiny width, so that a step's wall time is mostly framework work: the hooks, the bookkeeping
+and the per-tensor operators that stay the same at any width, which is what a one-GPU step cannot hide once the
+strategy is host-bound (issue 15's zero3). On a GPU, ``--width 0`` keeps the preset's width.
 
-    python3 benchmarks/diag/host_overhead.py --like gpt2-medium --strategy zero3 --steps 30 [--profile out.pstats]
+``--modes`` (zero3 on one rank) switches strategies/zero3_one_rank.py's shortcuts between steps: step k runs mode
+``modes[(k // period) % len(modes)]``, so every mode sees the same stretches of the host CPU's speed (a one-GPU
+host's speed drifts by up to 1.7x for seconds at a time: 2026-11-27-h100-zero3-gc), and the comparison is within one
+process. A mode is "none", "all", or shortcut names joined by "+". A step's time is from its start to the next
+step's start (the loop's own work included; the step ends in the loss' .item(), a device sync).
 
-Prints the median step wall time (ms) over the steps after --warmup; writes only the profile asked for.
+    python3 benchmarks/diag/host_overhead.py --strategy zero3 --steps 60            # CPU, gpt2-medium's tree, width 64
+    python3 benchmarks/diag/host_overhead.py --device cuda --width 0 --seq-len 1024 --micro-batch 8 --precision bf16 \\
+        --strategy zero3 --steps 205 --modes none,all,keep_gathered,identity_reduce_scatter,foreach_norm --period 4
+
+Prints one line per mode (median, quartiles, steps) and, with --json, writes them; writes only what it is asked to.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import statistics
 import sys
 import time
 
 
+def _switch(strategy, installed: dict) -> callable:
+    """A function that turns the named shortcuts on (the rest off) on this engine, and stage 3's module name."""
+    from deepspeed.runtime.zero import stage3
+
+    from shardlab.strategies import zero3_one_rank
+
+    opt = strategy.engine.optimizer
+    own = {"pap": type(opt)._partition_all_parameters.__get__(opt), "norm": type(opt)._get_norm_groups.__get__(opt)}
+    short = {"pap": opt._partition_all_parameters, "norm": opt._get_norm_groups}
+    rs_short = stage3.reduce_scatter_coalesced
+    rs_own = getattr(rs_short, "__wrapped__", rs_short)
+    assert installed == list(zero3_one_rank.SHORTCUTS), installed
+
+    def to(mode: str) -> None:
+        on = set(zero3_one_rank.SHORTCUTS) if mode == "all" else set() if mode == "none" else set(mode.split("+"))
+        opt._partition_all_parameters = short["pap"] if "keep_gathered" in on else own["pap"]
+        opt._get_norm_groups = short["norm"] if "foreach_norm" in on else own["norm"]
+        stage3.reduce_scatter_coalesced = rs_short if "identity_reduce_scatter" in on else rs_own
+
+    return to
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--like", default="gpt2-medium", help="the preset whose module tree is copied")
-    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--width", type=int, default=64, help="the model's width (0: the preset's own)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--strategy", default="zero3")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--modes", default=None, help="zero3 on one rank: comma-separated shortcut modes to interleave")
+    ap.add_argument("--period", type=int, default=4, help="steps per mode before the next")
+    ap.add_argument("--json", default=None, help="write the per-mode figures here")
     ap.add_argument("--profile", default=None, help="write a cProfile of the timed steps here")
     ap.add_argument("--set", nargs="*", default=[], help="KEY=VALUE config overrides (YAML values)")
     args = ap.parse_args()
@@ -41,51 +77,73 @@ def main() -> None:
     from shardlab.training import presets
     from shardlab.training import trainer as T
 
-    base = presets.PRESETS[args.like]
-    conf = dict(base.config)
-    for k in ("n_embd", "hidden_size"):
-        if k in conf:
-            conf[k] = args.width
-    for k in ("n_head", "num_attention_heads", "num_key_value_heads"):
-        if k in conf:
-            conf[k] = 4
-    for k in ("intermediate_size",):
-        if k in conf:
-            conf[k] = 4 * args.width
-    name = f"narrow-{args.like}"
-    presets.PRESETS[name] = dataclasses.replace(base, name=name, config=conf, hub_id=None)
+    name = args.like
+    if args.width:
+        base = presets.PRESETS[args.like]
+        conf = dict(base.config)
+        for k in ("n_embd", "hidden_size"):
+            if k in conf:
+                conf[k] = args.width
+        for k in ("n_head", "num_attention_heads", "num_key_value_heads"):
+            if k in conf:
+                conf[k] = 4
+        for k in ("intermediate_size",):
+            if k in conf:
+                conf[k] = 4 * args.width
+        name = f"narrow-{args.like}"
+        presets.PRESETS[name] = dataclasses.replace(base, name=name, config=conf, hub_id=None)
 
     extra = {}
     for kv in args.set:
         k, v = kv.split("=", 1)
         extra[k] = yaml.safe_load(v)
-    kw = dict(model=name, strategy=args.strategy, device="cpu", gpus=1, seq_len=args.seq_len, micro_batch=1,
-              max_steps=args.steps, precision=args.precision, eval_at_start=False, eval_every=10**6,
-              log_every=10**6, dataset={"source": "synthetic"}, output_dir=f"/tmp/host_overhead_{os.getpid()}")
+    kw = dict(model=name, strategy=args.strategy, device=args.device, gpus=1, seq_len=args.seq_len,
+              micro_batch=args.micro_batch, max_steps=args.steps, precision=args.precision, eval_at_start=False,
+              eval_every=10**6, log_every=10**6, max_grad_norm=None, dataset={"source": "synthetic"},
+              output_dir=f"/tmp/host_overhead_{os.getpid()}")
     cfg = load_config(sets={**kw, **extra})
     cfg.export = False
-    times: list[float] = []
+    modes = args.modes.split(",") if args.modes else ["default"]
+    starts: list[float] = []
+    step_modes: list[str] = []
+    switch = [None]
     prof = cProfile.Profile() if args.profile else None
     orig = T.Trainer._train_step
 
     def step(self, strategy, batches):
-        n = len(times)
-        timed = n >= args.warmup
+        k = len(starts)
+        mode = modes[(k // args.period) % len(modes)]
+        if args.modes:
+            if switch[0] is None:
+                switch[0] = _switch(strategy, strategy.one_rank_shortcuts)
+            switch[0](mode)
+        step_modes.append(mode)
+        timed = k >= args.warmup
         if prof and timed:
             prof.enable()
-        t0 = time.perf_counter()
+        starts.append(time.perf_counter())
         try:
             return orig(self, strategy, batches)
         finally:
-            times.append(time.perf_counter() - t0)
             if prof and timed:
                 prof.disable()
 
     T.Trainer._train_step = step
     T.run_worker(cfg)
-    steady = times[args.warmup:]
-    print(f"{args.strategy} like {args.like} width {args.width}: median step {1e3 * statistics.median(steady):.1f} ms "
-          f"(min {1e3 * min(steady):.1f}, max {1e3 * max(steady):.1f}) over {len(steady)} steps")
+    durations = [b - a for a, b in zip(starts, starts[1:])]
+    out = {}
+    for mode in modes:
+        xs = sorted(d for k, d in enumerate(durations) if k >= args.warmup and step_modes[k] == mode)
+        if not xs:
+            continue
+        q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+        out[mode] = {"median_ms": 1e3 * statistics.median(xs), "q1_ms": 1e3 * q[0], "q3_ms": 1e3 * q[2], "steps": len(xs)}
+        print(f"{args.strategy} [{mode}] like {args.like} width {args.width or 'preset'}: median step "
+              f"{out[mode]['median_ms']:.1f} ms (quartiles {out[mode]['q1_ms']:.1f}-{out[mode]['q3_ms']:.1f}) over {len(xs)} steps",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "modes": out, "durations_s": durations, "step_modes": step_modes}, f)
     if prof:
         prof.dump_stats(args.profile)
 

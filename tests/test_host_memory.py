@@ -195,7 +195,8 @@ from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
 from shardlab.training.optim import Precision
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
-cfg = RunConfig(model="tiny-gpt2", strategy=sys.argv[1], device="cpu", seq_len=64, micro_batch=2, grad_accum=1)
+cfg = RunConfig(model="tiny-gpt2", strategy=sys.argv[1], device="cpu", seq_len=64, micro_batch=2, grad_accum=1,
+                strategy_options={"zero3_one_rank_shortcuts": json.loads(sys.argv[3])})
 strategy = DeepSpeedStrategy(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 1)
 strategy.setup(strategy.build_model(), total_steps=4)
 ids = torch.randint(0, 1000, (2, 64))
@@ -241,10 +242,13 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     tests_dir = os.path.dirname(__file__)
-    proc = subprocess.run([sys.executable, "-c", _DS_STEP, strategy, tests_dir], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    def probe(shortcuts: str = "null") -> dict:
+        proc = subprocess.run([sys.executable, "-c", _DS_STEP, strategy, tests_dir, shortcuts], capture_output=True,
+                              text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    got = probe()
     cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64, micro_batch=2, grad_accum=1,
                     precision="fp32")
     sp, _ = predict_cpu_run(cfg, 1, reuse_heap=False)
@@ -257,19 +261,28 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
     planned = sp.gpu["step buffers"] + (sp.gpu["gradients"] if strategy == "zero2" else 0.0)
     assert got["step_peak"] == pytest.approx(planned, rel=0.05)
     if strategy == "zero3":
-        # One-rank ZeRO-3 reduces the parameters' own gradients (no contiguous bucket) after flattening them into one
-        # more copy: on a GPU, where the step has no AdamW temporaries, that end of backward is the peak of a run with
-        # few activations (gpt2 fp32 micro 1 x 256 on an H200: 3.31 GiB measured, 3.25 planned, 2.81 before)
+        # One-rank ZeRO-3 reduces the parameters' own gradients (no contiguous bucket). DeepSpeed's own path flattens
+        # them into one more copy first: on a GPU, where the step has no AdamW temporaries, that end of backward is the
+        # peak of a run with few activations (gpt2 fp32 micro 1 x 256 on an H200: 3.31 GiB measured, 3.25 planned, 2.81
+        # before). The one-rank shortcut identity_reduce_scatter (strategies/zero3_one_rank.py, the default) makes none.
         from shardlab.planning.planner import plan
 
+        own = probe("[]")
         gpu_cfg = cfg.model_copy(update={"device": "auto", "seq_len": 8, "micro_batch": 1, "eval_at_start": False})
-        g = plan(gpu_cfg, gpu_memory_gb=80, strategies=(strategy,)).strategies[strategy]
-        assert g.peak_moment.startswith("end of backward (ZeRO-3's reduce")
-        reduce = g.gpu_peak - g.gpu["parameters"] - g.gpu["optimizer"] - g.gpu["temporary"]
+        own_cfg = gpu_cfg.model_copy(update={"strategy_options": gpu_cfg.strategy_options.model_copy(
+            update={"zero3_one_rank_shortcuts": []})})
+        g_own = plan(own_cfg, gpu_memory_gb=80, strategies=(strategy,)).strategies[strategy]
+        assert g_own.peak_moment.startswith("end of backward (ZeRO-3's reduce: the gradients it holds and their flat copy")
+        reduce = g_own.gpu_peak - g_own.gpu["parameters"] - g_own.gpu["optimizer"] - g_own.gpu["temporary"]
         assert reduce > 0
-        # On the CPU (gloo) the backward held 3 fp32 copies of the gradients at once where the GPU's peak snapshot shows
-        # 2: the planned reduce is a lower bound here, and must be one
-        assert got["backward_peak"] >= reduce
+        # On the CPU (gloo) DeepSpeed's path held 3 fp32 copies of the gradients at once where the GPU's peak snapshot
+        # shows 2: the planned reduce is a lower bound here, and must be one
+        assert own["backward_peak"] >= reduce
+        # the shortcut's backward makes one copy of the gradients fewer, and the plan no longer peaks at the reduce
+        assert own["backward_peak"] - got["backward_peak"] == pytest.approx(4 * n, rel=0.1)
+        assert got["backward_peak"] >= 4 * n
+        g = plan(gpu_cfg, gpu_memory_gb=80, strategies=(strategy,)).strategies[strategy]
+        assert not g.peak_moment.startswith("end of backward") and g.gpu_peak < g_own.gpu_peak
 
 
 # ---- the plan's host memory -------------------------------------------------------------------------

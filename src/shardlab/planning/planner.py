@@ -88,7 +88,8 @@ from .memory import (
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, ds_group_params, host_build, host_states, launcher_bytes, zero3_optimizer_split
-from ..strategies.deepspeed_zero import contiguous_gradients, gpu_grad_accum_fp32, overlap_comm, sized_buckets, zero3_leaf_classes
+from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm, sized_buckets,
+                                         zero3_leaf_classes)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
 
@@ -429,7 +430,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     notes: list[str] = []
     stage = s.zero_stage
     eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss
-    reduce_held = 0.0  # ZeRO-3 without contiguous gradients: what its reduce holds at the end of backward
+    reduce_held, reduce_what = 0.0, ""  # ZeRO-3 without contiguous gradients: what its reduce holds at the end of backward
     if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
@@ -519,11 +520,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 if not contiguous_gradients(opts, stage, d, s.offloads):
                     # Without contiguous gradients (one-rank ZeRO-3's default) the reduce bucket is a list of the
                     # parameters' own gradients, reduced once it holds reduce_bucket_size elements (at the end of
-                    # backward when that is the whole model), and reduce_scatter_coalesced first flattens them into one
-                    # more copy (torch.cat). gpt2 fp32, micro 1 x 256, one H200: 3.31 GiB measured, 2.81 planned
-                    # without this, the 148 gradients and a 0.46 GiB flat copy alive at the peak
-                    # (benchmarks/results/2026-11-27-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt)
-                    reduce_held = 2.0 * lo * min(rb, n)
+                    # backward when that is the whole model), and DeepSpeed's reduce_scatter_coalesced first flattens
+                    # them into one more copy (torch.cat). gpt2 fp32, micro 1 x 256, one H200: 3.31 GiB measured, 2.81
+                    # planned without this, the 148 gradients and a 0.46 GiB flat copy alive at the peak
+                    # (benchmarks/results/2026-11-27-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt). One-rank
+                    # ZeRO-3's identity_reduce_scatter (strategies/zero3_one_rank.py) makes no copy: the gradients only.
+                    flat_copy = "identity_reduce_scatter" not in one_rank_shortcuts(opts, stage, d, s.offloads)
+                    reduce_held = (2.0 if flat_copy else 1.0) * lo * min(rb, n)
+                    reduce_what = "the gradients it holds" + (" and their flat copy" if flat_copy else "")
                 # The step, one sub-group at a time (stage3.py _prepare_fp32_grad_for_sub_group): the sub-group's
                 # gradients flattened and made fp32 (a 16-bit flat copy, then its fp32 one; fp32's .to is the same
                 # tensor), freed after that sub-group's step; on a CPU torch's AdamW then steps the flat fp32 master.
@@ -612,7 +616,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                        (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
                        (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
                        (moment_end, "optimizer step (all gradients + step buffers)"),
-                       (moment_reduce, "end of backward (ZeRO-3's reduce: the gradients it holds and their flat copy)"),
+                       (moment_reduce, f"end of backward (ZeRO-3's reduce: {reduce_what})"),
                        (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
                        (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
                                      "the autotuner's clones and the step's temporaries beside the weights)"),

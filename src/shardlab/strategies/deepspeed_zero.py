@@ -133,6 +133,16 @@ def contiguous_gradients(opts, stage: int, world: int, offloads: bool) -> bool:
     return not one_rank_zero3(stage, world, offloads)
 
 
+def one_rank_shortcuts(opts, stage: int, world: int, offloads: bool) -> tuple[str, ...]:
+    """The one-rank ZeRO-3 shortcuts a run takes (strategies/zero3_one_rank.py): all of them where the user left
+    strategy_options.zero3_one_rank_shortcuts unset, the ones named otherwise; none but on one rank without offload.
+    The planner reads it too: identity_reduce_scatter removes the flat copy of every gradient at the end of backward."""
+    if not one_rank_zero3(stage, world, offloads):
+        return ()
+    wanted = opts.zero3_one_rank_shortcuts
+    return zero3_one_rank.SHORTCUTS if wanted is None else tuple(wanted)
+
+
 def zero3_leaf_classes(model: nn.Module | None) -> list[str]:
     """The class name of the model's repeated decoder block (GPT2Block, BloomBlock, LlamaDecoderLayer), for DeepSpeed's
     `leaf_module.classes`: ZeRO-3 then hooks each block as one module, not its ~9 sub-modules (ln, attention, c_attn,
@@ -668,11 +678,9 @@ class DeepSpeedStrategy(Strategy):
             apply_release_cache_fix(log)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(**kwargs)
         self.model = self.engine
-        self.one_rank_shortcuts: list[str] = []
-        if one_rank_zero3(STAGE[self.cfg.strategy], self.env.world_size, spec(self.cfg.strategy).offloads):
-            wanted = self.cfg.strategy_options.zero3_one_rank_shortcuts
-            self.one_rank_shortcuts = zero3_one_rank.apply(
-                self.engine, zero3_one_rank.SHORTCUTS if wanted is None else tuple(wanted), log)
+        shortcuts = one_rank_shortcuts(self.cfg.strategy_options, STAGE[self.cfg.strategy], self.env.world_size,
+                                       spec(self.cfg.strategy).offloads)
+        self.one_rank_shortcuts: list[str] = zero3_one_rank.apply(self.engine, shortcuts, log) if shortcuts else []
         if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place
             from ..training import compiling
 

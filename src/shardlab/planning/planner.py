@@ -596,6 +596,18 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                         + act.logits_grad + sum(temp.values()))
     moment_end = static + g_end + sum(temp_step.values())
     moment_reduce = static + reduce_held if reduce_held else 0.0  # the activations are gone by then
+    # A tied head (GPT-2, BLOOM): the embedding's backward, the last of backward, makes a whole vocab x hidden gradient
+    # that autograd then adds into the head's, beside every other gradient of the model. gpt2 fp32, micro 1 x 256, one
+    # H100 (peak snapshots, benchmarks/results/2026-11-27-h100-zero3-one-rank/call5): dp 2.06 GiB measured, 1.88 planned
+    # without it; one-rank zero3 with its gradients reduced in place 3.00 / 2.81: 0.608 GiB of gradients alive for
+    # 0.464 GiB of parameters. Where the full gradients are alive at the end of backward: dp, and one-rank ZeRO-3's
+    # reduce of the parameters' own gradients (other engines reduce or shard them during backward).
+    parts = arch.pipeline_parts or {}
+    moment_tied = 0.0
+    if parts.get("tied") and s.engine == "ddp" and grads:
+        moment_tied = static + g_end + grads / n * parts["vocab_x_hidden"]
+    elif parts.get("tied") and reduce_held:
+        moment_tied = static + lo * min(rb, n) + lo * parts["vocab_x_hidden"]
     # An eval forward (shardlab evaluates before the first step, at epoch ends and after the last step): no activations
     # kept, but the logits at the per-rank eval batch. With the whole batch's fp32 copies (before the chunked eval loss)
     # this made zero3_offload's measured peak depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6
@@ -617,6 +629,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                        (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
                        (moment_end, "optimizer step (all gradients + step buffers)"),
                        (moment_reduce, f"end of backward (ZeRO-3's reduce: {reduce_what})"),
+                       (moment_tied, "end of backward (all gradients + the tied embedding's second gradient)"),
                        (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
                        (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
                                      "the autotuner's clones and the step's temporaries beside the weights)"),

@@ -61,6 +61,10 @@ class DatasetConfig(_Strict):
     synthetic_tokens: int = Field(200_000, gt=0, description="synthetic source: number of random tokens")
 
 
+# strategies/zero3_one_rank.py's shortcuts, by the names a config gives them (that module installs them)
+ZERO3_ONE_RANK_SHORTCUTS = ("keep_gathered", "identity_reduce_scatter", "foreach_norm")
+
+
 class StrategyOptions(_Strict):
     """Knobs of the memory strategies; each is ignored by strategies it does not concern."""
 
@@ -73,7 +77,7 @@ class StrategyOptions(_Strict):
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
         "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work: issue 15; on otherwise)")
-    zero3_one_rank_shortcuts: list[Literal["keep_gathered", "identity_reduce_scatter", "foreach_norm"]] | None = Field(
+    zero3_one_rank_shortcuts: list[Literal[ZERO3_ONE_RANK_SHORTCUTS]] | None = Field(
         None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
         "and itself (strategies/zero3_one_rank.py: what each does; issue 15). Default: all three; [] runs DeepSpeed's own path")
     # None: shardlab chooses (strategies/deepspeed_zero.sized_buckets): DeepSpeed's own default, sized from the model's width

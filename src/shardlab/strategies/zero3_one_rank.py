@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-SHORTCUTS = ("keep_gathered", "identity_reduce_scatter", "foreach_norm")
+from ..config import ZERO3_ONE_RANK_SHORTCUTS as SHORTCUTS  # the names a config gives them, in this order
+
 _MARK = "_shardlab_one_rank"
 
 

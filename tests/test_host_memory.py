@@ -280,9 +280,14 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
         assert own["backward_peak"] >= reduce
         # the shortcut's backward makes one copy of the gradients fewer, and the plan no longer peaks at the reduce
         assert own["backward_peak"] - got["backward_peak"] == pytest.approx(4 * n, rel=0.1)
-        assert got["backward_peak"] >= 4 * n
         g = plan(gpu_cfg, gpu_memory_gb=80, strategies=(strategy,)).strategies[strategy]
-        assert not g.peak_moment.startswith("end of backward") and g.gpu_peak < g_own.gpu_peak
+        assert not g.peak_moment.startswith("end of backward (ZeRO-3's reduce") and g.gpu_peak < g_own.gpu_peak
+        # what it holds instead is every gradient and, tiny-gpt2's head being tied, the embedding's second gradient
+        # (autograd adds the embedding backward's whole vocab x hidden gradient into the head's): the moment the plan
+        # now has for dp and this reduce
+        assert g.peak_moment.startswith("end of backward (all gradients + the tied embedding's second gradient)")
+        vocab_x_hidden = 50257 * 64
+        assert got["backward_peak"] == pytest.approx(4 * (n + vocab_x_hidden), rel=0.02)
 
 
 # ---- the plan's host memory -------------------------------------------------------------------------

@@ -145,6 +145,47 @@ def test_activation_layers_wide_models(family, dtype, dropout):
         assert abs(predicted / measured - 1) < WIDE_BOUND, (family, dtype, dropout, seq, micro, predicted, measured)
 
 
+def test_autocast_casts_an_activation_once_per_projection():
+    """dp's bf16 mode runs fp32 weights under autocast, which caches the 16-bit casts of leaf tensors (the weights)
+    only: Llama's q, k and v projections each cast the fp32 RMSNorm output and save their own 16-bit copy, and gate
+    and up do the same, where GPT-2's fused c_attn and c_fc cast once. smollm2-360m dp on an H100 peaked 1.57 GiB above
+    a plan that counted one copy per norm (18.82 / 17.25 GiB); the plan counts all five now."""
+    import collections
+
+    import transformers
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardlab.planning.memory import _layer_bytes
+
+    transformers.logging.set_verbosity_error()
+    h, micro, seq = 256, 2, 64
+
+    def linear_inputs_per_layer(layers: int) -> collections.Counter:
+        c = LlamaConfig(num_hidden_layers=layers, hidden_size=h, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=688, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+        model = AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation="sdpa").train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = (t.dtype, tuple(t.shape))
+            return t
+
+        ids = torch.randint(0, 1000, (micro, seq), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids, use_cache=False)
+        return collections.Counter(seen.values())
+
+    two, four = linear_inputs_per_layer(2), linear_inputs_per_layer(4)
+    copy = (torch.bfloat16, (micro * seq, h))  # a 16-bit, hidden-wide input saved by a projection
+    assert (four[copy] - two[copy]) / 2 == 6  # q, k, v, o_proj, gate, up: five casts of norm outputs and o_proj's input
+    arch = arch_from_hf_config(LlamaConfig(num_hidden_layers=2, hidden_size=h, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=688, vocab_size=1000), attn_impl="sdpa")
+    # autocast against 16-bit weights: each norm's fp32 output (2 x 2 B more) and the three casts beyond one a norm
+    assert _layer_bytes(arch, "autocast", "cuda")[0] - _layer_bytes(arch, "lp", "cuda")[0] == pytest.approx(2 * 2 + 3 * 2)
+
+
 @functools.cache
 def wide_errors(family: str, dtype: str, dropout: float) -> dict[tuple[int, int], tuple[float, float]]:
     """The tiny presets are dominated by the 50k-vocab logits; a wide, small-vocab model checks the

@@ -133,9 +133,15 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     elif arch.family == "llama":
         # RMSNorm (x2): pow's input as fp32 (4), normalised fp32 (p or 4), weight*normed = proj in
         # (p, or 4 under autocast + its 16-bit cast 2); q, k, v after RoPE (p + 2kv p), attention out
-        # = o_proj in (p); MLP: gate, up, silu(gate), product = down in (4 f x p)
+        # = o_proj in (p); MLP: gate, up, silu(gate), product = down in (4 f x p).
+        # Under autocast each projection casts the fp32 norm output itself (autocast caches casts of leaf tensors
+        # only, i.e. weights), so q, k and v save three 16-bit copies of it and gate and up two: +3 x 2 B beyond
+        # the one counted. smollm2-360m dp micro 8 x 1024 on one H100: 18.82 GiB measured, 17.25 planned without
+        # these (benchmarks/results/2026-11-27-h100-zero3-one-rank/call7); checked on CPU by
+        # tests/test_plan.py::test_autocast_casts_an_activation_once_per_projection.
         norm = {"fp32": 12, "lp": 8, "autocast": 10}[mode]
-        per_sbh = 2 * norm + (2 + 2 * kv) * p + 4 * f * p
+        extra_casts = 3 * 2 if mode == "autocast" else 0
+        per_sbh = 2 * norm + extra_casts + (2 + 2 * kv) * p + 4 * f * p
         per_sb = 2 * 4
     else:
         # Korthikanti et al. 2022 eq. (1): 34 s b h bytes in 16-bit (incl. masks), scaled to p

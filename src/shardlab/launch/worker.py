@@ -20,7 +20,7 @@ from .supervise import mark_nodes_joining
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    mark_nodes_joining(False)  # as in forked_main: an exec'd worker exists, so the nodes have joined
+    mark_nodes_joining(False)  # a worker exists (exec'd or forked), so the nodes have joined: Ctrl-C stops the run as usual
     with report_errors() as status:
         from ..planning.run_plan import read_record
         from ..training.trainer import run_worker
@@ -46,7 +46,6 @@ def forked_main(*argv: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
-    mark_nodes_joining(False)  # the nodes have joined: from now on Ctrl-C stops the run as usual
     name_process(f"shardlab-r{os.environ.get('RANK', '?')}")
     code = main(list(argv))
     atexit._run_exitfuncs()

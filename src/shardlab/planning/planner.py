@@ -430,7 +430,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     notes: list[str] = []
     stage = s.zero_stage
     eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss
-    reduce_held, reduce_what = 0.0, ""  # ZeRO-3 without contiguous gradients: what its reduce holds at the end of backward
+    # ZeRO-3 without contiguous gradients: the gradients its reduce holds at the end of backward, and all it holds then
+    grads_held, reduce_held, reduce_what = 0.0, 0.0, ""
     if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
@@ -526,7 +527,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                     # (benchmarks/results/2026-11-27-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt). One-rank
                     # ZeRO-3's identity_reduce_scatter (strategies/zero3_one_rank.py) makes no copy: the gradients only.
                     flat_copy = "identity_reduce_scatter" not in one_rank_shortcuts(opts, stage, d, s.offloads)
-                    reduce_held = (2.0 if flat_copy else 1.0) * lo * min(rb, n)
+                    grads_held = float(lo * min(rb, n))
+                    reduce_held = (2.0 if flat_copy else 1.0) * grads_held
                     reduce_what = "the gradients it holds" + (" and their flat copy" if flat_copy else "")
                 # The step, one sub-group at a time (stage3.py _prepare_fp32_grad_for_sub_group): the sub-group's
                 # gradients flattened and made fp32 (a 16-bit flat copy, then its fp32 one; fp32's .to is the same
@@ -606,8 +608,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     moment_tied = 0.0
     if parts.get("tied") and s.engine == "ddp" and grads:
         moment_tied = static + g_end + grads / n * parts["vocab_x_hidden"]
-    elif parts.get("tied") and reduce_held:
-        moment_tied = static + lo * min(rb, n) + lo * parts["vocab_x_hidden"]
+    elif parts.get("tied") and grads_held:
+        moment_tied = static + grads_held + lo * parts["vocab_x_hidden"]
     # An eval forward (shardlab evaluates before the first step, at epoch ends and after the last step): no activations
     # kept, but the logits at the per-rank eval batch. With the whole batch's fp32 copies (before the chunked eval loss)
     # this made zero3_offload's measured peak depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6

@@ -147,6 +147,19 @@ def offline_env(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def functional_linear_restored():
+    """Each test leaves torch.nn.functional.linear as it found it. DeepSpeed's ZeRO-3 (zero.Init, with its default
+    memory_efficient_linear) replaces it with its own autograd Function for the rest of the process, "unless manually
+    reset"; a later in-process test of what autograd saves then counted that Function's fp32 inputs instead of the
+    linears' 16-bit casts (test_plan.py::test_autocast_casts_an_activation_once_per_projection on 2 xdist workers)."""
+    import torch
+
+    before = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = before
+
+
+@pytest.fixture(autouse=True)
 def environment_restored():
     """Each test leaves os.environ as it found it. In-process tests run shardlab code that sets variables for the
     process it expects to own (launch/distributed.bind_cores sets OMP_NUM_THREADS), and one leaked variable made every

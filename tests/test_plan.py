@@ -96,23 +96,28 @@ def test_meta_param_counts_equal_real_models(name):
 # ---- activations against exact CPU measurements -----------------------------------------------------
 
 
-def _saved_bytes(model, micro: int, seq: int) -> int:
-    """Bytes autograd holds when forward returns: unique storages packed by saved-tensor hooks,
-    parameters excluded. Exact on CPU (no allocator caching, unlike RSS)."""
+def _saved_tensors(model, micro: int, seq: int, autocast: bool = False) -> dict[int, tuple[int, torch.dtype, tuple]]:
+    """What autograd holds when forward returns: (bytes, dtype, shape) per unique storage packed by saved-tensor hooks,
+    parameters excluded. ``autocast``: the forward under CPU bf16 autocast over the model's fp32 weights (dp's mode)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple[int, torch.dtype, tuple]] = {}
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+            seen[st.data_ptr()] = (st.nbytes(), t.dtype, tuple(t.shape))
         return t
 
     ids = torch.randint(0, 1000, (micro, seq), generator=torch.Generator().manual_seed(0))
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         model(input_ids=ids, labels=ids, use_cache=False)
-    return sum(seen.values())
+    return seen
+
+
+def _saved_bytes(model, micro: int, seq: int) -> int:
+    """Bytes autograd holds when forward returns (``_saved_tensors``). Exact on CPU (no allocator caching, unlike RSS)."""
+    return sum(nbytes for nbytes, _, _ in _saved_tensors(model, micro, seq).values())
 
 
 TINY_CASES = [(name, attn, ckpt) for name, attn in (("tiny-gpt2", "sdpa"), ("tiny-bloom", "eager")) for ckpt in (False, True)]
@@ -163,19 +168,8 @@ def test_autocast_casts_an_activation_once_per_projection():
     def linear_inputs_per_layer(layers: int) -> collections.Counter:
         c = LlamaConfig(num_hidden_layers=layers, hidden_size=h, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=688, vocab_size=1000, bos_token_id=0, eos_token_id=0)
-        model = AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation="sdpa").train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen[t.untyped_storage().data_ptr()] = (t.dtype, tuple(t.shape))
-            return t
-
-        ids = torch.randint(0, 1000, (micro, seq), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            model(input_ids=ids, labels=ids, use_cache=False)
-        return collections.Counter(seen.values())
+        model = AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation="sdpa")
+        return collections.Counter((dtype, shape) for _, dtype, shape in _saved_tensors(model, micro, seq, autocast=True).values())
 
     two, four = linear_inputs_per_layer(2), linear_inputs_per_layer(4)
     copy = (torch.bfloat16, (micro * seq, h))  # a 16-bit, hidden-wide input saved by a projection

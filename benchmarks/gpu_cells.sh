@@ -12,6 +12,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 bash benchmarks/install_gpu_deps.sh >/dev/null || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks/diag PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export SHARDLAB_CACHE=/tmp/shardlab-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # multi-GPU hosts: never NVLink multicast
 if [[ "${PREBUILD_CPU_ADAM:-0}" == 1 ]]; then
   # DeepSpeed's cpu_adam takes minutes to JIT-build on a fresh machine: start it now, beside the first cell's model
   # build (torch's extension loader holds a lock file, so the cell that needs it waits for this build, not a second one).
@@ -28,7 +29,9 @@ grep -v '^\s*#' "$CELLS_FILE" | grep -v '^\s*$' | while read -r label limit flag
   # shellcheck disable=SC2086
   timeout -k 10 "$limit" env "${envs[@]}" python3 -m shardlab train "${words[@]}" ${COMMON:-} --output-dir "$ROOT/$label" > "$ROOT/$label.log" 2>&1
   echo "rc=$? wall=$((SECONDS - start))s"; tail -n 25 "$ROOT/$label.log"
+  # profiled cells: where the step's time goes on the GPU (compute, NCCL, NCCL not hidden, idle), per rank
+  for t in "$ROOT/$label"/profile/trace_rank*.json; do [[ -f "$t" ]] && python3 benchmarks/diag/trace_overlap.py "$t"; done
 done
 python3 benchmarks/cells_table.py "$ROOT" | tee "$OUT/cells.md"
-tar -czf "$OUT/cells.tar.gz" -C "$ROOT" --exclude='*.pt' --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.bin' .
+tar -czf "$OUT/cells.tar.gz" -C "$ROOT" --exclude='trace_rank*.json' --exclude='*.pt' --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.bin' .
 ls -la "$OUT"

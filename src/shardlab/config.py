@@ -109,6 +109,10 @@ class StrategyOptions(_Strict):
         "optimizer step, while the GPU still runs it, instead of at the start of the next forward, where the GPU waits "
         "for the host; default: on where the gathered parameters stay alive from forward to backward anyway (not "
         "resharding after forward, no parameter offload), off otherwise")
+    fsdp_prefetch: int | None = Field(
+        None, ge=0, description="fsdp on several ranks with block units: how many blocks ahead each block's forward and "
+        "backward issue their all-gathers (FSDP2's set_modules_to_forward/backward_prefetch); 0 or unset: FSDP2's "
+        "implicit prefetch (the next unit's gather is issued when the host reaches it)")
     offload_ratio: float = Field(1.0, gt=0.0, le=1.0, json_schema_extra=cli("--offload-ratio"),
         description="zero3_offload: fraction of the optimizer states (and their step) on the CPU; the rest stays on the "
         "GPU and steps there (DeepSpeed's partial offload, 'Twin-Flow'); exact AdamW either way")

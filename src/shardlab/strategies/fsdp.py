@@ -93,6 +93,21 @@ def gather_after_step(cfg, world_size: int, strategy: str | None = None) -> bool
     return params_gathered_through_backward(cfg, world_size, strategy) and spec(strategy or cfg.strategy).offload_params != "cpu"
 
 
+def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
+    """Explicit prefetch: each block's forward issues the all-gathers of the next ``depth`` blocks and its backward
+    those of the ``depth`` blocks before it, so a gather is in flight before the host reaches the block that needs it
+    (FSDP2's implicit prefetch issues it only then)."""
+    if depth <= 0 or len(blocks) < 2:
+        return
+    for i, block in enumerate(blocks):
+        ahead = blocks[i + 1:i + 1 + depth]
+        if ahead:
+            block.set_modules_to_forward_prefetch(ahead)
+        behind = blocks[max(0, i - depth):i][::-1]
+        if behind:
+            block.set_modules_to_backward_prefetch(behind)
+
+
 class FSDPStrategy(TorchOptimizerStrategy):
     def build_model(self) -> nn.Module:
         """On the meta device when ``setup`` can materialise it shard by shard (presets, local safetensors
@@ -152,10 +167,11 @@ class FSDPStrategy(TorchOptimizerStrategy):
         if not self.cpu_optimizer(self.cfg) and not on_meta:
             model = model.to(self.env.device)
         compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
-        if units(self.cfg, self.env.world_size) == "blocks":
-            for block in transformer_blocks(model):
-                fully_shard(block, **kwargs)
+        blocks = transformer_blocks(model) if units(self.cfg, self.env.world_size) == "blocks" else []
+        for block in blocks:
+            fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        set_prefetch(blocks, self.cfg.strategy_options.fsdp_prefetch or 0)
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
             self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model

@@ -87,7 +87,7 @@ class Arch:
     param_sizes: tuple[tuple[int, int], ...] = ()
     # FSDP builds on the meta device (presets, matching local safetensors: models.meta_loadable), else in fp32.
     meta_build: bool = True
-    # The decoder-block class one-rank ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
+    # The decoder-block class ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
     leaf_classes: tuple[str, ...] = ()
 
     @property

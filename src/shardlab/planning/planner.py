@@ -88,7 +88,7 @@ from .memory import (
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, ds_group_params, host_build, host_states, launcher_bytes, zero3_optimizer_split
-from ..strategies.deepspeed_zero import (contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm, sized_buckets,
+from ..strategies.deepspeed_zero import (block_leaves, contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm, sized_buckets,
                                          zero3_leaf_classes)
 from ..training.optim import arithmetic, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
@@ -539,10 +539,12 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 if device == "cpu" and cfg.optimizer == "adamw":
                     step_temp = max(step_temp, 4.0 * k + cpu_adamw_temp_bytes(k))
                 temp_step["fp32 gradient of the largest optimizer sub-group (step)"] = step_temp
-            gather = min(opts.stage3_max_live_parameters, arch.largest_layer_params + buckets["stage3_prefetch_bucket_size"])
+            # A leaf module (a whole decoder block) is fetched as one unit, so the largest unit gathered at once is a block.
+            unit = max(arch.largest_layer_params, arch.block_params if arch.leaf_classes and block_leaves(opts, stage, s.offloads) else 0)
+            gather = min(opts.stage3_max_live_parameters, unit + buckets["stage3_prefetch_bucket_size"])
             if device == "cpu":
                 gather = min(gather, n)
-            label = "ZeRO-3 gathered params (largest layer + prefetch bucket)"
+            label = "ZeRO-3 gathered params (largest layer or leaf block + prefetch bucket)"
             if d > 1 or (stage == 3 and s.offload_params is not None):
                 # Gathered copies are allocations of their own here (one GPU without parameter offload showed no
                 # such extra: its cells are within -6.2%..+3.6% with the allowance above). DeepSpeed keeps a gathered

@@ -41,14 +41,15 @@ class Run:
     """`python -m shardlab train ARGS` as a background process, its output in files beside the run dir. The process is
     the training itself (no supervising parent: zygote.py), so a signal sent to `proc` reaches the launcher."""
 
-    def __init__(self, args: list[str], out: Path, env: dict[str, str] | None = None, tag: str = ""):
+    def __init__(self, args: list[str], out: Path, env: dict[str, str] | None = None, tag: str = "", popen=popen_shardlab):
         self.out = out
         log = out.parent / f"{out.name}{tag}"
         self.stdout_path, self.stderr_path = Path(f"{log}.stdout"), Path(f"{log}.stderr")
         self.args = [*args, "--output-dir", str(out)]
-        # forked from the session's zygote (zygote.py): a fresh `shardlab train` process without ~8 s of imports
-        self.proc = popen_shardlab(["train", *self.args], self.stdout_path, self.stderr_path,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        # forked from the session's zygote (zygote.py): a fresh `shardlab train` process without ~8 s of imports;
+        # `popen` (same arguments as popen_shardlab) may start a real interpreter instead (tests/test_two_nodes_gpu.py)
+        self.proc = popen(["train", *self.args], self.stdout_path, self.stderr_path,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.rc: int | None = None
 
     def wait(self, timeout: float = TIMEOUT) -> "Run":
@@ -181,10 +182,11 @@ def test_resumed_losses_equal_the_uninterrupted_run(crash_chain, ref):
 # ---- two nodes on localhost; a dead and a hung rank -------------------------------------------------------------
 
 
-def two_nodes(args: list[str], root: Path, name: str) -> tuple[Run, Run]:
+def two_nodes(args: list[str], root: Path, name: str, envs: tuple[dict, dict] = ({}, {}), popen=popen_shardlab) -> tuple[Run, Run]:
+    """Nodes 0 and 1 of one job on localhost, each a `shardlab train` of its own; ``envs``: each node's extra variables."""
     port = str(free_port())
-    node1 = Run([*args, "--nodes", "2", "--node-rank", "1", "--master-port", port], root / f"{name}-n1")
-    node0 = Run([*args, "--nodes", "2", "--node-rank", "0", "--master-port", port], root / f"{name}-n0")
+    node1 = Run([*args, "--nodes", "2", "--node-rank", "1", "--master-port", port], root / f"{name}-n1", env=envs[1], popen=popen)
+    node0 = Run([*args, "--nodes", "2", "--node-rank", "0", "--master-port", port], root / f"{name}-n0", env=envs[0], popen=popen)
     return node0, node1
 
 

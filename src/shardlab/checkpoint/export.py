@@ -142,7 +142,9 @@ def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    from ..training.models import load_tokenizer
+    """The checkpoint as a Hugging Face model directory, with the run's tokenizer; a preset's offline tokenizer that
+    cannot load here (its package not installed) leaves the model alone, said in one line."""
+    from ..training.models import load_tokenizer, offline_tokenizer_problem
 
     ckpt = resolve_checkpoint(path)
     cfg = checkpoint_config(ckpt)
@@ -151,5 +153,10 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{str(out)!r} exists and is not empty", "pass a new directory")
+    problem = offline_tokenizer_problem(cfg)
+    tokenizer = load_tokenizer(cfg) if problem is None else None
     out.parent.mkdir(parents=True, exist_ok=True)
-    return checkpoint.save_hf(model, weights, load_tokenizer(cfg), out)
+    final = checkpoint.save_hf(model, weights, tokenizer, out)
+    if problem is not None:
+        print(f"[shardlab] exported the model without tokenizer files: {problem.message}", flush=True)
+    return final

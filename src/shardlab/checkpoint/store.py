@@ -203,12 +203,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path) -> Path:
-    """Write a `from_pretrained`-loadable directory atomically (tmp dir, then rename)."""
+    """Write a `from_pretrained`-loadable directory atomically (tmp dir, then rename); its tokenizer's files too unless
+    ``tokenizer`` is None (a run on synthetic data whose tokenizer is not installed: the model alone)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.contiguous() for k, v in state.items()}
     hf_model.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -198,7 +198,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _dry_run(cfg) -> None:
     from ..launch.distributed import pick_device_type, processes_per_node
-    from ..launch.launcher import preflight, stale_run_files, with_user_deepspeed_json
+    from ..launch.launcher import check_tokenizer, preflight, stale_run_files, with_user_deepspeed_json
     from ..training.optim import resolve_precision
 
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
@@ -206,10 +206,11 @@ def _dry_run(cfg) -> None:
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
-    try:
-        stale_run_files(cfg)
-    except UserError as err:  # a dry run writes nothing: say what `train` would refuse
-        print(f"# note: `train` would refuse this: {err}")
+    for check in (stale_run_files, check_tokenizer):
+        try:
+            check(cfg)
+        except UserError as err:  # a dry run writes nothing: say what `train` would refuse
+            print(f"# note: `train` would refuse this: {err}")
     world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
         from ..planning.autobatch import cpu_budget_bytes, plan_start, with_micro_batch

@@ -46,17 +46,23 @@ def build_datasets(
     seed: int,
     cache_dir: str | Path | None = None,
     model_vocab: int | None = None,
+    token_vocab: int | None = None,
 ) -> TokenizedSplits:
     """Tokenized train (and eval) blocks of exactly ``seq_len`` tokens, from the cache when possible.
 
     ``model_vocab``: the model's embedding rows. A tokenizer with more tokens than that (a random-init preset whose
     own tokenizer is not shipped, e.g. llama-2-13b's 32,000 rows with SmolLM2's 49,152-token tokenizer) would index
-    past the embedding on text: refused here in one line; synthetic ids are drawn below it instead."""
+    past the embedding on text: refused here in one line; synthetic ids are drawn below it instead.
+
+    ``tokenizer`` None: synthetic data with no tokenizer at all (training/models.run_tokenizer), its ids drawn below
+    ``token_vocab`` (the size the tokenizer would have had, so the ids are those of a run that has it)."""
     if seq_len <= 0:
         raise UserError(f"seq_len must be positive, got {seq_len}", "set seq_len to e.g. 128")
     src = classify(ds)
     _check_format(ds, src)
-    vocab = len(tokenizer)
+    if tokenizer is None and (src.kind != "synthetic" or token_vocab is None):
+        raise ValueError("build_datasets without a tokenizer is for synthetic data, with token_vocab")  # a caller's bug
+    vocab = len(tokenizer) if tokenizer is not None else token_vocab
     if model_vocab is not None and vocab > model_vocab:
         if src.kind != "synthetic":
             raise UserError(f"the tokenizer has {vocab:,} tokens but the model embeds only {model_vocab:,}: its ids would "
@@ -68,9 +74,9 @@ def build_datasets(
         "dataset": ds.model_dump(mode="json", exclude={"source"}),  # every field that shapes the blocks
         "seq_len": seq_len,
         "seed": seed,
-        "tokenizer": cache.tokenizer_identity(tokenizer),
+        "tokenizer": cache.tokenizer_identity(tokenizer) if tokenizer is not None else None,
     }
-    if vocab != len(tokenizer):  # (only then: the keys of existing caches stay as they were)
+    if tokenizer is None or vocab != len(tokenizer):  # (only then: the keys of existing caches stay as they were)
         key_parts["vocab"] = vocab
     key = cache.cache_key(key_parts)
     path = cache.cache_path(Path(cache_dir) if cache_dir is not None else default_cache_dir(), key, _label(src, ds, seq_len))

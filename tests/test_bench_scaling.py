@@ -200,3 +200,28 @@ def test_a_time_budget_keeps_finished_runs_and_starts_no_new_one(scaling, tmp_pa
     assert all([r["kept"] for r in c["repeats"]] == [True, True] for c in state["cells"])
     (table,) = [t for t in json.loads((copy / "report" / "tables.json").read_text()) if t["key"] == "scaling"]
     assert {r["repeats"] for r in table["rows"]} == {"2/3, 2/3"}
+
+
+@pytest.mark.slow
+def test_gpu_runs_show_mfu_and_the_planned_gpu_peak_beside_the_measured_one(scaling, tmp_path):
+    """The CPU runs given the fields a GPU run records (a CPU cannot measure them): MFU and the per-GPU peaks."""
+    from shardlab.report import build
+
+    copy = tmp_path / "bench"
+    shutil.copytree(scaling.out, copy)
+    for path in copy.glob("runs/*/r*/summary.json"):
+        s = json.loads(path.read_text())
+        world = s["world_size"]
+        s.update(device_type="cuda", mfu=0.30 + 0.01 * world, gpu_mem_peak_gib=10.0 + world)
+        s["plan"].update(gpu_peak_gib=11.0 + world, fits=True)
+        path.write_text(json.dumps(s))
+    _, tables, plots, _ = build([copy])
+    (table,) = [t for t in tables if t.key == "scaling"]
+    assert table.title.startswith("Weak scaling, 1 \u2192 N GPUs: tiny-gpt2") and "per GPU" in table.title
+    for row in table.rows:
+        assert (row["mfu_1"].median, row["mfu_2"].median) == (pytest.approx(31.0), pytest.approx(32.0))
+    (memory,) = [t for t in tables if t.key == "scaling-memory"]
+    for r in memory.rows:
+        assert (r["predicted_gib"], r["measured_gib"].median) == (11.0 + r["gpus"], 10.0 + r["gpus"])
+        assert r["error_pct"] == pytest.approx(1 / (10.0 + r["gpus"]) * 100)
+    assert "weak_scaling_efficiency" in {p.name for p in plots}

@@ -13,25 +13,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .machine import check_cells
 from .matrix import Cell, Overrides, builtin_suites, expand, load_suite
-from .runner import BENCH_FILE, run_bench
+from .runner import BENCH_FILE, run_bench, run_order
 from ..report import write_report
 
 
-def plan_cells(suites: list[str], overrides: Overrides | None = None) -> list[Cell]:
-    """The cells the suites expand to (nothing runs)."""
-    return expand([load_suite(s) for s in suites], overrides)
+def plan_cells(suites: list[str], overrides: Overrides | None = None, left_out: list[str] | None = None) -> list[Cell]:
+    """The cells the suites expand to (nothing runs); axis combinations a strategy cannot run go to ``left_out``."""
+    return expand([load_suite(s) for s in suites], overrides, left_out)
+
+
+def interleaved(suites: list[str]) -> bool:
+    """Whether any of the suites asks for interleaved repeats."""
+    return any(load_suite(s).interleave for s in suites)
 
 
 def bench(suites: list[str], output_dir: str | Path, overrides: Overrides | None = None, *, timeout: float = 3600.0,
-          rerun: bool = False, report: bool = True, echo=print) -> dict[str, Any]:
-    """Run the suites' cells into ``output_dir``; write the report into ``output_dir/report`` unless told not to."""
+          rerun: bool = False, report: bool = True, interleave: bool | None = None, budget_s: float | None = None,
+          echo=print) -> dict[str, Any]:
+    """Run the suites' cells into ``output_dir``; write the report into ``output_dir/report`` unless told not to.
+
+    Before any run starts, what this machine cannot run is refused in one line (``machine.check_cells``: a GPU count
+    above its GPUs, a model of a model axis that is unknown or not available offline). ``interleave``: repeats
+    round-robin over the cells (default: as the suites say). ``budget_s``: start no run after that many seconds."""
     cells = plan_cells(suites, overrides)
-    state = run_bench(cells, output_dir, suites=suites, timeout=timeout, rerun=rerun, echo=echo)
+    check_cells(cells)
+    if interleave is None:
+        interleave = interleaved(suites)
+    state = run_bench(cells, output_dir, suites=suites, timeout=timeout, rerun=rerun, interleave=interleave,
+                      budget_s=budget_s, echo=echo)
     if report:
         written = write_report([Path(output_dir)], Path(output_dir) / "report")
         echo(f"[bench] report: {written['markdown']} and {written['html']}")
     return state
 
 
-__all__ = ["bench", "plan_cells", "Overrides", "Cell", "builtin_suites", "load_suite", "expand", "run_bench", "BENCH_FILE"]
+__all__ = ["bench", "plan_cells", "interleaved", "check_cells", "Overrides", "Cell", "builtin_suites", "load_suite", "expand",
+           "run_bench", "run_order", "BENCH_FILE"]

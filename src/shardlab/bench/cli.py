@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import parse_set
 from ..errors import UserError
-from . import Overrides, bench, builtin_suites, load_suite, plan_cells
+from . import Overrides, bench, builtin_suites, check_cells, interleaved, load_suite, plan_cells, run_order
 from ..report import write_report
 from .matrix import footing
 
@@ -27,13 +27,14 @@ def add_bench_parser(sub) -> None:
                                      "and write the report", description="Each cell is a fresh `shardlab train` process with its own "
                                      "run directory under --output-dir; failing cells are recorded and the matrix goes on.")
     b.add_argument("--suite", action="append", default=[], metavar="NAME|FILE",
-                   help="built-in suite (quick, strategies, pin-memory, offload, weak-scaling, strong-scaling) or a suite "
-                        "YAML; repeat to run several into one bench (shared cells run once). Default: quick")
+                   help="built-in suite (quick, strategies, pin-memory, offload, weak-scaling, strong-scaling, scaling, "
+                        "big-model) or a suite YAML; repeat to run several into one bench (shared cells run once). Default: quick")
     b.add_argument("--output-dir", "-o", default=None, help="bench directory (default: runs/bench-SUITE)")
     b.add_argument("--repeats", type=int, default=None, help="runs per cell (medians and min-max in the report)")
     b.add_argument("--models", type=_csv_list(str), default=None, help="models axis, e.g. gpt2-medium,bloom-560m")
     b.add_argument("--strategies", type=_csv_list(str), default=None, help="strategies axis, e.g. dp,zero2,fsdp")
-    b.add_argument("--gpus", type=_csv_list(int), default=None, help="GPU-count axis, e.g. 1,2,4 (worker processes on CPU)")
+    b.add_argument("--gpus", "--gpu-counts", dest="gpus", type=_csv_list(int), default=None,
+                   help="GPU-count axis, e.g. 1,2,4 (worker processes on CPU); at most the GPUs this machine has")
     b.add_argument("--micro-batch", type=_csv_list(int), default=None, help="micro-batch axis, e.g. 4,8")
     b.add_argument("--max-steps", type=int, default=None, help="optimizer steps per run")
     b.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
@@ -44,6 +45,11 @@ def add_bench_parser(sub) -> None:
                    help="any RunConfig key as an axis of the matrix, e.g. --axis strategy_options.pin_memory=true,false "
                         "or --axis compile=false,true (replaces that axis in every part)")
     b.add_argument("--cell-timeout", type=float, default=3600.0, help="seconds before a run is stopped and recorded as failed")
+    b.add_argument("--interleave", action="store_true", default=None,
+                   help="run repeats round-robin over the cells (rep 1 of every cell, then rep 2, ...) so host drift hits all "
+                        "alike (default: as the suite says; the scaling suite does)")
+    b.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="start no run after this many seconds; the report covers what ran, and the same command continues")
     b.add_argument("--rerun", action="store_true", help="run every repeat again (default: keep finished runs of the same config)")
     b.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     b.add_argument("--dry-run", action="store_true", help="list the cells and their configs; run nothing")
@@ -74,15 +80,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
         axes[key.strip()] = [parse_set([f"v={v}"])["v"] for v in values.split(",") if v.strip()]
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats {args.repeats} must be at least 1", "pass --repeats 1 or more")
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise UserError(f"--budget-s {args.budget_s:g} must be positive", "pass the seconds after which no run starts, e.g. --budget-s 480")
     overrides = Overrides(axes=axes, base=base, repeats=args.repeats)
     out = Path(args.output_dir or f"runs/bench-{'-'.join(Path(s).stem for s in suites)}")
     if args.dry_run:
-        for c in plan_cells(suites, overrides):
+        left_out: list[str] = []
+        cells = plan_cells(suites, overrides, left_out)
+        check_cells(cells)
+        interleave = interleaved(suites) if args.interleave is None else True
+        for c in cells:
             f = footing(c.config)
             print(f"{c.label:28s} x{c.repeats}  {', '.join(c.parts)}  precision {f['precision']}, global batch {f['global_batch']}, "
                   f"seq {f['seq_len']}, steps {f['steps']}" + (f"  (differs on purpose: {', '.join(c.differs)})" if c.differs else ""))
+        for line in left_out:
+            print(f"left out: {line}")
+        if interleave and any(c.repeats > 1 for c in cells):
+            print(f"repeats interleaved: {len(run_order(cells, True))} runs, repeat 1 of every cell first")
         return
-    state = bench(suites, out, overrides, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report)
+    state = bench(suites, out, overrides, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report,
+                  interleave=args.interleave, budget_s=args.budget_s)
     failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
     print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
           + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")

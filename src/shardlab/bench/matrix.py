@@ -5,12 +5,13 @@ A suite file::
     description: what it measures
     repeats: 1                      # runs per cell (medians and min-max spread in the report)
     base: {model: gpt2-medium, seq_len: 1024, precision: bf16, ...}     # RunConfig keys of every cell
+    interleave: false               # true: repeats round-robin over cells (rep 1 of every cell, then rep 2, ...)
     parts:                          # one per table the suite reproduces
       - name: strategies
         base: {}                    # RunConfig keys for this part only (e.g. a fixed global batch)
         compare: strategy           # the key compared side by side in that table
         equal: [precision, global_batch, seq_len, tokens]   # must agree between compared cells
-        axes: {strategy: [dp, zero2, zero3]}                # cartesian product
+        axes: {strategy: [dp, zero2, zero3]}                # cartesian product; `gpus: machine` = 1, 2, 4.. N GPUs here
         cells:                      # extra cells, crossed with the axes they do not set
           - {label: dp-fp32, set: {strategy: dp, precision: fp32}, differs: [precision]}
 
@@ -18,7 +19,9 @@ Command-line flags replace axes (``--models``, ``--strategies``, ``--gpus``, ``-
 set base keys (``--max-steps``, ``--precision``, ``--device``, ``--set k=v``); a key an extra cell
 sets itself is kept, since that difference is the cell's point. Before anything runs, cells that a
 part compares must agree on its ``equal`` keys unless a cell names the key in ``differs``: the
-bench puts runs on equal footing, and says so when it deliberately does not.
+bench puts runs on equal footing, and says so when it deliberately does not. A combination of the
+axes that the strategy's spec says it cannot run (``compile: true`` where ``supports_compile`` is
+false) is left out of the matrix, not run to fail.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import RunConfig, config_from_dict, read_yaml
 from ..dotted import set_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY, spec
 from ..layout import data_parallel_size
+from .machine import MACHINE, device_of, machine_gpu_counts
 
 EQUAL_KEYS = ("precision", "global_batch", "micro_batch", "seq_len", "tokens", "steps")
 
@@ -59,14 +63,24 @@ class Part(_Strict):
     base: dict[str, Any] = Field(default_factory=dict, description="RunConfig keys for this part's cells only")
     compare: str = "strategy"
     equal: list[str] = Field(default_factory=lambda: ["precision", "global_batch", "seq_len", "tokens"])
-    axes: dict[str, list[Any]] = Field(default_factory=dict)
+    axes: dict[str, list[Any] | Literal["machine"]] = Field(
+        default_factory=dict, description="key -> values; `gpus: machine` = this machine's GPU counts (bench/machine.py)")
     cells: list[ExtraCell] = Field(default_factory=list)
+
+    @field_validator("axes")
+    @classmethod
+    def _machine_only_for_gpus(cls, axes: dict[str, Any]) -> dict[str, Any]:
+        for key, values in axes.items():
+            if values == MACHINE and key != "gpus":
+                raise ValueError(f"axis {key!r}: {MACHINE!r} is a value of the gpus axis only")
+        return axes
 
 
 class Suite(_Strict):
     name: str = ""
     description: str = ""
     repeats: int = Field(1, gt=0)
+    interleave: bool = Field(False, description="run repeats round-robin over the cells, so drift of the host hits all alike")
     base: dict[str, Any] = Field(default_factory=dict)
     parts: list[Part]
 
@@ -167,8 +181,17 @@ def _identity(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config_from_dict(c).model_dump(mode="json"), sort_keys=True)
 
 
-def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell]:
-    """All cells of the suites, deduplicated, labelled, validated and checked for equal footing."""
+def unsupported(config: dict[str, Any]) -> str | None:
+    """Why the strategy's spec says it cannot run ``config``, or None."""
+    s = spec(config.get("strategy", DEFAULT_STRATEGY))
+    if config.get("compile") and not s.supports_compile:
+        return f"{s.name} does not support compile"
+    return None
+
+
+def expand(suites: list[Suite], overrides: Overrides | None = None, left_out: list[str] | None = None) -> list[Cell]:
+    """All cells of the suites, deduplicated, labelled, validated and checked for equal footing. Axis combinations
+    the strategy cannot run are left out, and said why in ``left_out`` when given."""
     ov = overrides or Overrides()
     cells: dict[str, Cell] = {}
     explicit: dict[str, str] = {}
@@ -180,6 +203,8 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
             axes = dict(part.axes)
             for key, values in ov.axes.items():
                 axes[key] = list(values)
+            if axes.get("gpus") == MACHINE:
+                axes["gpus"] = machine_gpu_counts(device_of(_merge(base, part.base)))
             keep_strategies = ov.axes.get("strategy")
             specs: list[tuple[str | None, dict[str, Any], list[str]]] = [(None, {}, [])]
             specs += [(c.label, c.set, c.differs) for c in part.cells
@@ -194,6 +219,11 @@ def expand(suites: list[Suite], overrides: Overrides | None = None) -> list[Cell
                     config = _merge(_merge(base, part.base), {**point, **sets})
                     config.pop("output_dir", None)
                     where = f"suite {suite.name!r} part {part.name!r}"
+                    why = unsupported(config) if set(point) & {"compile", "strategy"} else None
+                    if why is not None:  # an axis combination, not a cell's point: left out
+                        if left_out is not None:
+                            left_out.append(f"{where}: {', '.join(f'{k}={v}' for k, v in point.items())} ({why})")
+                        continue
                     try:
                         config_from_dict(config)
                     except UserError as err:
@@ -312,4 +342,4 @@ def _label(cells: list[Cell], explicit: dict[str, str], idents: list[str]) -> No
         cell.label = label
 
 
-__all__ = ["Suite", "Part", "ExtraCell", "Cell", "Overrides", "builtin_suites", "load_suite", "expand", "footing", "EQUAL_KEYS"]
+__all__ = ["Suite", "Part", "ExtraCell", "Cell", "Overrides", "builtin_suites", "load_suite", "expand", "footing", "unsupported", "EQUAL_KEYS"]

@@ -102,6 +102,7 @@ class Cell:
     failures: list[dict[str, Any]] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)  # "suite/part" from bench.json; empty for plain run dirs
     source: str = ""
+    planned: int | None = None  # repeats the bench planned (bench.json); None for plain run dirs
 
     @property
     def ok(self) -> bool:
@@ -217,7 +218,8 @@ def load_bench(root: Path) -> list[Cell]:
     cells = []
     for entry in state.get("cells", []):
         config = _read_config(root / entry["config"]) if entry.get("config") else {}
-        cell = Cell(label=entry["label"], config=config, parts=list(entry.get("parts", [])), source=str(root))
+        cell = Cell(label=entry["label"], config=config, parts=list(entry.get("parts", [])), source=str(root),
+                    planned=entry.get("repeats_planned"))
         for rec in entry.get("repeats", []):
             run = read_run(root / rec["run_dir"]) if rec.get("status") == "ok" and rec.get("run_dir") else None
             if run is not None:

@@ -214,6 +214,38 @@ def scaling_plot(tables: list[Table]) -> Plot | None:
     return Plot("scaling", "Scaling", _png(fig), "Samples/s against the GPU count, the linear ideal and the efficiency.")
 
 
+def weak_scaling_efficiency_plot(tables: list[Table]) -> Plot | None:
+    """Efficiency against the GPU count, one line per strategy and mode, one panel per model (per `scaling` table)."""
+    scaling = [t for t in tables if t.key == "scaling" and t.rows]
+    counts_of = [sorted(int(c.key.split("_")[-1]) for c in t.columns if c.key.startswith("tok_s_")) for t in scaling]
+    scaling = [(t, n) for t, n in zip(scaling, counts_of) if len(n) > 1]
+    if not scaling:
+        return None
+    fig = _figure(4.6 * len(scaling) + 1, 4.2)
+    axes = fig.subplots(1, len(scaling), squeeze=False)[0]
+    strategies = list(dict.fromkeys(r["strategy"] for t, _ in scaling for r in t.rows))
+    color = {s: COLORS[i % len(COLORS)] for i, s in enumerate(strategies)}
+    for ax, (t, counts) in zip(axes, scaling):
+        ax.axhline(100, color=COLORS[7], linestyle=":", linewidth=1, label="ideal (100%)")
+        for r in t.rows:
+            points = [(counts[0], 100.0 if med(r.get(f"tok_s_{counts[0]}")) else None)]
+            points += [(n, r.get(f"eff_{n}")) for n in counts[1:]]
+            points = [(n, e) for n, e in points if e is not None]
+            if len(points) < 2:
+                continue
+            ax.plot([n for n, _ in points], [e for _, e in points], "o-" if r["mode"] == "eager" else "s--",
+                    color=color[r["strategy"]], label=f"{r['strategy']} {r['mode']}", linewidth=1.4)
+        ax.set_xticks(counts)
+        ax.set_xlabel("GPUs" if "GPUs" in t.title else "CPU processes")
+        ax.set_ylabel("weak-scaling efficiency %")
+        ax.set_ylim(bottom=0)
+        ax.set_title(textwrap.fill(t.title.split(": ", 1)[-1], 48), fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+    return Plot("weak_scaling_efficiency", "Weak-scaling efficiency", _png(fig),
+                "Efficiency = tok/s(N) / (N x tok/s(1)) (medians over repeats) against the GPU count, one line per strategy "
+                "(solid: eager, dashed: compiled), one panel per model; 100% = linear scaling.")
+
+
 def time_split_plot(cells: list[Cell]) -> Plot | None:
     """Stacked bars: where each offload run's step goes (summary.json time_split)."""
     ok = [c for c in cells if c.ok and c.first("time_split")]
@@ -239,9 +271,9 @@ def time_split_plot(cells: list[Cell]) -> Plot | None:
 
 def all_plots(cells: list[Cell], tables: list[Table]) -> list[Plot]:
     plots = [memory_plot(cells), throughput_plot(cells), loss_plot(cells), gpu_timeline_plot(cells), cpu_timeline_plot(cells),
-             scaling_plot(tables), time_split_plot(cells)]
+             scaling_plot(tables), weak_scaling_efficiency_plot(tables), time_split_plot(cells)]
     return [p for p in plots if p is not None]
 
 
 __all__ = ["Plot", "all_plots", "memory_plot", "throughput_plot", "loss_plot", "gpu_timeline_plot", "cpu_timeline_plot", "scaling_plot",
-           "time_split_plot"]
+           "weak_scaling_efficiency_plot", "time_split_plot"]

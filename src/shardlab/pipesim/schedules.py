@@ -23,6 +23,8 @@ SYNCHRONOUS = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zbv")
 SPLIT_BACKWARD = ("zbv",)
 # Schedules with a fixed number of stages per device (V), whatever --chunks says.
 FIXED_CHUNKS = {"zbv": 2}
+# How a schedule places its virtual stages on devices: "loop" (s % P) unless named here.
+PLACEMENT = {"zbv": "v"}
 
 
 class Action(NamedTuple):
@@ -31,13 +33,20 @@ class Action(NamedTuple):
     stage: int  # virtual stage index; its device: stage_device(schedule, stage, P); chunk = stage // P
 
 
-def stage_device(schedule: str, stage: int, n_devices: int) -> int:
-    """The device (pipeline rank) that runs virtual stage ``stage``: loop placement (s % P), or ZBV's V
-    (s for the first P stages, 2P-1-s for the next P). One owner: the simulator, the planner and the
-    pipeline strategy (through layout.ParallelLayout) all place stages here."""
-    if schedule in FIXED_CHUNKS:
+def place(stage: int, n_devices: int, placement: str = "loop") -> int:
+    """The device (pipeline rank) that runs virtual stage ``stage``: "loop" (s % P), or "v" (ZBV's V: s for the
+    first P stages, 2P-1-s for the next P). One owner: the simulator, the planner and the pipeline strategy
+    (through layout.ParallelLayout) all place stages here."""
+    if placement == "v":
         return stage if stage < n_devices else 2 * n_devices - 1 - stage
+    if placement != "loop":
+        raise ValueError(f"unknown stage placement {placement!r}")
     return stage % n_devices
+
+
+def stage_device(schedule: str, stage: int, n_devices: int) -> int:
+    """The device that runs virtual stage ``stage`` under ``schedule`` (``place`` with the schedule's placement)."""
+    return place(stage, n_devices, PLACEMENT.get(schedule, "loop"))
 
 
 def device_stages(schedule: str, device: int, n_devices: int, n_chunks: int) -> list[int]:

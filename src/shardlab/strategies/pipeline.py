@@ -398,7 +398,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
             stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, s, "B")
             stage.backward_weight_one_chunk = self.timer.wrap(stage.backward_weight_one_chunk, s, "W")
         loss_fn = self.timer.wrap(_lm_loss, n_stages - 1, "F")
-        scale = {"scale_grads": not self._scale_own_grads}
+        scale = {"scale_grads": False} if self._scale_own_grads else {}  # torch's default (True) otherwise
         if opts.pp_schedule == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn, **scale)
         elif opts.pp_schedule == "zbv":  # check_options refused zbv where torch lacks it

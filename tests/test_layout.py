@@ -45,6 +45,18 @@ def test_world_8_in_pipelines_of_4_interleaved_over_2_nodes():
     assert lay.stages_of(6) == [2, 6] and lay.dp_rank(6) == 1 and lay.node(6) == 1
 
 
+def test_zbv_places_two_stages_per_rank_in_a_v():
+    """zbv: 2 stages per rank whatever --chunks says, rank p holding stages p and 2P-1-p (torch's style="v"), the first
+    and the last stage on position 0; with replicas, each replica's ranks the same way. Any M (torch refuses none)."""
+    cfg = pipe(pp_stages=3, pp_schedule="zbv", grad_accum=1)
+    lay = ParallelLayout.from_config(cfg, 6, layers=6)
+    assert (lay.stages, lay.chunks, lay.virtual_stages, lay.replicas, lay.placement) == (3, 2, 6, 2, "v")
+    assert [lay.stages_of(r) for r in range(6)] == [[0, 5], [1, 4], [2, 3]] * 2
+    assert [lay.stage_position(s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    with pytest.raises(ValueError):
+        ParallelLayout(world=2, stages=2, chunks=3, placement="v")  # a V has two legs
+
+
 def test_one_rank_and_strategies_without_a_pipeline():
     one = ParallelLayout.from_config(pipe(grad_accum=2), 1)
     assert (one.stages, one.dp_size, one.pipeline_groups(), one.dp_groups(), one.stages_of(0)) == (1, 1, [[0]], [[0]], [0])
@@ -81,6 +93,8 @@ def one_line(err: UserError, *words: str) -> None:
      ("3 processes cannot form pipelines of 2 stages", "multiple of --stages", "fix: use --stages dividing 3, or --gpus a multiple of 2")),
     (pipe(pp_stages=4), 8, 2, ("4 pipeline stages but tiny-gpt2 has only 2 layers", "use at most 2 stages (x chunks)")),
     (pipe(pp_schedule="interleaved-1f1b", grad_accum=4), 2, 2, ("4 pipeline stages", "only 2 layers")),
+    (pipe(pp_schedule="zbv", grad_accum=4), 2, 3, ("zbv places 2 stages on each rank: 4 pipeline stages but tiny-gpt2 has only 3 layers",
+                                                  "use at most 1 rank(s) per pipeline (--stages), or --schedule 1f1b")),
     (pipe(grad_accum=1), 2, None, ("1f1b needs at least one micro-batch per stage: 1 micro-batch(es) for 2 stages",
                                    "use --microbatches 4 (or at least 2), or --schedule gpipe")),
     (pipe(micro_batch=2, global_batch=2), 2, None, ("1 micro-batch(es) for 2 stages",)),

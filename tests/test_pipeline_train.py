@@ -24,13 +24,23 @@ def assert_same_losses(run, ref, rel=1e-3):
 
 
 def check_measured_vs_simulated(pp: dict, schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
-    """The run's own stage times, fed to the simulator, give the simulated figures it reports."""
+    """The run's own per-(virtual-)stage times, fed to the simulator, give the simulated figures it reports; a rank's
+    times are the sum of its stages' (under zbv each backward is its I and W, and W's share is fed as wgrad)."""
     from shardlab.pipesim import simulate
 
     assert (pp["schedule"], pp["stages"], pp["microbatches"]) == (schedule, stages, microbatches)
     fwd, bwd = pp["stage_fwd_ms"], pp["stage_bwd_ms"]
     assert len(fwd) == len(bwd) == stages and min(fwd) > 0 and min(bwd) > 0
-    sim = simulate(schedule, stages, microbatches, fwd=fwd, bwd=bwd, chunks=chunks)
+    vf, vb = pp["virtual_stage_fwd_ms"], pp["virtual_stage_bwd_ms"]
+    assert len(vf) == len(vb) == stages * chunks and min(vf) > 0 and min(vb) > 0
+    for rank, mine in enumerate(pp["stages_of_rank"]):
+        assert fwd[rank] == pytest.approx(sum(vf[s] for s in mine)) and bwd[rank] == pytest.approx(sum(vb[s] for s in mine))
+    wgrad = None
+    if schedule == "zbv":
+        w = pp["virtual_stage_wgrad_ms"]
+        assert all(0 < x <= b for x, b in zip(w, vb))
+        wgrad = [min(1.0, x / b) for x, b in zip(w, vb)]
+    sim = simulate(schedule, stages, microbatches, fwd=vf, bwd=vb, chunks=chunks, wgrad=wgrad)
     assert pp["simulated_step_ms"] == pytest.approx(sim.makespan, rel=1e-9)
     assert pp["simulated_bubble"] == pytest.approx(sim.metrics["bubble_fraction"], rel=1e-9)
     # Each rank runs its forwards and backwards one after another inside the schedule's step, so the
@@ -211,6 +221,78 @@ def test_interleaved_1f1b_matches_dp(root, train_cli):
     check_measured_vs_simulated(pp.summary["pipeline"], "interleaved-1f1b", stages=2, microbatches=4, chunks=2)
 
 
+def gpt2_layers(path, n_layer: int):
+    """A small GPT-2 with `n_layer` blocks (tied embeddings, as GPT-2's), saved with the offline BPE tokenizer."""
+    from shardlab.training.models import gpt2_bpe_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(n_layer=n_layer, n_embd=64, n_head=4)).save_pretrained(path)
+    gpt2_bpe_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_zbv_matches_dp_and_1f1b(root, train_cli):
+    """zbv (torch's ScheduleZBVZeroBubble) on 2 ranks: 4 stages in a V (rank 0 runs the first and the last, so the tied
+    embedding is one Parameter in two of its stages), each backward split into I and W. With M = 4 it follows dp, exports
+    dp's model and resumes from its own checkpoint; with M = 2 (fewer than torch's planned 2P-1 = 3 micro-batches: it
+    drops the rest) it follows 1F1B at M = 2."""
+    model = str(gpt2_layers(root / "gpt2-4-layers", 4))  # 2 stages per rank on 2 ranks need 4 layers
+    args = ["--model", model, *ARGS, "--grad-accum", "4"]
+    zbv_args = [*args, "--strategy", "pipeline", "--gpus", "2", "--schedule", "zbv"]
+    dp = train_cli([*args, "--strategy", "dp"], root / "dp-4l")
+    pp = train_cli([*zbv_args, "--save-every", "5"], root / "zbv-4l")
+    assert_same_losses(pp, dp)
+    assert "4 stages over 2 ranks in a V" in pp.stdout
+    assert pp.summary["pipeline"]["stages_of_rank"] == [[0, 3], [1, 2]]
+    check_measured_vs_simulated(pp.summary["pipeline"], "zbv", stages=2, microbatches=4, chunks=2)
+    assert [r["grad_norm"] for r in pp.rows] == pytest.approx([r["grad_norm"] for r in dp.rows], rel=1e-3)  # tied grad scaled once
+    exported, ref = (AutoModelForCausalLM.from_pretrained(r.out / "model").state_dict() for r in (pp, dp))
+    assert exported.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(exported[name], ref[name], rtol=1e-3, atol=1e-5, msg=name)
+    resumed = train_cli([*zbv_args, "--no-export", "--resume", str(pp.out / "checkpoints" / "step-0000005")], root / "zbv-4l-resumed")
+    resumed.check()
+    assert [r["step"] for r in resumed.rows] == list(range(6, 11))
+    assert resumed.losses == pytest.approx(pp.losses[5:], rel=1e-5)
+    two = [*args[:-1], "2", "--no-export", "--strategy", "pipeline", "--gpus", "2"]  # --grad-accum 2
+    one_f = train_cli([*two, "--schedule", "1f1b"], root / "1f1b-4l-m2")
+    zbv2 = train_cli([*two, "--schedule", "zbv"], root / "zbv-4l-m2")
+    assert_same_losses(zbv2, one_f)
+    check_measured_vs_simulated(zbv2.summary["pipeline"], "zbv", stages=2, microbatches=2, chunks=2)
+
+
+@pytest.mark.slow
+def test_zbv_on_three_ranks_matches_dp(root, train_cli):
+    """3 ranks, 6 stages in a V (rank r: stages r and 5-r; the turn of the V, stages 2 and 3, on rank 2), M = 6."""
+    model = str(gpt2_layers(root / "gpt2-6-layers", 6))
+    args = ["--model", model, *ARGS, "--grad-accum", "6", "--max-steps", "4", "--no-export"]
+    dp = train_cli([*args, "--strategy", "dp"], root / "dp-6l")
+    pp = train_cli([*args, "--strategy", "pipeline", "--gpus", "3", "--schedule", "zbv"], root / "zbv-6l")
+    dp.check(), pp.check()
+    assert len(pp.losses) == len(dp.losses) == 4
+    assert pp.losses == pytest.approx(dp.losses, rel=1e-3)
+    assert pp.summary["pipeline"]["stages_of_rank"] == [[0, 5], [1, 4], [2, 3]]
+    check_measured_vs_simulated(pp.summary["pipeline"], "zbv", stages=3, microbatches=6, chunks=2)
+
+
+def test_zbv_refused_where_torch_lacks_it(monkeypatch):
+    """On a torch without ScheduleZBVZeroBubble, --schedule zbv is one line before any worker starts; --chunks is
+    refused with zbv (it always has 2)."""
+    import shardlab.strategies.pipeline as strategy
+    from shardlab.config import RunConfig
+    from shardlab.errors import UserError
+
+    cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", strategy_options={"pp_schedule": "zbv"})
+    strategy.PipelineStrategy.check_options(cfg, 1, 2, "cpu")
+    with pytest.raises(UserError, match="--chunks 3"):
+        strategy.PipelineStrategy.check_options(cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(
+            update={"pp_chunks": 3}, deep=True)}), 1, 2, "cpu")
+    monkeypatch.setattr(strategy, "zbv_schedule_class", lambda: None)
+    with pytest.raises(UserError, match="needs torch's ScheduleZBVZeroBubble"):
+        strategy.PipelineStrategy.check_options(cfg, 1, 2, "cpu")
+
+
 @pytest.mark.slow
 def test_pipeline_with_data_parallel_replicas_matches_dp(root, train_cli):
     """4 ranks = 2 pipeline replicas x 2 stages, against dp on 2 ranks: same global batch and data shards."""
@@ -240,6 +322,8 @@ def test_split_balances_compute_with_the_head_on_the_last_stage():
         (["--gpus", "2", "--schedule", "interleaved-1f1b", "--grad-accum", "3"], ("only 2 layers",)),
         (["--gpus", "4"], ("4 pipeline stages", "only 2 layers")),
         (["--gpus", "2", "--schedule", "zigzag"], ("pp_schedule",)),
+        (["--gpus", "2", "--schedule", "zbv"], ("zbv places 2 stages on each rank", "4 pipeline stages", "only 2 layers")),
+        (["--gpus", "1", "--schedule", "zbv", "--chunks", "3"], ("zbv always places 2 stages on each rank, not --chunks 3",)),
     ],
 )
 def test_pipeline_bad_inputs(tmp_path, monkeypatch, capsys, extra, words):

@@ -2,8 +2,9 @@
 
 Fast and in-process: no distributed job. Torch's orders come from (a) ScheduleGPipe/Schedule1F1B's
 real `_step_microbatches` loop driven with a recording fake stage, (b) the `pipeline_order` IR
-that ScheduleGPipe/Schedule1F1B/ScheduleInterleaved1F1B build in their constructors, and (c) the
-lowered `pipeline_order_with_comms` that _PipelineScheduleRuntime actually executes (interleaved).
+that ScheduleGPipe/Schedule1F1B/ScheduleInterleaved1F1B/ScheduleZBVZeroBubble build in their
+constructors, and (c) the lowered `pipeline_order_with_comms` that _PipelineScheduleRuntime actually
+executes (interleaved, zbv).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from shardlab.errors import UserError
 from shardlab.pipesim import SCHEDULES, device_orders, render_timeline, simulate, tutorial_diagrams
+from shardlab.pipesim.schedules import stage_device
 
 PS = [2, 3, 4, 8]
 MS = [1, 2, 4, 8, 16]
@@ -66,6 +68,73 @@ def test_bubble_interleaved(P, V, k):
         assert tl.metrics["makespan"] == pytest.approx((fwd + bwd) * (M + (P - 1) / V))
         if V > 1:
             assert tl.metrics["bubble_fraction"] < simulate("1f1b", P, M, fwd=fwd, bwd=bwd).metrics["bubble_fraction"]
+
+
+@pytest.mark.parametrize("P", [1, *PS])
+def test_bubble_zbv(P):
+    """ZBV with F = I = W = t on every chunk (fwd 1 : bwd 2 per device, wgrad 0.5) and M >= 2P-1: makespan
+    6Mt + (P-1)t, bubble (P-1)/(6M+P-1) -- the fill of the first forwards is all that is left: far below
+    1F1B's (P-1)/(M+P-1) and interleaved 1F1B's (P-1)/(2M+P-1) with the same two chunks per device."""
+    for M in sorted({2 * P - 1, 2 * P, 3 * P, 16}):
+        tl = simulate("zbv", P, M)
+        assert tl.chunks == 2
+        assert tl.metrics["makespan"] == pytest.approx(3 * M + (P - 1) / 2)
+        assert tl.metrics["bubble_fraction"] == pytest.approx((P - 1) / (6 * M + P - 1), abs=1e-12)
+        assert tl.metrics["bubble_theory"] == pytest.approx(tl.metrics["bubble_fraction"], abs=1e-12)
+        if P > 1:
+            assert tl.metrics["bubble_fraction"] < simulate("1f1b", P, M).metrics["bubble_fraction"]
+            if M % P == 0:
+                assert tl.metrics["bubble_fraction"] < simulate("interleaved-1f1b", P, M, chunks=2).metrics["bubble_fraction"]
+    # fewer micro-batches than 2P-1: torch drops the planned ones >= M, the bubble grows; no closed form claimed
+    if P > 2:
+        assert simulate("zbv", P, 2).metrics["bubble_theory"] is None
+    # I and W of unequal cost: no closed form, still far below 1F1B
+    tl = simulate("zbv", 4, 8, fwd=1, bwd=2, wgrad=0.25)
+    assert tl.metrics["bubble_theory"] is None and tl.metrics["bubble_fraction"] < simulate("1f1b", 4, 8).metrics["bubble_fraction"] / 2
+
+
+def test_zbv_splits_the_backward_and_defers_w():
+    """I costs (1 - wgrad) of the stage's backward and W the rest (the first stage's I nothing: torch runs its whole
+    backward in the W); each W comes after its own I; W's are what fills the would-be bubble, so with W's made
+    free (wgrad 0 everywhere but the first stage) the schedule loses its filler and idles more."""
+    P, M = 4, 8
+    tl = simulate("zbv", P, M, fwd=1, bwd=2, wgrad=0.25)
+    by = {(e.kind, e.microbatch, e.stage): e for e in tl.events}
+    for e in tl.events:
+        if e.kind == "I":
+            assert e.duration == pytest.approx(0.0 if e.stage == 0 else 0.75 * 2 / 2)
+        if e.kind == "W":
+            assert e.duration == pytest.approx(1.0 if e.stage == 0 else 0.25 * 2 / 2)
+            assert e.start >= by[("I", e.microbatch, e.stage)].end - 1e-12
+    assert {e.kind for e in tl.events} == {"F", "I", "W"}
+    assert sum(e.duration for e in tl.events) == pytest.approx(P * M * 3)  # every device: M x (fwd + bwd)
+    # W's pending (I done, W not): the first device defers fewest, the last most
+    pending = tl.metrics["peak_w_pending"]
+    assert pending == sorted(pending) and pending[-1] > pending[0] >= 1
+    assert simulate("1f1b", P, M).metrics["peak_w_pending"] == [0] * P
+
+
+@pytest.mark.parametrize("P", PS)
+def test_zbv_holds_what_1f1b_holds(P):
+    """The paper's claim for ZB-V: the peak activation memory of 1F1B's first stage (P micro-batches through a device's
+    share), on every device -- counted until each W, not each I, since torch keeps the graph for the W."""
+    for M in (2 * P, 4 * P):
+        tl = simulate("zbv", P, M)
+        assert tl.metrics["peak_inflight"] == [2 * P] * P  # (micro-batch, chunk) pairs, each 1/2 of a device's share
+        assert tl.metrics["peak_activations"] == [P] * P
+        assert max(simulate("1f1b", P, M).metrics["peak_activations"]) == P
+
+
+def test_per_virtual_stage_times():
+    """P*V values give each virtual stage its own time (a device's time is the sum of its stages'); P values split
+    evenly over a device's chunks, as before. ZBV's V: device 0 holds the first and the last stage."""
+    tl = simulate("zbv", 2, 4, fwd=[1, 2, 3, 4], bwd=[2, 4, 6, 8])
+    assert tl.fwd == [5, 5] and tl.bwd == [10, 10] and tl.stage_fwd == [1, 2, 3, 4]
+    assert {e.stage: e.device for e in tl.events} == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert {e.duration for e in tl.events if e.kind == "F" and e.stage == 3} == {4}
+    even = simulate("interleaved-1f1b", 2, 4, chunks=2, fwd=[1, 2], bwd=[2, 4])
+    assert even.stage_fwd == [0.5, 1, 0.5, 1] and even.makespan == simulate("interleaved-1f1b", 2, 4, chunks=2, fwd=[0.5, 1, 0.5, 1],
+                                                                          bwd=[1, 2, 1, 2]).makespan
 
 
 @pytest.mark.parametrize("P", PS)
@@ -119,13 +188,21 @@ def test_dependencies_respected(schedule):
     tl = simulate(schedule, P, 8, fwd="1,1.5,0.5,1", bwd="2,3,1,2", comm=comm, chunks=2 if schedule == "interleaved-1f1b" else 1, steps=2)
     by = {(e.kind, e.microbatch, e.stage): e for e in tl.events}
     last = P * tl.chunks - 1
+    grad = "I" if schedule == "zbv" else "B"
+
+    def hop(a, b):  # zbv's V keeps stages P-1 and P on one device: no transfer between them
+        return comm if stage_device(schedule, a, P) != stage_device(schedule, b, P) else 0.0
+
     for e in tl.events:
+        assert e.device == stage_device(schedule, e.stage, P)
         if e.kind == "F" and e.stage > 0:
-            assert e.start >= by[("F", e.microbatch, e.stage - 1)].end + comm - 1e-9
-        if e.kind == "B":
+            assert e.start >= by[("F", e.microbatch, e.stage - 1)].end + hop(e.stage - 1, e.stage) - 1e-9
+        if e.kind in ("B", "I"):
             assert e.start >= by[("F", e.microbatch, e.stage)].end - 1e-9
             if e.stage < last:
-                assert e.start >= by[("B", e.microbatch, e.stage + 1)].end + comm - 1e-9
+                assert e.start >= by[(grad, e.microbatch, e.stage + 1)].end + hop(e.stage + 1, e.stage) - 1e-9
+        if e.kind == "W":
+            assert e.start >= by[("I", e.microbatch, e.stage)].end - 1e-9
     for d in range(P):
         evs = tl.device_events(d)
         assert all(a.end <= b.start + 1e-9 for a, b in zip(evs, evs[1:]))
@@ -221,6 +298,34 @@ def test_interleaved_order_matches_torch(P, V, k):
     assert {r: _compute(a) for r, a in sched.pipeline_order_with_comms.items()} == ours
 
 
+ZBV_PM = [(P, M) for P in [1, *PS] for M in sorted({*MS, 2 * P - 1, 2 * P, 3 * P})]
+
+
+@pytest.mark.parametrize("P,M", ZBV_PM)
+def test_zbv_order_matches_torch(P, M):
+    """ScheduleZBVZeroBubble's F/I/W order per rank, as built (the IR, micro-batches >= M dropped) and as lowered for
+    the runtime (send/recv and reduce-grad actions added around the same compute), and its V stage placement."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    keep = {schedules_mod._ComputationType.FORWARD: "F", schedules_mod._ComputationType.BACKWARD_INPUT: "I",
+            schedules_mod._ComputationType.BACKWARD_WEIGHT: "W", schedules_mod._ComputationType.FULL_BACKWARD: "B"}
+
+    def compute(actions):
+        return [(keep[a.computation_type], a.microbatch_index, a.stage_index) for a in actions if a is not None and a.computation_type in keep]
+
+    # submod=None: torch's check that no stage module is compiled skips a stage without one
+    stages = [SimpleNamespace(num_stages=2 * P, group_size=P, group_rank=0, stage_index=s, submod=None) for s in (0, 2 * P - 1)]
+    sched = schedules_mod.ScheduleZBVZeroBubble(stages, M)
+    ours = _ours("zbv", P, M)
+    assert {r: compute(a) for r, a in sched.pipeline_order.items()} == ours
+    assert {r: compute(a) for r, a in sched.pipeline_order_with_comms.items()} == ours
+    assert generate_stage_to_rank_mapping(P, 2 * P, style="v") == {s: stage_device("zbv", s, P) for s in range(2 * P)}
+    assert sched.stage_index_to_group_rank == {s: stage_device("zbv", s, P) for s in range(2 * P)}
+    # every device runs F, I and W once per micro-batch on each of its two stages
+    for d, acts in ours.items():
+        assert sorted(acts) == sorted((k, m, s) for k in "FIW" for m in range(M) for s in (d, 2 * P - 1 - d))
+
+
 # ---------------------------------------------------------------- diagrams and terminal output
 
 
@@ -243,6 +348,17 @@ def test_timeline_diagram(tmp_path):
     # matplotlib writes each Rectangle as <g id="patch_N"><path .../></g>, not <rect>
     assert len(re.findall(r'id="patch_\d+"', svg)) >= len(tl.events) + tl.stages
     assert "Interleaved 1F1B" in svg and "utilisation" in svg
+
+
+def test_zbv_timeline_diagram(tmp_path):
+    """ZBV draws its input gradients orange and its weight gradients green, labelled I<n> and W<n>."""
+    tl = simulate("zbv", 4, 8)
+    render_timeline(tl, tmp_path / "zbv")
+    svg = (tmp_path / "zbv.svg").read_text()
+    assert "Zero-bubble V (ZBV)" in svg and "weight gradient (W)" in svg and "input gradient (I)" in svg
+    drawn = [e for e in tl.events if e.duration > 0]  # the first stage's empty I's are not drawn
+    assert len(re.findall(r'id="patch_\d+"', svg)) >= len(drawn) + tl.stages
+    assert "#31a354" in svg and "#e6550d" in svg  # W green, I orange (chunk 0)
 
 
 def test_tutorial_diagrams(tmp_path):
@@ -269,6 +385,16 @@ def test_ascii_timeline():
     assert rows[0].split("|")[1].startswith("F0F1F2F3.")
 
 
+def test_ascii_timeline_zbv():
+    text = simulate("zbv", 2, 4).ascii()
+    rows = [r for r in text.splitlines() if r.startswith("dev")]
+    assert "I/W = input/weight gradient" in text
+    for row in rows:  # 1 cell = 0.5 time units: each of 2 chunks x 4 micro-batches shows F, and W (I too, but stage 0's)
+        cells = re.findall(r"[FIWfiw.]\d*", row.split("|")[1].replace(" ", ""))
+        assert {c[0] for c in cells} <= set("FIWfiw.") and sum(c[0] in "Ff" for c in cells) == 8
+    assert rows[0].split("|")[1].startswith("F0F1F2f0i0w0")  # torch's order on rank 0: 3 warm-up forwards, then stage 3
+
+
 # ---------------------------------------------------------------- bad inputs and CLI
 
 
@@ -282,6 +408,11 @@ def test_ascii_timeline():
         (["--schedule", "interleaved-1f1b", "--chunks", "2", "--stages", "4", "--microbatches", "6"], ("divisible",)),
         (["--stages", "4", "--fwd", "1,2,3"], ("fwd", "3", "4 stages")),
         (["--stages", "3", "--bwd", "1,2,3,4"], ("bwd", "4", "3 stages")),
+        (["--schedule", "zbv", "--chunks", "3"], ("zbv always places 2 stages",)),
+        (["--schedule", "zbv", "--stages", "4", "--layers", "6"], ("4 stages x 2 chunks", "6 layers")),
+        (["--schedule", "zbv", "--stages", "2", "--fwd", "1,2,3"], ("fwd", "3", "2 stages", "4 virtual stages")),
+        (["--schedule", "zbv", "--wgrad", "1.5"], ("wgrad", "between 0 and 1")),
+        (["--schedule", "1f1b", "--wgrad", "0.5"], ("wgrad", "not 1f1b")),
     ],
 )
 def test_bad_inputs_are_one_line_errors(args, words, capsys):

@@ -127,10 +127,11 @@ class StrategyOptions(_Strict):
                              "(what DeepSpeed's launcher does with --bind_cores_to_rank)")
     pp_stages: int | None = Field(None, gt=0, json_schema_extra=cli("--stages"),
         description="pipeline: number of ranks the layers are split over (default: all)")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b", json_schema_extra=cli("--schedule"),
-        description="pipeline: gpipe, 1f1b or interleaved-1f1b")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = Field("1f1b", json_schema_extra=cli("--schedule"),
+        description="pipeline: gpipe, 1f1b, interleaved-1f1b or zbv (zero-bubble V: 2 stages per rank in a V, backward split "
+        "into input and weight gradients)")
     pp_chunks: int = Field(2, gt=0, json_schema_extra=cli("--chunks"),
-        description="interleaved-1f1b: model chunks (virtual stages) per rank")
+        description="interleaved-1f1b: model chunks (virtual stages) per rank (zbv always has 2)")
 
 
 class CurriculumStage(_Strict):

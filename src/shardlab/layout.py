@@ -7,7 +7,9 @@ launcher accepts is the shape the workers run, planned and benchmarked with.
 Ranks are numbered pipeline-major: ranks [d*P, (d+1)*P) form pipeline replica d, and rank d*P + p
 holds pipeline position p (P = ranks per pipeline; 1 for every strategy but ``pipeline``). Under
 interleaved 1F1B each position holds ``chunks`` virtual stages, loop-style: stage s on position s % P
-(what torch's ScheduleInterleaved1F1B expects).
+(what torch's ScheduleInterleaved1F1B expects). Under zbv each position holds 2, in a V: position p
+holds stages p and 2P-1-p (torch's ScheduleZBVZeroBubble), so the first and the last stage share position 0.
+Placement is pipesim.schedules.place's, the simulator's own.
 
 No torch import: the planner, the benchmark matrix and the CLI's checks run in processes that never
 start torch.distributed.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import UserError
+from .pipesim.schedules import FIXED_CHUNKS, PLACEMENT, place
 from .strategies.spec import spec
 
 if TYPE_CHECKING:
@@ -81,13 +84,16 @@ class ParallelLayout:
     world: int
     nodes: int = 1
     stages: int = 1  # ranks per pipeline (P); 1 without pipeline parallelism
-    chunks: int = 1  # virtual stages per rank (V): interleaved 1F1B only
+    chunks: int = 1  # virtual stages per rank (V): interleaved 1F1B (--chunks) and zbv (2)
     microbatches: int | None = None  # micro-batches per optimizer step (M); None while the micro batch is 'auto'
+    placement: str = "loop"  # which rank runs which virtual stage: "loop" (s % P) or "v" (zbv)
 
     def __post_init__(self) -> None:
         # Not user errors: from_config refuses these in the user's terms; a direct construction that breaks them is a bug.
         if self.world < 1 or self.stages < 1 or self.chunks < 1 or self.nodes < 1 or self.world % self.stages:
             raise ValueError(f"not a layout: world {self.world}, nodes {self.nodes}, stages {self.stages}, chunks {self.chunks}")
+        if self.placement not in ("loop", "v") or (self.placement == "v" and self.chunks != 2):
+            raise ValueError(f"not a layout: placement {self.placement!r} with {self.chunks} chunks")
 
     # ---- sizes --------------------------------------------------------------------------------------------
     @property
@@ -129,9 +135,14 @@ class ParallelLayout:
         return rank // self.ranks_per_node
 
     def stages_of(self, rank: int) -> list[int]:
-        """The (virtual) stage ids ``rank`` runs, loop-style: s % stages == its pipeline position."""
+        """The (virtual) stage ids ``rank`` runs, ascending: loop-style (s % stages == its pipeline position), or
+        in a V (zbv: its position p and 2P-1-p)."""
         p = self.pp_rank(rank)
-        return [s for s in range(self.virtual_stages) if s % self.stages == p]
+        return [s for s in range(self.virtual_stages) if self.stage_position(s) == p]
+
+    def stage_position(self, stage: int) -> int:
+        """The pipeline position (rank within a replica) that runs virtual stage ``stage``."""
+        return place(stage, self.stages, self.placement)
 
     # ---- process groups -----------------------------------------------------------------------------------
     def pipeline_groups(self) -> list[list[int]]:
@@ -171,6 +182,12 @@ class ParallelLayout:
             raise LayoutError(f"{world} {unit} cannot form pipelines of {stages} stages (the world size must be a multiple of --stages)", fix)
         pipe = pipelined(cfg, strategy)
         chunks = opts.pp_chunks if pipe and opts.pp_schedule == "interleaved-1f1b" else 1
+        placement = PLACEMENT.get(opts.pp_schedule, "loop") if pipe else "loop"
+        if pipe and opts.pp_schedule in FIXED_CHUNKS:
+            chunks = FIXED_CHUNKS[opts.pp_schedule]
+            if layers and stages * chunks > layers:
+                raise LayoutError(f"{opts.pp_schedule} places {chunks} stages on each rank: {stages * chunks} pipeline stages but {cfg.model} "
+                                  f"has only {layers} layers", f"use at most {layers // chunks} rank(s) per pipeline (--stages), or --schedule 1f1b")
         if pipe and layers and stages * chunks > layers:
             raise LayoutError(f"{stages * chunks} pipeline stages but {cfg.model} has only {layers} layers", f"use at most {layers} stages (x chunks)")
         M = microbatches
@@ -183,4 +200,4 @@ class ParallelLayout:
             if opts.pp_schedule == "interleaved-1f1b" and M % stages:
                 raise LayoutError(f"interleaved-1f1b needs the micro-batch count ({M}) divisible by the stages ({stages})",
                                   f"use --microbatches {stages * max(1, M // stages)}")
-        return cls(world=world, nodes=nodes, stages=stages, chunks=chunks, microbatches=M)
+        return cls(world=world, nodes=nodes, stages=stages, chunks=chunks, microbatches=M, placement=placement)

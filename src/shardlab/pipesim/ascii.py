@@ -1,7 +1,8 @@
 """Terminal timeline: one row per device, one fixed-width cell per time quantum.
 
 A cell shows the action occupying the middle of that quantum (`F3` = forward of micro-batch 3,
-`B3` = its backward, lower case `f3`/`b3` = an odd interleaved chunk) or `.` when idle.
+`B3` = its backward, `I3`/`W3` = its input / weight gradient under a split backward (zbv), lower
+case `f3`/`b3` = an odd chunk) or `.` when idle.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def ascii_timeline(tl: "Timeline", width: int = 120, max_cells: int = 600) -> st
     legend = f"1 cell = {float(q):g} time units{note}; F/B = forward/backward of micro-batch n, . = idle"
     if naive:
         legend += ", * = the whole batch"
+    if any(e.kind == "W" for e in tl.events):
+        legend += "; I/W = input/weight gradient (the backward split; the first stage's I is empty)"
     if tl.chunks > 1:
         legend += "; lower case = odd chunk"
     return "\n\n".join(blocks) + "\n" + legend

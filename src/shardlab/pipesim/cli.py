@@ -18,9 +18,12 @@ def add_pipeline_parser(sub, parser_class) -> None:
     sim.add_argument("--stages", "-P", type=int, default=4, help="pipeline stages = devices (default 4)")
     sim.add_argument("--microbatches", "-M", type=int, default=8, help="micro-batches per step (default 8)")
     sim.add_argument("--schedule", "-s", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
-    sim.add_argument("--chunks", "-V", type=int, default=1, help="model chunks per device, interleaved-1f1b only (default 1)")
-    sim.add_argument("--fwd", default="1", help="forward time of one micro-batch per stage: a number or a list, e.g. 1,1,2,1 (default 1)")
+    sim.add_argument("--chunks", "-V", type=int, default=1, help="model chunks per device, interleaved-1f1b only; zbv always has 2 (default 1)")
+    sim.add_argument("--fwd", default="1", help="forward time of one micro-batch per stage: a number or a list, e.g. 1,1,2,1 (one per "
+                     "device, its chunks sharing it equally, or one per virtual stage) (default 1)")
     sim.add_argument("--bwd", default="2", help="backward time per stage: a number or a list (default 2)")
+    sim.add_argument("--wgrad", default=None, help="zbv: the weight gradient's (W's) share of each backward, the rest being the input "
+                     "gradient (I): a number or a list (default 0.5: I and W cost the same; the first stage's backward is all W)")
     sim.add_argument("--comm", type=float, default=0.0, help="delay to send activations/gradients between devices (default 0)")
     sim.add_argument("--steps", type=int, default=None, help=f"optimizer steps to simulate (default {DEFAULT_STEPS_ASYNC} for "
                      f"{' and '.join(ASYNC_SCHEDULES)}, whose steps overlap; else 1)")
@@ -32,7 +35,8 @@ def add_pipeline_parser(sub, parser_class) -> None:
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
     steps = args.steps if args.steps is not None else (DEFAULT_STEPS_ASYNC if args.schedule in ASYNC_SCHEDULES else 1)
-    tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=steps, layers=args.layers)
+    tl = simulate(args.schedule, args.stages, args.microbatches, fwd=args.fwd, bwd=args.bwd, comm=args.comm, chunks=args.chunks, steps=steps, layers=args.layers,
+                  wgrad=args.wgrad)
     print(report(tl))
     if args.schedule in ASYNC_SCHEDULES:
         print(_async_note(args.schedule, steps, args.steps is None))
@@ -72,9 +76,12 @@ def report(tl) -> str:
     m = tl.metrics
     fmt = lambda xs: ",".join(f"{x:g}" for x in xs)  # noqa: E731
     head = f"{tl.schedule}: {tl.stages} stages x {tl.microbatches} micro-batches"
+    split = tl.wgrad is not None
     if tl.chunks > 1:
-        head += f", {tl.chunks} chunks/device"
+        head += f", {tl.chunks} chunks/device" + (" (V placement)" if tl.schedule == "zbv" else "")
     head += f", {tl.steps} step(s); fwd {fmt(tl.fwd)}  bwd {fmt(tl.bwd)}  comm {tl.comm:g}"
+    if split:
+        head += f"; W share of backward {fmt(tl.wgrad)} (per virtual stage)"
     lines = [head]
     bubble = f"bubble {m['bubble_fraction']:.2%} (idle / (P x makespan))"
     if m["bubble_theory"] is not None:
@@ -82,11 +89,16 @@ def report(tl) -> str:
     lines.append(f"makespan {m['makespan']:g}   {bubble}")
     lines.append(f"throughput {m['throughput_vs_naive']:.2f}x naive ({m['microbatches_per_time']:.3f} micro-batches per time unit; naive makespan {m['naive_makespan']:g})")
     lines.append("")
-    lines.append(f"{'device':>6} {'busy':>8} {'idle':>8} {'util':>7} {'peak in-flight':>15} {'activations':>12} {'weight versions':>16} {'max staleness':>14}")
+    pending = f" {'W pending':>10}" if split else ""
+    lines.append(f"{'device':>6} {'busy':>8} {'idle':>8} {'util':>7} {'peak in-flight':>15} {'activations':>12}{pending} {'weight versions':>16} {'max staleness':>14}")
     for d in range(tl.stages):
+        pending = f" {m['peak_w_pending'][d]:>10}" if split else ""
         lines.append(
             f"{d:>6} {m['busy'][d]:>8g} {m['idle'][d]:>8g} {m['utilisation'][d]:>7.1%} {m['peak_inflight'][d]:>15} "
-            f"{m['peak_activations'][d]:>12g} {m['weight_versions'][d]:>16} {m['max_staleness'][d]:>14}"
+            f"{m['peak_activations'][d]:>12g}{pending} {m['weight_versions'][d]:>16} {m['max_staleness'][d]:>14}"
         )
     lines.append("activations: peak held, in micro-batches through the device's whole share of layers; staleness: weight updates missed vs sequential SGD")
+    if split:
+        lines.append("W pending: peak (micro-batch, chunk)s past their I still waiting for their W, which keep their activations and "
+                     "the gradients at each weight's output until then (counted in activations too)")
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """Matplotlib figures of simulated timelines (Agg backend: no display needed).
 
-render_timeline: device x time; forwards blue, backwards orange (lighter shades = later
-interleaved chunks), micro-batch numbers in the boxes, idle time hatched grey so the bubble is
-visible. tutorial_diagrams: the five figures a pipeline-parallelism tutorial needs.
+render_timeline: device x time; forwards blue, backwards orange (under a split backward, zbv:
+input gradients orange, weight gradients green), lighter shades = later chunks, micro-batch
+numbers in the boxes, idle time hatched grey so the bubble is visible. tutorial_diagrams: the five figures a pipeline-parallelism tutorial needs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
+from .schedules import SYNCHRONOUS
 from .simulator import simulate
 
 if TYPE_CHECKING:
@@ -24,12 +25,15 @@ if TYPE_CHECKING:
 # Per chunk shades: chunk 0 strongest. Forward blue, backward orange (colour-blind safe pair).
 F_COLOURS = ["#1f77b4", "#6baed6", "#9ecae1", "#c6dbef"]
 B_COLOURS = ["#e6550d", "#fd8d3c", "#fdae6b", "#fdd0a2"]
+W_COLOURS = ["#31a354", "#74c476", "#a1d99b", "#c7e9c0"]  # weight gradients (split backward): green
+KIND_COLOURS = {"F": F_COLOURS, "B": B_COLOURS, "I": B_COLOURS, "W": W_COLOURS}
 IDLE = "#d9d9d9"
 NAMES = {
     "naive": "Naive model parallelism",
     "gpipe": "GPipe",
     "1f1b": "1F1B",
     "interleaved-1f1b": "Interleaved 1F1B",
+    "zbv": "Zero-bubble V (ZBV)",
     "pipedream": "PipeDream (async 1F1B, weight stashing)",
     "pipedream-2bw": "PipeDream-2BW",
 }
@@ -58,7 +62,7 @@ def _title(tl: "Timeline") -> str:
     else:
         shape += ", one batch"
     if tl.chunks > 1:
-        shape += f", {tl.chunks} chunks/device"
+        shape += f", {tl.chunks} chunks/device" + (" in a V" if tl.schedule == "zbv" else "")
     if tl.steps > 1:
         shape += f", {tl.steps} steps"
     return (
@@ -71,7 +75,7 @@ def _title(tl: "Timeline") -> str:
 def draw_timeline(
     ax,
     tl: "Timeline",
-    kinds: Iterable[str] = ("F", "B"),
+    kinds: Iterable[str] = ("F", "B", "I", "W"),
     until: float | None = None,
     colour_by: str = "kind",
     show_version: bool = False,
@@ -86,15 +90,17 @@ def draw_timeline(
     fig_w_pt = ax.figure.get_size_inches()[0] * 72 * 0.85
     pt_per_unit = fig_w_pt / span
     for e in tl.events:
-        if e.kind not in kinds or e.start >= span:
+        if e.kind not in kinds or e.start >= span or e.duration <= 0:  # zbv's first stage runs an empty I
             continue
         if colour_by == "version":
             face = _version_colour(e.version)
         else:
-            face = (F_COLOURS if e.kind == "F" else B_COLOURS)[min(e.chunk, 3)]
+            face = KIND_COLOURS[e.kind][min(e.chunk, 3)]
         ax.add_patch(Rectangle((e.start, e.device - 0.4), e.duration, 0.8, facecolor=face, edgecolor="black", linewidth=0.6, zorder=2))
         box_pt = e.duration * pt_per_unit
         label = "batch" if tl.schedule == "naive" else str(e.microbatch)
+        if e.kind in ("I", "W"):
+            label = f"{e.kind}{label}"
         if colour_by == "version":
             label = f"{e.kind}{label}"
         if show_version:
@@ -110,14 +116,15 @@ def draw_timeline(
     ax.set_axisbelow(True)
 
 
-def _legend_handles(tl: "Timeline", kinds: Iterable[str] = ("F", "B")) -> list[Patch]:
+def _legend_handles(tl: "Timeline", kinds: Iterable[str] = ("F", "B", "I", "W")) -> list[Patch]:
     handles = []
+    present = {e.kind for e in tl.events} & set(kinds)
+    names = {"F": "forward", "B": "backward", "I": "backward: input gradient (I)", "W": "backward: weight gradient (W)"}
     for c in range(tl.chunks):
         suffix = f" (chunk {c})" if tl.chunks > 1 else ""
-        if "F" in kinds:
-            handles.append(Patch(facecolor=F_COLOURS[min(c, 3)], edgecolor="black", label=f"forward{suffix}"))
-        if "B" in kinds:
-            handles.append(Patch(facecolor=B_COLOURS[min(c, 3)], edgecolor="black", label=f"backward{suffix}"))
+        for kind in ("F", "B", "I", "W"):
+            if kind in present:
+                handles.append(Patch(facecolor=KIND_COLOURS[kind][min(c, 3)], edgecolor="black", label=f"{names[kind]}{suffix}"))
     handles.append(Patch(facecolor=IDLE, edgecolor="grey", hatch="///", label="idle (bubble)"))
     return handles
 
@@ -133,18 +140,18 @@ def render_timeline(tl: "Timeline", path: str | Path, title: str | None = None, 
         handles = [Patch(facecolor=_version_colour(v), edgecolor="black", label=f"weights v{v}") for v in versions[:20]]
         handles.append(Patch(facecolor=IDLE, edgecolor="grey", hatch="///", label="idle (bubble)"))
     else:
-        handles = _legend_handles(tl, draw_kwargs.get("kinds", ("F", "B")))
+        handles = _legend_handles(tl, draw_kwargs.get("kinds", ("F", "B", "I", "W")))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return _save(fig, path)
 
 
 def utilisation_chart(timelines: list["Timeline"], path: str | Path, title: str) -> list[Path]:
     """Bar chart: mean utilisation per schedule, annotated with throughput relative to naive."""
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    short = {"naive": "naive", "interleaved-1f1b": "interleaved\n1F1B"}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    short = {"naive": "naive", "interleaved-1f1b": "interleaved\n1F1B", "zbv": "ZBV"}
     names = [short.get(t.schedule, NAMES[t.schedule].split(" (")[0]) + (f" (V={t.chunks})" if t.chunks > 1 else "") for t in timelines]
     utils = [t.metrics["mean_utilisation"] * 100 for t in timelines]
-    colours = ["#969696"] + ["#1f77b4"] * 3 + ["#31a354"] * 2 if len(timelines) == 6 else None
+    colours = ["#969696" if t.schedule == "naive" else "#1f77b4" if t.schedule in SYNCHRONOUS else "#31a354" for t in timelines]
     bars = ax.bar(names, utils, color=colours, edgecolor="black")
     for bar, t in zip(bars, timelines):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 1, f"{bar.get_height():.0f}%\n{t.metrics['throughput_vs_naive']:.2f}x", ha="center", va="bottom", fontsize=9)
@@ -184,6 +191,6 @@ def tutorial_diagrams(out_dir: str | Path) -> list[Path]:
     files += render_timeline(pd, out / "tutorial_4_pipedream_weight_versions", colour_by="version", show_version=True, title=f"PipeDream weight versioning: colour = weight version a micro-batch uses (its B reuses its F's stash)\nversions held per device ({held}) = P - stage; staleness on device i = P-1-i updates")
     # 5. Utilisation across schedules, same work: 4 devices, 8 micro-batches, 4 optimizer steps.
     kw = dict(stages=4, microbatches=8, steps=4)
-    tls = [simulate(s, chunks=2 if s == "interleaved-1f1b" else 1, **kw) for s in ("naive", "gpipe", "1f1b", "interleaved-1f1b", "pipedream", "pipedream-2bw")]
-    files += utilisation_chart(tls, out / "tutorial_5_utilisation_comparison", "Device utilisation by schedule: 4 devices, 8 micro-batches/step, 4 steps, fwd 1 / bwd 2")
+    tls = [simulate(s, chunks=2 if s == "interleaved-1f1b" else 1, **kw) for s in ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "pipedream", "pipedream-2bw")]
+    files += utilisation_chart(tls, out / "tutorial_5_utilisation_comparison", "Device utilisation by schedule: 4 devices, 8 micro-batches/step, 4 steps, fwd 1 / bwd 2 (zbv: I 1, W 1)")
     return files

@@ -4,6 +4,11 @@ Each device walks its schedule's ordered action list (schedules.py). An action s
 its device is free AND its input has arrived:
   F of stage s   needs F of stage s-1 (same micro-batch) done, plus `comm` if on another device;
   B of stage s   needs B of stage s+1 done (+ comm) and its own F done.
+Under a split backward (ZBV) B is two actions: I (the input gradient) needs I of stage s+1 and its
+own F, as B does; W (the weight gradient) needs only its own I, and nothing waits for it, which is
+how the schedule fills bubbles with W's. A W costs `wgrad` of the stage's backward, its I the rest;
+the first stage's I costs nothing (torch runs the first stage's whole backward in its W: its input
+is token ids, with no gradient to pass on).
 No lock-step clock: idle time (the bubble) falls out of waiting, so unequal stage costs and
 communication delays need no special cases.
 """
@@ -16,19 +21,19 @@ from typing import Any, Sequence
 from ..errors import UserError
 from .ascii import ascii_timeline
 from .metrics import compute_metrics
-from .schedules import SCHEDULES, SYNCHRONOUS, Action, device_orders
+from .schedules import FIXED_CHUNKS, SCHEDULES, SPLIT_BACKWARD, SYNCHRONOUS, Action, device_orders, stage_device
 
 
 @dataclass(frozen=True)
 class Event:
     device: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or under a split backward "I" (input gradient) and "W" (weight gradient)
     microbatch: int  # 0-based over the whole run (step * M + i); naive: the step's whole batch
     chunk: int  # model chunk on this device (interleaved); 0 otherwise
     start: float
     end: float
     version: int  # weight version used (PipeDream: stashed at F, reused by its B)
-    stage: int  # virtual stage index = chunk * P + device
+    stage: int  # virtual stage index (chunk * P + device, or ZBV's V: schedules.stage_device)
     step: int  # optimizer step (synchronous) / batch of M micro-batches (asynchronous)
     staleness: int  # weight updates this micro-batch misses vs. sequential SGD
 
@@ -47,6 +52,9 @@ class Timeline:
     fwd: list[float]  # per-device forward time of one micro-batch (all chunks together)
     bwd: list[float]
     comm: float
+    stage_fwd: list[float] = field(default_factory=list)  # per virtual stage (its device's time / V unless given per stage)
+    stage_bwd: list[float] = field(default_factory=list)  # the whole backward (I + W under a split backward)
+    wgrad: list[float] | None = None  # split backward: W's share of each virtual stage's backward
     events: list[Event] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -66,7 +74,7 @@ class Timeline:
         return out
 
 
-def _as_list(value: float | Sequence[float] | str, n: int, name: str) -> list[float]:
+def _parse(value: float | Sequence[float] | str, name: str) -> float | list[float]:
     if isinstance(value, str):
         try:
             value = [float(v) for v in value.split(",") if v.strip()]
@@ -75,13 +83,55 @@ def _as_list(value: float | Sequence[float] | str, n: int, name: str) -> list[fl
         if len(value) == 1:  # "2" means every stage
             value = value[0]
     if isinstance(value, (int, float)):
-        value = [float(value)] * n
-    values = [float(v) for v in value]
+        return float(value)
+    return [float(v) for v in value]
+
+
+def _as_list(value: float | Sequence[float] | str, n: int, name: str) -> list[float]:
+    values = _parse(value, name)
+    values = [values] * n if isinstance(values, float) else values
     if len(values) != n:
         raise UserError(f"--{name} gives {len(values)} stage times but there are {n} stages", f"give one time per stage ({n} comma-separated values) or a single number")
     if any(v <= 0 for v in values):
         raise UserError(f"--{name} times must be positive, got {values}", "use times > 0")
     return values
+
+
+def _per_stage(value: float | Sequence[float] | str, schedule: str, P: int, V: int, name: str) -> tuple[list[float], list[float]]:
+    """(per device, per virtual stage) times from a number, P values (one per device: each of its V stages takes
+    1/V of it) or P*V values (one per virtual stage, in stage order: a device's time is the sum of its stages')."""
+    values = _parse(value, name)
+    if isinstance(values, list) and V > 1 and len(values) == P * V:
+        if any(v <= 0 for v in values):
+            raise UserError(f"--{name} times must be positive, got {values}", "use times > 0")
+        per_device = [sum(values[s] for s in range(P * V) if stage_device(schedule, s, P) == d) for d in range(P)]
+        return per_device, values
+    if isinstance(values, list) and len(values) != P and V > 1:
+        raise UserError(f"--{name} gives {len(values)} stage times but there are {P} stages ({P * V} virtual stages)",
+                        f"give one time per stage ({P} comma-separated values), one per virtual stage ({P * V}), or a single number")
+    per_device = _as_list(values, P, name)
+    return per_device, [per_device[stage_device(schedule, s, P)] / V for s in range(P * V)]
+
+
+def _wgrad(value: float | Sequence[float] | str | None, schedule: str, P: int, V: int) -> list[float] | None:
+    """W's share of each virtual stage's backward under a split backward (None otherwise); the first stage's is 1."""
+    if schedule not in SPLIT_BACKWARD:
+        if value is not None:
+            raise UserError(f"--wgrad applies to schedules that split the backward ({', '.join(SPLIT_BACKWARD)}), not {schedule}",
+                            "drop --wgrad or use --schedule zbv")
+        return None
+    values = _parse(0.5 if value is None else value, "wgrad")
+    if isinstance(values, float):
+        values = [values] * (P * V)
+    elif len(values) == P:
+        values = [values[stage_device(schedule, s, P)] for s in range(P * V)]
+    elif len(values) != P * V:
+        raise UserError(f"--wgrad gives {len(values)} values but there are {P} stages ({P * V} virtual stages)",
+                        f"give one share per stage ({P}), one per virtual stage ({P * V}), or a single number")
+    if any(not 0 <= v <= 1 for v in values):
+        raise UserError(f"--wgrad is the weight gradient's share of a backward, between 0 and 1, got {values}", "use e.g. --wgrad 0.5")
+    # torch's first stage runs no input gradient (its input is token ids): its whole backward is the W
+    return [1.0] + values[1:]
 
 
 def _validate(schedule: str, stages: int, microbatches: int, chunks: int, steps: int, comm: float, layers: int | None) -> None:
@@ -95,7 +145,9 @@ def _validate(schedule: str, stages: int, microbatches: int, chunks: int, steps:
         raise UserError(f"--steps must be at least 1, got {steps}", "use e.g. --steps 1")
     if chunks < 1:
         raise UserError(f"--chunks must be at least 1, got {chunks}", "use e.g. --chunks 2 with interleaved-1f1b")
-    if chunks != 1 and schedule != "interleaved-1f1b":
+    if schedule in FIXED_CHUNKS and chunks not in (1, FIXED_CHUNKS[schedule]):
+        raise UserError(f"{schedule} always places {FIXED_CHUNKS[schedule]} stages on each device, not --chunks {chunks}", "drop --chunks")
+    if chunks != 1 and schedule != "interleaved-1f1b" and schedule not in FIXED_CHUNKS:
         raise UserError(f"--chunks {chunks} only applies to interleaved-1f1b, not {schedule}", "drop --chunks or use --schedule interleaved-1f1b")
     if comm < 0:
         raise UserError(f"--comm must be >= 0, got {comm}", "use e.g. --comm 0.1")
@@ -108,6 +160,7 @@ def _validate(schedule: str, stages: int, microbatches: int, chunks: int, steps:
     if layers is not None:
         if layers < 1:
             raise UserError(f"--layers must be at least 1, got {layers}", "give the model's layer count")
+        chunks = FIXED_CHUNKS.get(schedule, chunks)
         if stages * chunks > layers:
             what = f"{stages} stages x {chunks} chunks" if chunks > 1 else f"{stages} stages"
             raise UserError(f"{what} > {layers} layers: some stage would hold no layer", f"use at most {layers // chunks} stages")
@@ -123,17 +176,23 @@ def simulate(
     chunks: int = 1,
     steps: int = 1,
     layers: int | None = None,
+    wgrad: float | Sequence[float] | str | None = None,
 ) -> Timeline:
     """Simulate `steps` optimizer steps of `schedule` on `stages` devices.
 
     fwd/bwd: time of one micro-batch through one device's whole share of the model (a number
-    for equal stages or one value per device); with interleaving each of the V chunks takes 1/V
-    of it. comm: delay for passing activations/gradients between devices.
+    for equal stages or one value per device); with several chunks per device (interleaved, zbv)
+    each of the V chunks takes 1/V of it, unless P*V values give each virtual stage its own time.
+    comm: delay for passing activations/gradients between devices. wgrad (zbv only): the weight
+    gradient's share of a backward (default 0.5: I and W cost the same, the paper's assumption).
+    zbv always runs 2 chunks per device.
     """
     schedule = schedule.lower()
     _validate(schedule, stages, microbatches, chunks, steps, comm, layers)
-    f, b = _as_list(fwd, stages, "fwd"), _as_list(bwd, stages, "bwd")
-    tl = Timeline(schedule, stages, microbatches, chunks, steps, f, b, float(comm))
+    chunks = FIXED_CHUNKS.get(schedule, chunks)
+    f, sf = _per_stage(fwd, schedule, stages, chunks, "fwd")
+    b, sb = _per_stage(bwd, schedule, stages, chunks, "bwd")
+    tl = Timeline(schedule, stages, microbatches, chunks, steps, f, b, float(comm), sf, sb, _wgrad(wgrad, schedule, stages, chunks))
     if schedule in SYNCHRONOUS:
         # A flush before every update: steps are identical, each starting when the last ends.
         t0 = 0.0
@@ -154,13 +213,22 @@ def _run(tl: Timeline, orders: dict[int, list[Action]], t0: float, step: int) ->
     n_stages = P * V
     # naive: the one action per device carries the whole batch (M micro-batches' worth of work)
     scale = M if tl.schedule == "naive" else 1
+    # what stage s's backward waits for from stage s+1: its input gradient
+    grad_from_next = "I" if tl.schedule in SPLIT_BACKWARD else "B"
+
+    def device(s: int) -> int:
+        return stage_device(tl.schedule, s, P)
 
     def duration(a: Action) -> float:
-        d = a.stage % P
-        return (tl.fwd[d] if a.kind == "F" else tl.bwd[d]) * scale / V
+        if a.kind == "F":
+            return tl.stage_fwd[a.stage] * scale
+        if a.kind == "B":
+            return tl.stage_bwd[a.stage] * scale
+        share = tl.wgrad[a.stage]  # type: ignore[index]  # I and W only under a split backward
+        return tl.stage_bwd[a.stage] * (share if a.kind == "W" else 1 - share)
 
     def hop(s_from: int, s_to: int) -> float:
-        return tl.comm if s_from % P != s_to % P else 0.0
+        return tl.comm if device(s_from) != device(s_to) else 0.0
 
     def deps(a: Action) -> list[tuple[Action, float]]:
         if a.kind == "F":
@@ -169,9 +237,11 @@ def _run(tl: Timeline, orders: dict[int, list[Action]], t0: float, step: int) ->
                 # batch k runs on W(k-1), which exists once this stage finished batch k-2's backwards
                 out.append((Action("B", (a.microbatch // M - 1) * M - 1, a.stage), 0.0))
             return out
+        if a.kind == "W":  # the weight gradient needs only its own stage's input gradient (the saved grads)
+            return [(Action("I", a.microbatch, a.stage), 0.0)]
         out = [(Action("F", a.microbatch, a.stage), 0.0)]
         if a.stage < n_stages - 1:
-            out.append((Action("B", a.microbatch, a.stage + 1), hop(a.stage + 1, a.stage)))
+            out.append((Action(grad_from_next, a.microbatch, a.stage + 1), hop(a.stage + 1, a.stage)))
         return out
 
     end: dict[Action, float] = {}
@@ -208,7 +278,7 @@ def _run(tl: Timeline, orders: dict[int, list[Action]], t0: float, step: int) ->
         mb = a.microbatch + offset if tl.schedule != "naive" else step
         events.append(
             Event(
-                device=a.stage % P,
+                device=device(a.stage),
                 kind=a.kind,
                 microbatch=mb,
                 chunk=a.stage // P,

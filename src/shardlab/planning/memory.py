@@ -236,6 +236,34 @@ def layer_backward_bytes(arch: Arch, mode: str) -> float:
     return (5 if arch.family == "bloom" else 2) * f * p
 
 
+def weight_grad_input_bytes(arch: Arch, mode: str) -> float:
+    """Bytes per s·b·h one decoder layer holds from its input gradient (I) to its weight gradient (W) under a split
+    backward (zbv), beyond its saved activations (which torch keeps for the W too: stage_backward_input runs with
+    retain_graph): the gradient at the output of every op that consumes a weight, captured for the W
+    (torch.distributed.pipelining._backward.stage_backward_input's param_groups "grads"). Matmul outputs are in the
+    compute dtype, norm outputs in the residual stream's (fp32 under autocast). GPT-2 and BLOOM: qkv 3h, attention
+    out h, MLP up ffn, down h, two LayerNorms h each; Llama-style: q h, k and v kv·h each, o h, gate and up ffn each,
+    down h, two RMSNorm weights h each; others as GPT-2."""
+    p = 4 if mode == "fp32" else 2
+    r = 2 if mode == "lp" else 4
+    f = arch.ffn / arch.hidden
+    if arch.family == "llama":
+        kv = arch.kv_heads / arch.heads
+        return p * (3 + 2 * kv + 2 * f) + 2 * r
+    return p * (5 + f) + 2 * r
+
+
+def input_grad_backward_bytes(arch: Arch, mode: str) -> float:
+    """Temporaries of one decoder layer's input-gradient backward (zbv's I) beyond what it saved and the weights'
+    output gradients it keeps (``weight_grad_input_bytes``), per s·b·h. The I runs with retain_graph, so no saved
+    tensor is freed along the way to make room, as a full backward's are: besides the MLP's ffn-wide temporaries
+    (``layer_backward_bytes``) the attention's q, k and v gradients and their concatenation (6 h) are alive at
+    once. GPT-2 fp32 on CPU: 96 bytes per s·b·h element above the layer's start at its peak (44 held for the W +
+    52), measured in a 2-rank zbv step (tests/test_plan_pipeline.py's zbv case)."""
+    p = 4 if mode == "fp32" else 2
+    return layer_backward_bytes(arch, mode) + 6 * p
+
+
 def _shared_bias_bytes(arch: Arch, mode: str) -> float:
     """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
     SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all

@@ -16,6 +16,15 @@ Per GPU of one pipeline (P GPUs, V model chunks each under interleaved 1F1B, M m
   ``shardlab pipeline simulate`` checks against torch: pipesim.device_orders) is walked: a forward adds
   that stage's saved tensors for one micro-batch, a backward releases them. GPipe holds all M on every
   stage; 1F1B holds min(M, P - s) on stage s (P on the first).
+* **zbv** (2 stages per GPU in a V, GPU d holding stages d and 2P-1-d: layout.stages_of) splits each backward
+  into I and W. A micro-batch's activations stay until its W (torch's input-gradient backward keeps the graph
+  for it), and from its I to its W the stage also holds the gradient at every weight's output, the W's input
+  (memory.weight_grad_input_bytes per layer; the logits' gradient on the last stage). Gradients exist from the
+  first W on. The first stage's I is empty and its W is its whole backward. The turn of the V (stage P-1 to P,
+  one GPU) passes tensors by reference: stage P's receive buffers hold stage P-1's outputs, counted once. The I
+  leaves each input's gradient on its receive buffer (.grad) until the next step begins.
+* interleaved 1F1B and zbv run on torch's _PipelineScheduleRuntime, which waits for its sends when the step ends:
+  outputs sent to another GPU and input gradients sent back stay referenced until then.
 * **torch.distributed.pipelining's buffers** (torch/distributed/pipelining/stage.py, PipelineStage):
   every non-first stage pre-allocates M receive buffers for its input and every non-last stage M
   receive buffers for its output gradient (each b·s·h fp32, kept for the whole run); the stage output
@@ -51,7 +60,9 @@ from .memory import (
     cpu_adamw_temp_bytes,
     embed_bytes,
     final_bytes,
+    input_grad_backward_bytes,
     layer_backward_bytes,
+    weight_grad_input_bytes,
 )
 
 if TYPE_CHECKING:
@@ -106,12 +117,19 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     from ..strategies.pipeline import step_keeps_outputs  # lazy, as split_blocks above
 
     keeps = step_keeps_outputs()  # the last stage's logits kept in output_chunks until the step ends
-    saved, transient, buffers = [], [], []
+    split = schedule == "zbv"  # backward split into I and W (pipesim.schedules.SPLIT_BACKWARD)
+    # zbv's turn of the V: stage P-1's output is stage P's input on the same GPU, passed by reference (set_local_fwd_input
+    # makes it stage P's receive buffer), so it is counted once, as that buffer
+    local_next = {k for k in range(last) if layout.stage_position(k) == layout.stage_position(k + 1)}
+    # interleaved and zbv run on torch's _PipelineScheduleRuntime, which waits for its sends only when the step ends: a
+    # stage output sent to another GPU, or an input gradient sent back, stays referenced by its send until then
+    runtime = schedule in ("interleaved-1f1b", "zbv")
+    saved, transient, buffers, pending = [], [], [], []
     for k, (lo, hi) in enumerate(bounds):
         x = (hi - lo) * act.per_layer
         x += embed_bytes(arch, mode, device) * sbh if k == 0 else -r * sbh  # a later stage's saved input is its receive buffer
         # last: log-softmax out, and (when not kept in output_chunks) the logits in fwd_cache; else: the output in fwd_cache
-        x += (final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else r * sbh
+        x += (final_bytes(arch, mode, device) * sbh + (4 + (0 if keeps else pl)) * bsv) if k == last else (0 if k in local_next else r * sbh)
         if mode == "autocast":  # each forward casts the stage's matmul weights anew (the cache ends with the autocast
             # region) and autograd keeps those 16-bit copies until that micro-batch's backward; embeddings are not cast,
             # and checkpointed blocks keep only their input (the copies are made again in the recompute)
@@ -121,6 +139,8 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         layer_bwd = act.recompute + layer_backward_bytes(arch, mode) * sbh
         transient.append(max(8 * bsv, layer_bwd) if k == last else layer_bwd)
         buffers.append(M * r * sbh * ((k > 0) + (k < last)))
+        # split backward, from I to W: every weight's output gradient (the last stage's logits' too, and its final norm's)
+        pending.append((hi - lo) * weight_grad_input_bytes(arch, mode) * sbh + ((pl * bsv + r * sbh) if k == last else 0.0))
 
     def stage_params(k: int, on_device: list[int]) -> int:
         lo, hi = bounds[k]
@@ -133,12 +153,18 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                 n -= parts["vocab_x_hidden"]  # the tied weight is one Parameter on one device
         return n
 
+    i_transient = act.recompute + input_grad_backward_bytes(arch, mode) * sbh  # one layer's I (recomputed first if checkpointed)
+
+    def largest_weight(k: int) -> int:  # elements of the largest weight of stage k (a W's gradient before it is added)
+        return parts["vocab_x_hidden"] if k in (0, last) else parts["largest_block_param"]
+
     per_device = []
     for d in range(P):
-        mine = [k for k in range(n_stages) if k % P == d]
+        mine = layout.stages_of(d)  # loop placement (s % P), or zbv's V (d and 2P-1-d)
         n_d = sum(stage_params(k, mine) for k in mine)
         grads = BYTES_PER_PARAM["gradients"] * n_d
         held = retained = 0.0
+        input_grads = 0.0  # zbv: the input gradients its I's left on this GPU's receive buffers (.grad) this step
         grads_live = False
         in_flight = peak_in_flight = 0
         # candidate moments: (saved activations, logits + loss tensors, gradients, step temporaries, what)
@@ -151,11 +177,32 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
                 in_flight += 1
                 peak_in_flight = max(peak_in_flight, in_flight)
                 moments.append((held, retained, g, 0.0, f"end of forward {a.microbatch} (stage {a.stage})"))
-            else:
+            elif a.kind == "B" or (a.kind == "I" and a.stage > 0) or (a.kind == "W" and a.stage == 0):
+                # a full backward, an input gradient, or the first stage's W (its whole backward: its I is empty)
                 loss_tmp = 8 * bsv if (a.stage == last and 8 * bsv >= transient[a.stage]) else 0.0
+                what = {"B": "backward", "I": "input gradient (I)", "W": "weight gradient (W, the stage's whole backward)"}[a.kind]
                 moments.append((held + transient[a.stage] - loss_tmp, retained + loss_tmp, g, 0.0,
-                                f"start of backward {a.microbatch} (stage {a.stage}, {in_flight} micro-batches in flight)"))
-                held -= saved[a.stage]
+                                f"start of {what} {a.microbatch} (stage {a.stage}, {in_flight} micro-batches in flight)"))
+                if a.kind == "I":  # the activations stay for the W; the gradients at the weights' outputs join them
+                    # its peak: the stage's weights' output gradients all captured, its first layer's backward running
+                    # with nothing freed (retain_graph)
+                    moments.append((held + pending[a.stage] + i_transient, retained, g, 0.0,
+                                    f"input gradient (I) {a.microbatch} (stage {a.stage}: the W's inputs held, nothing freed)"))
+                    held += pending[a.stage]
+                    if a.stage - 1 not in local_next:  # torch's input backward leaves the input's gradient on the receive
+                        held += r * sbh  # buffer (.grad) until the next step begins (the turn of the V's is stage P-1's buffer)
+                        input_grads += r * sbh
+                else:
+                    held -= saved[a.stage]
+                    held += r * sbh * runtime * ((a.stage < last and a.stage not in local_next)  # its sent output
+                                                 + (a.kind == "B" and a.stage > 0))  # and its sent input gradient
+                    in_flight -= 1
+                    grads_live = True
+            elif a.kind == "W" and a.stage > 0:  # the weight gradient: each weight's gradient made, then added to .grad
+                w_tmp = 4.0 * largest_weight(a.stage) if grads_live else 0.0  # the first W assigns .grad, later ones add to it
+                moments.append((held + w_tmp, retained, g, 0.0, f"weight gradient (W) {a.microbatch} (stage {a.stage})"))
+                held -= saved[a.stage] + pending[a.stage]
+                held += r * sbh * (a.stage < last and a.stage not in local_next)  # its sent output, until the step ends
                 in_flight -= 1
                 grads_live = True
         if last in mine and keeps:
@@ -166,7 +213,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
             step_tmp += 4.0 * n_d  # _average_over_replicas flattens all gradients into one buffer
         if device == "cpu":
             step_tmp = max(step_tmp, cpu_adamw_temp_bytes(largest))  # single-tensor AdamW, after the norm
-        moments.append((0.0, retained, grads, step_tmp, "optimizer step"))
+        moments.append((input_grads, retained, grads, step_tmp, "optimizer step"))
         acts, logits, g, tmp, moment = max(moments, key=lambda m: m[0] + m[1] + m[2] + m[3])
         static = (BYTES_PER_PARAM["parameters"] + BYTES_PER_PARAM["optimizer"]) * n_d + sum(buffers[k] for k in mine)
         per_device.append({
@@ -190,6 +237,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     }
     where = (f"{schedule}, {P} GPU(s) per pipeline x {replicas} replica(s), {M} micro-batches; fp32 weights, grads and "
              f"AdamW states of each stage's layers")
+    if split:
+        where += ("; zbv: 2 stages per GPU in a V, each micro-batch's activations held until its weight gradient (W), "
+                  "and from its input gradient (I) on the gradients at its weights' outputs")
     notes = [
         f"split (blocks per stage, the strategy's split_blocks): {[list(x) for x in bounds]}",
         f"worst GPU {worst['gpu']} (stages {worst['stages']}): peak at {worst['moment']}",
@@ -198,7 +248,7 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         notes.append(f"--precision {precision}: each stage computes under autocast over fp32 weights; the activations "
                      "passed between stages stay fp32")
     if keeps:
-        kept = per_device[last % P]["logits_kept"]
+        kept = per_device[layout.stage_position(last)]["logits_kept"]
         notes.append(f"the last stage (GPU {last % P}) keeps {M} x {pl}·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
                      "return value (this torch's schedule.step has no return_outputs to decline it), plus their "
                      "concatenation at the end of the step")

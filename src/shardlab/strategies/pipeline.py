@@ -1,4 +1,4 @@
-"""`pipeline`: pipeline parallelism through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B).
+"""`pipeline`: pipeline parallelism through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B, zero-bubble V).
 
 Why torch's pipelining and not DeepSpeed's PipelineModule: it runs the HF model's own modules (no rewrite
 into LayerSpecs), and its schedules are the ones `shardlab pipeline simulate` is checked against.
@@ -11,6 +11,12 @@ over `grad_accum` micro-batches, so `--microbatches M` is the gradient accumulat
 Tied input/output embeddings (GPT-2, BLOOM, SmolLM2, Llama 3.2, Qwen2.5-0.5B) live on two ranks here; their gradients are summed between
 the first and the last stage before the optimizer step, which keeps the two copies identical, exactly as
 a tied weight would be (the same thing Megatron-LM does for its embedding group).
+
+zbv (torch's ScheduleZBVZeroBubble) cuts the model into 2 stages per rank placed in a V (rank r runs stages
+r and 2P-1-r: layout.ParallelLayout.stages_of, pipesim's placement) and splits each backward into the input
+gradient (I), which the previous stage waits for, and the weight gradient (W), which fills bubbles. The first
+and the last stage then share rank 0, so a tied embedding is one Parameter in two of its stages: torch would
+divide its gradient by M once per stage, so such a rank scales its gradients itself, once per parameter.
 
 Checkpoints are dp's: torch.distributed.checkpoint, every stage's tensors and AdamW state under the names
 they have in the unsplit HF model (`hf_names`), so a pipeline checkpoint resumes as dp or fsdp, as a pipeline
@@ -41,7 +47,14 @@ from ..pipesim import simulate
 # Lazy imports below: torch.distributed.pipelining/checkpoint and transformers' model modules load only when a
 # pipeline is built, saved or loaded (the planner imports this module for the stage split).
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+
+
+def zbv_schedule_class():
+    """torch's ScheduleZBVZeroBubble, or None on a torch without it (the launcher refuses zbv there in one line)."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, "ScheduleZBVZeroBubble", None)
 
 
 # ---- splitting the model --------------------------------------------------------------------------------
@@ -237,18 +250,20 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class StageTimer:
-    """Time spent in each forward and backward of this rank's stages, per optimizer step.
+    """Time spent in each forward and backward of each of this rank's stages, per optimizer step.
 
-    Wraps the PipelineStage's `forward_one_chunk` / `backward_one_chunk` (and the loss, part of
-    the last stage's forward). The schedule waits for its receives before calling them, so their
-    time is compute, not waiting. On GPU, CUDA events read once per step (no sync per call).
+    Wraps the PipelineStage's `forward_one_chunk` / `backward_one_chunk` / `backward_weight_one_chunk` (and the
+    loss, part of the last stage's forward). The schedule waits for its receives before calling them, so their
+    time is compute, not waiting. Under zbv `backward_one_chunk` is the input gradient (I) and
+    `backward_weight_one_chunk` the weight gradient (W); "B" is their sum, "W" the second part.
+    On GPU, CUDA events read once per step (no sync per call).
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.active = False
-        self._marks: list[tuple[str, object, object]] = []
-        self.steps: list[dict[str, float]] = []  # per step: total F and B seconds on this rank
+        self._marks: list[tuple[tuple[int, str], object, object]] = []
+        self.steps: list[dict[tuple[int, str], float]] = []  # per step: (stage, F / B / W) -> seconds on this rank
 
     def _now(self):
         if self.cuda:
@@ -257,23 +272,26 @@ class StageTimer:
             return evt
         return time.perf_counter()
 
-    def wrap(self, fn, kind: str):
+    def wrap(self, fn, stage: int, kind: str):
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
             start = self._now()
             out = fn(*args, **kwargs)
-            self._marks.append((kind, start, self._now()))
+            self._marks.append(((stage, kind), start, self._now()))
             return out
 
         return timed
 
     def end_step(self) -> None:
-        totals = {"F": 0.0, "B": 0.0}
+        totals: dict[tuple[int, str], float] = {}
         if self.cuda and self._marks:
             self._marks[-1][2].synchronize()
-        for kind, start, end in self._marks:
-            totals[kind] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        for key, start, end in self._marks:
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            totals[key] = totals.get(key, 0.0) + seconds
+            if key[1] == "W":  # a weight gradient is part of its stage's backward
+                totals[(key[0], "B")] = totals.get((key[0], "B"), 0.0) + seconds
         self.steps.append(totals)
         self._marks.clear()
 
@@ -324,6 +342,17 @@ class PipelineStrategy(TorchOptimizerStrategy):
 
         return build_model(self.cfg)
 
+    @classmethod
+    def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
+        super().check_options(cfg, world, accum, device_type)
+        opts = cfg.strategy_options
+        if opts.pp_schedule == "zbv":
+            if zbv_schedule_class() is None:
+                raise UserError(f"--schedule zbv needs torch's ScheduleZBVZeroBubble, which torch {torch.__version__} lacks",
+                                "use --schedule 1f1b or interleaved-1f1b, or a newer torch")
+            if "pp_chunks" in opts.model_fields_set and opts.pp_chunks != 2:
+                raise UserError(f"zbv always places 2 stages on each rank, not --chunks {opts.pp_chunks}", "drop --chunks")
+
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -338,7 +367,8 @@ class PipelineStrategy(TorchOptimizerStrategy):
         bounds = split_blocks(model.config, len(blocks), self.cfg.seq_len, n_stages)
         self.bounds = bounds
         self.full_model = model  # on the CPU; only this rank's stages move to the device
-        # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects).
+        # Loop-style placement: stage s runs on rank s % ranks (what ScheduleInterleaved1F1B expects); zbv's V:
+        # rank r runs stages r and 2R-1-r (what ScheduleZBVZeroBubble expects). The layout knows which.
         my_stages = self.parallel.stages_of(env.rank)
         self.stage_modules = []
         pp_stages = []
@@ -350,24 +380,32 @@ class PipelineStrategy(TorchOptimizerStrategy):
             pp_stages.append(PipelineStage(module, s, n_stages, env.device, group=self.pp_group))
         self.is_first = 0 in my_stages
         self.is_last = (n_stages - 1) in my_stages
-        # Global rank of this replica's last stage, which computes the loss.
-        self.last_rank = self.pp_ranks[(n_stages - 1) % self.n_ranks]
+        self.my_stages = my_stages
+        # Global rank of this replica's last stage, which computes the loss (rank 0's under zbv).
+        self.last_rank = self.pp_ranks[self.parallel.stage_position(n_stages - 1)]
         params = [p for m in self.stage_modules for p in m.parameters()]
         self._owned = {id(p) for p in params}
+        # A Parameter in two of this rank's stages (zbv's tied embedding: first and last stage on rank 0): torch's
+        # schedule scales each stage's gradients by 1/M after its last backward, which would scale it twice.
+        self._scale_own_grads = len(params) != len(self._owned)
         self.hf_model = model
         self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
         self._build_optimizer(self.model, env.device.type, total_steps)
         self.timer = StageTimer(env.device)
         self.schedule_times: list[float] = []
-        for stage in pp_stages:
-            stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, "F")
-            stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, "B")
-        loss_fn = self.timer.wrap(_lm_loss, "F")
+        for s, stage in zip(my_stages, pp_stages):
+            stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, s, "F")
+            stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, s, "B")
+            stage.backward_weight_one_chunk = self.timer.wrap(stage.backward_weight_one_chunk, s, "W")
+        loss_fn = self.timer.wrap(_lm_loss, n_stages - 1, "F")
+        scale = {"scale_grads": False} if self._scale_own_grads else {}  # torch's default (True) otherwise
         if opts.pp_schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn, **scale)
+        elif opts.pp_schedule == "zbv":  # check_options refused zbv where torch lacks it
+            self.schedule = zbv_schedule_class()(pp_stages, self.grad_accum, loss_fn=loss_fn, **scale)
         else:
             cls = ScheduleGPipe if opts.pp_schedule == "gpipe" else Schedule1F1B
-            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn)
+            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn, **scale)
         # Tied embedding: the first and the last stage each hold a copy; their grads are summed.
         self._tied = self._find_tied()
         self._tie_group = None
@@ -398,7 +436,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         counts every parameter once per micro-batch), and with static_graph=True its gradients came out
         unreduced in our test. FSDP2 over the replica group (torchtitan's way) is the engine route next.
         """
-        grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # a Parameter once, however many stages hold it
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -437,6 +475,10 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.schedule_times.append(time.perf_counter() - t0)
         self.timer.active = False
         self.timer.end_step()
+        if self._scale_own_grads:  # the schedule's scale_grads, once per Parameter (see setup)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.grad_accum)
         batches.preload()
         total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)  # every stage reports the loss
@@ -454,7 +496,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         if self._tie_group is not None and tied is not None and tied.grad is not None:
             dist.all_reduce(tied.grad, group=self._tie_group)
         # Global grad norm over all stages, the tied weight counted once (on the first stage).
-        own = [p for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        own = [p for p in self.model.parameters() if p.grad is not None]  # a Parameter once, however many stages hold it
         counted = [p for p in own if not (self.is_last and not self.is_first and tied is not None and p is tied)]
         sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
         for p in counted:
@@ -488,31 +530,44 @@ class PipelineStrategy(TorchOptimizerStrategy):
     # ---- measured vs simulated --------------------------------------------------------------------------
     def summary_extras(self) -> dict:
         """Per-stage forward/backward times measured in this run, fed to `shardlab pipeline simulate`,
-        next to the measured schedule time and bubble. Collective over the pipeline group."""
+        next to the measured schedule time and bubble. Collective over the pipeline group.
+
+        stage_fwd_ms / stage_bwd_ms: per rank (all its stages); virtual_stage_*: per virtual stage, what the
+        simulator is fed (interleaved and zbv chunks are not equal: the split balances blocks plus head, and
+        zbv's first stage has no input gradient); zbv adds each stage's weight-gradient (W) time."""
         steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
         M = self.grad_accum
-        mine = {
-            "fwd": statistics.median(s["F"] for s in steady) / M if steady else 0.0,
-            "bwd": statistics.median(s["B"] for s in steady) / M if steady else 0.0,
-        }
+        mine = {s: {k: statistics.median(step.get((s, k), 0.0) for step in steady) / M if steady else 0.0 for k in ("F", "B", "W")}
+                for s in self.my_stages}
         per_rank: list[dict] = [None] * self.n_ranks  # type: ignore[list-item]
         dist.all_gather_object(per_rank, mine, group=self.pp_group)
-        fwd = [max(r["fwd"], 1e-9) for r in per_rank]
-        bwd = [max(r["bwd"], 1e-9) for r in per_rank]
+        stages = {s: t for rank in per_rank for s, t in rank.items()}
+        n_stages = len(stages)
+        fwd = [max(stages[s]["F"], 1e-9) for s in range(n_stages)]
+        bwd = [max(stages[s]["B"], 1e-9) for s in range(n_stages)]
         sched = self.cfg.strategy_options.pp_schedule
-        sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks)
+        split = sched == "zbv"
+        wgrad = [min(1.0, stages[s]["W"] / bwd[s]) for s in range(n_stages)] if split else None
+        sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks, wgrad=wgrad)
         times = self.schedule_times[metrics.WARMUP_STEPS:] or self.schedule_times
         measured = statistics.median(times) if times else float("nan")
-        busy = [M * (f + b) for f, b in zip(fwd, bwd)]
-        return {"pipeline": {
+        rank_fwd = [sum(fwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
+        rank_bwd = [sum(bwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
+        busy = [M * (f + b) for f, b in zip(rank_fwd, rank_bwd)]
+        out = {
             "schedule": sched, "stages": self.n_ranks, "chunks": self.chunks, "microbatches": M, "split": self.bounds,
-            "stage_fwd_ms": [1e3 * f for f in fwd], "stage_bwd_ms": [1e3 * b for b in bwd],
+            "stage_fwd_ms": [1e3 * f for f in rank_fwd], "stage_bwd_ms": [1e3 * b for b in rank_bwd],
+            "virtual_stage_fwd_ms": [1e3 * f for f in fwd], "virtual_stage_bwd_ms": [1e3 * b for b in bwd],
+            "stages_of_rank": [self.parallel.stages_of(r) for r in range(self.n_ranks)],
             "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured,
             "simulated_bubble": sim.metrics["bubble_fraction"],
             "measured_bubble": 1 - sum(busy) / (len(busy) * measured) if measured > 0 else None,
             "note": "simulated from the measured per-stage times with no communication cost; "
                     "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
-        }}
+        }
+        if split:
+            out["virtual_stage_wgrad_ms"] = [1e3 * stages[s]["W"] for s in range(n_stages)]
+        return {"pipeline": out}
 
     # ---- state: DCP under the unsplit model's names (the layout dp and fsdp write) ------------------------
     @functools.cached_property
@@ -598,5 +653,6 @@ class PipelineStrategy(TorchOptimizerStrategy):
 
     def memory_note(self) -> str:
         first, last = self.bounds[0], self.bounds[-1]
-        return (f"pipeline: {len(self.bounds)} stages over {self.n_ranks} ranks, blocks split {self.bounds} "
+        placed = " in a V (rank r: stages r and 2R-1-r)" if self.parallel.placement == "v" else ""
+        return (f"pipeline: {len(self.bounds)} stages over {self.n_ranks} ranks{placed}, blocks split {self.bounds} "
                 f"(embedding on stage 0, LM head on the last; first {first[1] - first[0]} / last {last[1] - last[0]} blocks)")

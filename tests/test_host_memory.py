@@ -54,6 +54,82 @@ def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
         assert torch.equal(a, new[name]), name
 
 
+# FSDPStrategy's build on WORLD gloo ranks (spawned; each with one thread, as on a 2-core machine), for each preset
+# named: every rank writes OUT/<model>-rank<r>.json (its resident memory before setup, its high-water mark after it and
+# the bytes of its shards) and, with SAVE, rank 0 writes OUT/<model>.pt (the full weights and buffers). The build runs as
+# a CPU training run builds (trainer.run_worker): inside launch.distributed.reuse_freed_heap, where freed memory stays
+# resident.
+_FSDP_BUILD = """
+import json, os, resource, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, world, port, models, out, save):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from shardlab.config import RunConfig
+    from shardlab.launch.distributed import DistEnv, reuse_freed_heap
+    from shardlab.strategies.fsdp import FSDPStrategy
+    from shardlab.training.optim import Precision
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for name in models:
+        cfg = RunConfig(model=name, strategy="fsdp", device="cpu", seq_len=32, seed=11)
+        with reuse_freed_heap(True):
+            st = FSDPStrategy(cfg, DistEnv(rank, world, rank, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 1)
+            model = st.build_model()
+            dist.barrier()
+            with open("/proc/self/statm") as f:
+                before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            st.setup(model, 10)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        shards = sum(p.to_local().numel() * p.element_size() for p in st.hf_model.parameters())
+        with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as f:
+            json.dump({"before": before, "peak": peak, "shards": shards}, f)
+        if save:
+            full = get_model_state_dict(st.hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                torch.save({**full, **dict(st.hf_model.named_buffers())}, os.path.join(out, name + ".pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    from shardlab.launch.distributed import free_port
+    world, models, out, save = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4] == "save"
+    mp.start_processes(rank_main, args=(world, free_port(), models, out, save), nprocs=world, start_method="spawn")
+"""
+
+
+def _fsdp_build(tmp_path, world: int, models: list[str], save: bool) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "fsdp_build.py"
+    script.write_text(_FSDP_BUILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(world), ",".join(models), str(tmp_path), "save" if save else "-"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # spawns gloo ranks
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_on_several_ranks_starts_from_the_ordinary_weights(tmp_path, world):
+    """A random-init preset on several ranks: every rank walks transformers' init module by module and keeps its slice
+    (strategies.fsdp.random_init_by_module), and the full weights are exactly the ordinary build's (dp's), buffers
+    included; 3 ranks shard the 50,257-row embeddings unevenly."""
+    from shardlab.training.models import build_model
+
+    models = ["tiny-gpt2", "tiny-bloom", "tiny-llama"]
+    _fsdp_build(tmp_path, world, models, save=True)
+    for name in models:
+        got = torch.load(tmp_path / f"{name}.pt")
+        ordinary = build_model(RunConfig(model=name, seed=11))
+        want = {**ordinary.state_dict(), **dict(ordinary.named_buffers())}
+        assert got.keys() == want.keys(), name
+        for key, value in want.items():
+            assert torch.equal(got[key], value), f"{name}: {key}"
+
+
 @pytest.mark.parametrize("strategy, given, expected", [
     ("fsdp", None, False), ("fsdp", True, True), ("fsdp_offload", None, True), ("fsdp_offload", False, False)])
 def test_fsdp_setup_reshards_after_forward_as_resolved(one_rank, strategy, given, expected):

@@ -46,6 +46,7 @@ from transformers import (
 
 from . import sdpa_causal
 from .bloom_sdpa import is_bloom, use_sdpa_attention
+from .init_by_module import initialising
 from ..cachedir import built_once, cache_root
 from ..config import RunConfig
 from ..errors import UserError
@@ -616,24 +617,10 @@ def _tied_away(model: torch.nn.Module, key: str) -> bool:
 
 def init_weights(model: transformers.PreTrainedModel) -> None:
     """transformers' own initialisation of a model materialised from the meta device (``to_empty``),
-    in place, on whatever its tensors are now (FSDP2's DTensor shards included)."""
-    for module in model.modules():  # from_config marked every module initialised while it was on meta
-        module._is_hf_initialized = False
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is not None and inp is not None and out.weight is inp.weight:
-        # A tied head gets its values from the input embedding's init, as in transformers' own build; under
-        # FSDP2 transformers no longer sees the tie and would draw the head again over the embedding.
-        out._is_hf_initialized = True
-    # fully_shard swaps in a class of its own (FSDP<name>, defined outside transformers), which transformers
-    # takes for custom code and then skips modules without direct parameters (GPT-2's scaled c_proj init):
-    # answer as the model's own class does.
-    own = next(c for c in type(model).__mro__ if issubclass(c, transformers.PreTrainedModel) and c.__module__.startswith("transformers."))
-    model.is_custom_code = own.is_custom_code
-    try:
-        with torch.no_grad():
-            model.init_weights()
-    finally:
-        del model.is_custom_code
+    in place, on whatever its tensors are now (FSDP2's DTensor shards included). ``init_by_module`` draws the
+    same numbers one module at a time."""
+    with initialising(model):
+        model.init_weights()
 
 
 def load_local_weights(model: torch.nn.Module, cfg: RunConfig, load: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -11,6 +11,7 @@ import math
 
 from ..config import RunConfig
 from ..strategies.deepspeed_zero import gpu_grad_accum_fp32, sized_buckets, twin_flow_gpu_sub_groups, zero3_sub_groups
+from ..strategies.fsdp import by_module_build_bytes, random_init_by_module
 from ..strategies.spec import spec
 from .memory import HEAP_TRIM_BYTES, Arch, GiB, StrategyPlan, cpu_adamw_temp_bytes
 
@@ -145,7 +146,8 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights
     """What one rank holds in host memory while the model is built (Strategy.build_model), before the
     engine moves it away. On a GPU, dp, ao_offload and DeepSpeed stages 0-2 build on meta and draw the weights
     on the GPU (Strategy.build_on_device), FSDP2 its shards (both when the model is a preset or a checkpoint
-    whose names match: Arch.meta_build); ZeRO-3 builds inside zero.Init (a partition per rank). Otherwise, and
+    whose names match: Arch.meta_build; on several ranks a random init is drawn module by module where the shards
+    live: strategies.fsdp.random_init_by_module); ZeRO-3 builds inside zero.Init (a partition per rank). Otherwise, and
     always for the pipeline, the model is built on the CPU: fp32 (dp's master weights, the pipeline), bf16 (dp's
     --master-weights bf16) or the engine's dtype (DeepSpeed)."""
     n = arch.n_params
@@ -153,6 +155,13 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights
     s = spec(strategy)
     if s.engine == "deepspeed" and s.zero_stage == 3:
         return "model built inside zero.Init: one partition + the largest layer (load time)", float(lo * (n / d + arch.largest_layer_params))
+    if s.engine == "fsdp2" and arch.meta_build and random_init_by_module(d, arch.random_init):
+        if device == "cuda" and s.offload_params != "cpu":
+            return "model built on meta, module by module on the GPU into the shards (load time)", 0.0
+        # the shards live on the host (a CPU run, CPUOffloadPolicy) and so do the draws
+        return ("model built on meta, module by module on the host: the fp32 shards + the largest module and its slice "
+                "(load time)",
+                4.0 * math.ceil(n / d) + by_module_build_bytes(arch.largest_layer_params, d))
     if arch.meta_build and (s.engine == "fsdp2" or (device == "cuda" and s.engine in ("ddp", "torchao", "deepspeed"))):
         where = "shards materialised" if s.engine == "fsdp2" else "materialised on the GPU"
         return f"model built on meta, {where} (load time)", 0.0
@@ -205,11 +214,13 @@ def heap_kept_bytes(live_peak: float, reuse_heap: bool) -> float:
 def cpu_run_bytes(sp: StrategyPlan, nproc: int, reuse_heap: bool) -> float:
     """Host memory of a whole CPU run (all ranks) for a StrategyPlan computed with ``device='cpu'``:
     what each rank allocates (the 'GPU' side lives in host RAM too) and what its heap keeps beyond that
-    (``heap_kept_bytes``: more when freed memory is kept for reuse), a process baseline per rank, what the strategy
-    offloads (already host memory, per node), and with several ranks the process that launched them."""
+    (``heap_kept_bytes``: more when freed memory is kept for reuse), or what it holds while the model is built where
+    that is more (``host_build``), a process baseline per rank, what the strategy offloads (already host memory, per
+    node), and with several ranks the process that launched them."""
     offloaded = sum(v for k, v in sp.cpu_detail.items() if not k.startswith(("model built", "process", "AIO")))
     baseline = CPU_PROCESS_RSS_BYTES + (CPU_DEEPSPEED_RSS_BYTES if spec(sp.strategy).engine == "deepspeed" else 0)
-    rank = sp.gpu_peak + heap_kept_bytes(sp.gpu_peak, reuse_heap) + baseline
+    built = sum(v for k, v in sp.cpu_detail.items() if k.startswith("model built")) / max(1, nproc)  # per rank
+    rank = max(sp.gpu_peak + heap_kept_bytes(sp.gpu_peak, reuse_heap), built) + baseline
     return nproc * rank + offloaded + launcher_bytes("cpu", nproc)
 
 

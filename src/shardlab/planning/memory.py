@@ -87,6 +87,9 @@ class Arch:
     param_sizes: tuple[tuple[int, int], ...] = ()
     # FSDP builds on the meta device (presets, matching local safetensors: models.meta_loadable), else in fp32.
     meta_build: bool = True
+    # Random weights (a preset), not a checkpoint's: FSDP on several ranks draws them module by module
+    # (strategies.fsdp.random_init_by_module).
+    random_init: bool = True
     # The decoder-block class ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
     leaf_classes: tuple[str, ...] = ()
 

@@ -796,9 +796,10 @@ def _arch(cfg: RunConfig) -> Arch:
                                # strategy and world size where the engine does: offload, one rank)
                                persistence_threshold=sized_buckets(cfg.strategy_options, None, None, None)[
                                    "stage3_param_persistence_threshold"])
-    from ..training.models import meta_loadable
+    from ..training.models import meta_loadable, resolve_preset
 
     arch.meta_build = meta_loadable(cfg)
+    arch.random_init = resolve_preset(cfg.model) is not None
     return arch
 
 

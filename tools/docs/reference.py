@@ -394,8 +394,14 @@ def _render(expr: ast.expr | None, consts: dict[str, ast.expr], depth: int = 0) 
         return base if expr.func.attr != "split" else base.split("\\n")[0]
     if isinstance(expr, ast.Subscript):
         return _render(expr.value, consts, depth + 1)
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "join":
-        return " ; ".join(filter(None, [_render(a, consts, depth + 1) for a in expr.args])) or _placeholder(expr)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "join" and expr.args:
+        sep = expr.func.value.value if isinstance(expr.func.value, ast.Constant) else ", "
+        arg = expr.args[0]
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add):  # names + ["literal", ...]
+            return sep.join(filter(None, [_render(arg.left, consts, depth + 1), _render(arg.right, consts, depth + 1)]))
+        return _render(arg, consts, depth + 1)
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        return "; ".join(filter(None, [_render(e, consts, depth + 1) for e in expr.elts]))
     return _placeholder(expr)
 
 
@@ -461,7 +467,7 @@ def errors_page() -> str:
              "## The five most common {#most-common}", ""]
     for title, phrase, meaning in COMMON_ERRORS:
         hits = [e for e in entries if phrase.lower() in e.cause.lower()]
-        links = ", ".join(f"[{e.path.removeprefix('shardlab/')}](#{e.anchor})" for e in hits[:3])
+        links = ", ".join(f"[`{e.path.removeprefix('shardlab/')}`](#{e.anchor})" for e in hits[:3])
         first = hits[0] if hits else None
         lines += [f"**{title}.** {meaning}.", ""]
         if first:
@@ -471,7 +477,7 @@ def errors_page() -> str:
     for e in entries:
         by_module.setdefault(e.path, []).append(e)
     for path, group in by_module.items():
-        lines += [f"### {path.removeprefix('shardlab/')}", "", "| cause | fix | raised in |", "|---|---|---|"]
+        lines += [f"### `{path.removeprefix('shardlab/')}`", "", "| cause | fix | raised in |", "|---|---|---|"]
         for e in group:
             kind = "" if e.kind == "UserError" else f" ({e.kind})"
             lines.append(f'| <a id="{e.anchor}"></a>{_cell(e.cause)} | {_cell(e.fix)} | `{e.function}`{kind} |')

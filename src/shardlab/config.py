@@ -76,10 +76,10 @@ class StrategyOptions(_Strict):
     overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
-        "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work: issue 15; on otherwise)")
+        "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work; on otherwise)")
     zero3_one_rank_shortcuts: list[Literal[ZERO3_ONE_RANK_SHORTCUTS]] | None = Field(
         None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
-        "and itself (strategies/zero3_one_rank.py: what each does; issue 15). Default: all three; [] runs DeepSpeed's own path")
+        "and itself (strategies/zero3_one_rank.py: what each does). Default: all three; [] runs DeepSpeed's own path")
     zero3_block_leaves: bool | None = Field(
         None, description="ZeRO-3: make the model's decoder-block class a DeepSpeed leaf module (one fetch/release hook pair "
         "and one gather per block instead of per sub-module: ~9x fewer coordinator calls). Default: on without offload "

@@ -4,6 +4,7 @@
 #   make test       set up for the tests (once), then run the fast tier, and the slow tier if it passed
 #   make test-fast  the fast tier alone (unit tests and three single-rank trainings; a few minutes)
 #   make setup      install shardlab and its dependencies into the current Python (idempotent)
+#   make docs       build the docs site into site/ (MkDocs, warnings as errors; needs the test extras)
 #
 # Setup installs into whatever `$(PYTHON)` is (activate a virtualenv first if you want one), in two
 # stamped steps: the base (torch, shardlab: all the demo needs) and the test extras (pytest, accelerate,
@@ -38,7 +39,7 @@ PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
 SLOW_PARALLEL ?= -n 2 --dist loadgroup
 FAST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: help setup setup-test demo test test-fast gpu-wheelhouse clean
+.PHONY: help setup setup-test demo test test-fast docs gpu-wheelhouse clean
 
 help:
 	@echo "make demo            fine-tune SmolLM2-135M-Instruct on the offline corpus (examples/demo-smollm2.yaml -> runs/demo)"
@@ -46,6 +47,7 @@ help:
 	@echo "make test-fast       run the fast tier alone"
 	@echo "make setup           install shardlab into $(PYTHON) (done once, automatically)"
 	@echo "make setup-test      also install what the tests need: pytest, libaio-dev, chromium, SLURM (done once by make test)"
+	@echo "make docs            build the docs site into site/ with warnings as errors (mkdocs build --strict)"
 	@echo "make gpu-wheelhouse  build .whl/ for offline GPU machines (benchmarks/build_wheelhouse.sh)"
 	@echo "make clean           remove the setup stamps and runs/demo"
 
@@ -103,7 +105,7 @@ $(TEST_STAMP): $(STAMP)
 	else \
 	  echo "setup: NOTE: SLURM is missing; the SLURM tests need root and: sudo apt-get install slurmctld slurmd slurm-client munge"; \
 	fi
-	@# 3. the test extra (pytest; accelerate for the transformers.Trainer peer)
+	@# 3. the test extra (pytest; accelerate for the transformers.Trainer peer; mkdocs-material for the docs site)
 	$(PIP) install -e ".[test]"
 	@mkdir -p $(dir $(TEST_STAMP)) && touch $(TEST_STAMP)
 
@@ -119,10 +121,15 @@ test: $(TEST_STAMP)
 test-fast: $(TEST_STAMP)
 	$(PYTEST) -m "not slow" $(FAST_PARALLEL)
 
+# The docs site: the pages under docs/, plus what tools/docs/hooks.py generates from the code and committed runs.
+# --strict: a broken link or anchor fails the build. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0.
+docs: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(OFFLINE) $(PYTHON) -m mkdocs build --strict --site-dir site
+
 gpu-wheelhouse:
 	bash benchmarks/build_wheelhouse.sh
 	@echo "now carry .whl/ to the GPU machine and run: bash benchmarks/install_gpu_deps.sh (benchmarks/README_bare_reference.md)"
 
 clean:
 	rm -f build/setup-*.stamp
-	rm -rf runs/demo
+	rm -rf runs/demo site

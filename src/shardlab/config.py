@@ -76,10 +76,10 @@ class StrategyOptions(_Strict):
     overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
-        "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work: issue 15; on otherwise)")
+        "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work; on otherwise)")
     zero3_one_rank_shortcuts: list[Literal[ZERO3_ONE_RANK_SHORTCUTS]] | None = Field(
         None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
-        "and itself (strategies/zero3_one_rank.py: what each does; issue 15). Default: all three; [] runs DeepSpeed's own path")
+        "and itself (strategies/zero3_one_rank.py: what each does). Default: all three; [] runs DeepSpeed's own path")
     zero3_block_leaves: bool | None = Field(
         None, description="ZeRO-3: make the model's decoder-block class a DeepSpeed leaf module (one fetch/release hook pair "
         "and one gather per block instead of per sub-module: ~9x fewer coordinator calls). Default: on without offload "
@@ -97,7 +97,8 @@ class StrategyOptions(_Strict):
     stage3_param_persistence_threshold: int | None = Field(None, ge=0, description="ZeRO-3: parameters up to this size "
         "stay whole on every rank (default: DeepSpeed's 1e5; with offload the larger of 1e5 and 10 hidden; "
         "every parameter on one rank without parameter offload)")
-    stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, gt=0, description="ZeRO-3: the most parameters gathered at "
+        "once before DeepSpeed releases some (DeepSpeed's default)")
     stage3_max_reuse_distance: int = Field(
         1_000_000_000, ge=0, description="ZeRO-3: a gathered parameter used again within this many parameters stays gathered "
         "(DeepSpeed's default; below the model's size it lowers the peak at the start of backward, at the cost of re-gathering)")
@@ -135,10 +136,10 @@ class StrategyOptions(_Strict):
 
 
 class CurriculumStage(_Strict):
-    name: str | None = None
+    name: str | None = Field(None, description="a name for the stage in logs (optional)")
     dataset: DatasetConfig
-    epochs: float | None = Field(None, gt=0)
-    max_steps: int | None = Field(None, gt=0)
+    epochs: float | None = Field(None, gt=0, description="epochs of this stage's data, fractions allowed")
+    max_steps: int | None = Field(None, gt=0, description="stop this stage after this many optimizer steps")
 
 
 class RunConfig(_Strict):
@@ -185,12 +186,12 @@ class RunConfig(_Strict):
         description="linear warm-up steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=cli("--lr-schedule"),
         description="cosine, linear or constant after warm-up")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="the learning rate the schedule ends at, as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0.0, json_schema_extra=cli("--weight-decay"),
         description="AdamW weight decay (matrices only)")
-    adam_beta1: float = Field(0.9, gt=0, lt=1)
-    adam_beta2: float = Field(0.999, gt=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW's beta1 (first-moment decay)")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW's beta2 (second-moment decay)")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
     max_grad_norm: float | None = Field(1.0, gt=0, json_schema_extra=cli("--max-grad-norm"),
         description="gradient clipping norm")
     optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", json_schema_extra=cli("--optimizer"),
@@ -305,8 +306,10 @@ class RunConfig(_Strict):
         description="log to Weights & Biases")
     profile: bool = Field(False, json_schema_extra=cli("--profile"),
         description="torch.profiler trace + op table of a few steady-state steps (output_dir/profile)")
-    wandb_project: str = "shardlab"
-    curriculum: list[CurriculumStage] | None = None
+    wandb_project: str = Field("shardlab", description="the Weights & Biases project of --wandb runs")
+    curriculum: list[CurriculumStage] | None = Field(None, description="stages trained in order with one optimizer and "
+        "schedule, each with its own dataset and length (in place of dataset and epochs; a top-level max_steps caps the whole "
+        "curriculum)")
 
     @field_validator("pin_thread", mode="before")
     @classmethod

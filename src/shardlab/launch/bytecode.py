@@ -5,7 +5,7 @@ bytecode in ``__pycache__`` beside the sources, unless it is told not to (``PYTH
 container images often set) or cannot write there (read-only site-packages: Apptainer/Singularity images, shared
 software modules). Then every process compiles them from source again: on the H100 image (PYTHONDONTWRITEBYTECODE=1),
 4,709 modules and 7.3 s per process, and gpt2-medium dp took 19.0-24.0 s to its first step against 10.0-12.6 s with
-the bytecode kept (benchmarks/results/2026-11-26-h100-startup/). When torch's and transformers' bytecode is missing
+the bytecode kept (benchmarks/results/*-h100-startup/). When torch's and transformers' bytecode is missing
 beside their sources (``PROBES``), the processes shardlab starts keep theirs in its own cache instead
 (``PYTHONPYCACHEPREFIX``: nothing is written beside the sources). Where pip compiled them at install time nothing
 changes. A prefix the user set is kept; ``SHARDLAB_BYTECODE_CACHE=0`` turns this off."""

@@ -185,7 +185,7 @@ def reuse_freed_heap(enabled: bool = True):
     each step's big tensors (tiny-gpt2's logits at micro 8 x 128: 206 MB, and as much again for their gradient) are
     page-faulted and zeroed by the kernel anew. jemalloc and tcmalloc, which PyTorch's CPU performance guide recommends,
     reuse memory the same way; this does it with the allocator every Linux has. Measured on 2 cores, gpt2 fp32
-    (benchmarks/results/2026-11-27-cpu-host-model): steps 12-22% shorter than with glibc's default (dp at micro 2 x 256:
+    (benchmarks/results/*-cpu-host-model): steps 12-22% shorter than with glibc's default (dp at micro 2 x 256:
     2.87 s against 3.27 s), for a resident peak 0.26-1.26 GiB higher; what the heap keeps beyond live memory is
     planning.host.heap_kept_bytes, which the plan counts. The trainer turns it on only where the plan says the run fits
     with it (``heap_reuse`` above).

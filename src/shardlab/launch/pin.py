@@ -1,11 +1,11 @@
 """Pin a rank's training thread (and the autograd engine's device threads) to one CPU of the rank's cores.
 
-Why (issue 15, benchmarks/results/2026-11-27-h100-zero3-gc/, branch gc-lead): ZeRO-3 on one H100 is host-bound; its
+Why (benchmarks/results/*-h100-zero3-gc/): ZeRO-3 on one H100 is host-bound; its
 step time follows the CPU. In backward, autograd runs the CUDA nodes, and with them DeepSpeed's Python hooks, on its own
 device thread (`pt_autograd_0`). With that thread and the main thread on two different CPUs a step took 136 ms; with
 both on one CPU 117 ms at the same CPU speed, and zero3 (block leaves, contiguous_gradients off) ran at 1.011x dp
 (69.1k vs 68.4k tok/s, 3 runs, tight) against 0.80x unpinned in the same call. As the default
-(benchmarks/results/2026-11-27-h100-zero3-pin/): zero3 0.903x pinned dp vs 0.710x unpinned in one call, 0.698x
+(benchmarks/results/*-h100-zero3-pin/): zero3 0.903x pinned dp vs 0.710x unpinned in one call, 0.698x
 (2 runs) in the next: better, not yet robust. dp, GPU-bound (73-82 ms of host work under a 120 ms GPU step), lost
 nothing: 1.008x / 0.997x of unpinned dp; zero1 / zero2 / fsdp pinned 1.150x / 0.988x / 1.086x dp.
 
@@ -53,7 +53,7 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     if s.offloads or s.engine == "torchao":
         return None, f"{cfg.strategy} steps or keeps state on the CPU (its OpenMP/CPU-Adam threads need the cores)"
     if mode == "auto":
-        if not s.pin_measured:  # dp, zero1-3, fsdp: benchmarks/results/2026-11-27-h100-zero3-pin/
+        if not s.pin_measured:  # dp, zero1-3, fsdp: benchmarks/results/*-h100-zero3-pin/
             return None, f"auto: {cfg.strategy} was not measured pinned"
         if cfg.compile:
             return None, "auto: --compile runs were not measured pinned"
@@ -63,7 +63,7 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
         return None, f"{local_world} ranks on {len(cores)} CPUs: no CPU of its own per rank"
     # The last CPU of the share, not whichever the thread happens to be on: a choice the summary can report and a rerun
     # repeats. (It is not a speed-up of its own: pinned to CPU 15 of 16, zero3 ran 0.92/0.90/0.78x dp on one machine
-    # and 0.61/0.59/0.56x on another; benchmarks/results/2026-11-27-h100-zero3-pin/, call 3.)
+    # and 0.61/0.59/0.56x on another; benchmarks/results/*-h100-zero3-pin/, call 3.)
     return mine[-1], f"pin_thread {mode}"
 
 

@@ -50,14 +50,14 @@ def use_persistent_cache(sdpa_backend: str = "auto") -> Path:
     return path
 
 
-# Resident memory of one inductor compile worker (a Python with torch imported): H100 runs of 2026-11-26, process
-# tree minus the rank with 16 workers, 7.8-8.4 GiB (benchmarks/results/2026-11-26-h100-big-model/).
+# Resident memory of one inductor compile worker (a Python with torch imported): H100 runs, process
+# tree minus the rank with 16 workers, 7.8-8.4 GiB (benchmarks/results/*-h100-big-model/).
 COMPILE_WORKER_RSS_BYTES = int(0.5 * 2**30)
 # What compiling in the training process adds to its own resident memory (dynamo, inductor, Triton and the compiled
 # kernels): 8-bit AdamW runs on one H100, rank RSS minus the pinned copies the first step gave back, 2.20-2.23 GiB
 # against the 1.93 of an eager process (planning/host.GPU_PROCESS_RSS_BYTES): 13B 4.70 - 2.5, bloom-7b1 10.22 - 8.0 and
-# 9.23 - 7.0 (benchmarks/results/2026-11-27-h100-remeasure, calls 1 and 4). Measured directly once shardlab compiled
-# that step before training, without copies: 2.14-2.26 GiB against 2.21 planned (2026-11-27-h100-8bit-warmup).
+# 9.23 - 7.0 (benchmarks/results/*-h100-remeasure, calls 1 and 4). Measured directly once shardlab compiled
+# that step before training, without copies: 2.14-2.26 GiB against 2.21 planned (benchmarks/results/*-h100-8bit-warmup).
 INPROCESS_COMPILE_RSS_BYTES = int(0.28 * 2**30)
 COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 

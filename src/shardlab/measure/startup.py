@@ -1,4 +1,4 @@
-"""Where the time to the first optimizer step goes (issue 15's start-up bar): named moments of the worker, each
+"""Where the time to the first optimizer step goes: named moments of the worker, each
 phase the wall time since the previous moment, the first since the command started (``process_start_time``: the
 launcher's start, so spawning the worker and its imports are the first phase).
 

@@ -91,7 +91,7 @@ def plan_cpu(cfg: RunConfig, nproc: int, host_ram_gib: float, check: Callable[[R
             out.fix, out.fix_for = err.hint, planned[0]
     out.notes.append(f"fits: {HOST_HEADROOM} x the predicted peak within this node's RAM; offload strategies move "
                      "nothing off a CPU device (they run, for testing, with the same host memory)")
-    # planning/host.heap_kept_bytes; benchmarks/results/2026-11-27-cpu-host-model
+    # planning/host.heap_kept_bytes; benchmarks/results/*-cpu-host-model
     out.notes.append("heap: what glibc keeps resident beyond the allocations, an allowance fitted to gpt2 runs (the largest "
                      "measured); 'reuse' keeps freed memory for the next step (steps 12-22% shorter measured), 'glibc' "
                      "gives it back where only that fits; checked against gpt2 (124M) on one rank: 2-26% above the "

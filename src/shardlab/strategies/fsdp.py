@@ -31,7 +31,7 @@ def accumulated_grad_bytes_per_param(accum: int) -> float:
     ``.grad`` itself. CPUOffloadPolicy does not change this: only reduce-scattered shards go to the host, on the
     synced micro-batch. So 4 B/param, not divided by the world size, from the first micro-batch's backward until the
     last one's reduce-scatter. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 GiB, planned 28.84 without it
-    (benchmarks/results/2026-11-25-h100-offload)."""
+    (benchmarks/results/*-h100-offload)."""
     return 4.0 if accum > 1 else 0.0
 
 
@@ -40,7 +40,7 @@ def reshard_after_forward(cfg, world_size: int, strategy: str | None = None) -> 
     ranks (``strategy``: the one planned, default ``cfg.strategy``). ``fsdp_reshard_after_forward`` given: as given.
     Unset: False on one rank without parameter offload, where the "shard" is the whole parameter, so resharding frees
     only the 16-bit gathered copy and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H200:
-    133k -> 154k tok/s median of 2, peak 20.18 -> 20.74 GiB: benchmarks/results/2026-11-26-h100-speed/call3-h200).
+    133k -> 154k tok/s median of 2, peak 20.18 -> 20.74 GiB: benchmarks/results/*-h100-speed/call3-h200).
     True otherwise: torch's default across ranks, and under CPUOffloadPolicy, which would keep the whole model's
     16-bit copy on the GPU through backward."""
     given = cfg.strategy_options.fsdp_reshard_after_forward
@@ -71,7 +71,7 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
     forward) and cost 2 x 25 hook passes, per-unit gathers and reductions a step; one unit reduces once, at the end of
     backward (+4 B/param for its fp32 reduce buffer then, when the activations are gone). 'blocks' otherwise: across
     ranks a unit bounds the gathered memory, and under CPUOffloadPolicy a unit is what is copied to the GPU at a time.
-    Measured on one H100: benchmarks/results/2026-11-26-h100-fsdp."""
+    Measured on one H100: benchmarks/results/*-h100-fsdp."""
     given = cfg.strategy_options.fsdp_units
     if given != "auto":
         return given

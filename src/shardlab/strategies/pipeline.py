@@ -208,7 +208,7 @@ def _causal_mask(config, x: torch.Tensor, position_ids: torch.Tensor | None, sli
 # The LM head's matmul is 2*V*h FLOPs per token, but with the fp32 cross-entropy over the vocabulary
 # (memory-bound: logits upcast, log-softmax, its backward) the last stage's extra time is about twice
 # that: 5.8-6.2 decoder-block equivalents measured for gpt2-large (seq 1024, bf16, 2 and 4 stages on
-# H200s) where FLOPs alone give 2.9. Fitted from benchmarks/results/2026-11-21-h200x4-pipeline/.
+# H200s) where FLOPs alone give 2.9. Fitted from benchmarks/results/*-h200x4-pipeline/.
 HEAD_COST_FACTOR = 2.1
 
 

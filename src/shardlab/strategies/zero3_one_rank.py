@@ -3,7 +3,7 @@
 On one rank without offload every parameter persists (sized_buckets: persistence = the model's size), a parameter's
 ZeRO-3 partition is the whole parameter, and DeepSpeed's "gather" makes ``param.data`` a view of that partition
 (partition_parameters.NoGatherCoalescedHandle). What stage 3 still does there each step, in DeepSpeed 0.19.8
-(deepspeed/runtime/zero/stage3.py), is host work the one GPU waits for (issue 15: one-rank zero3 is host-bound):
+(deepspeed/runtime/zero/stage3.py), is host work the one GPU waits for (one-rank zero3 is host-bound):
 
 1. ``step`` releases every parameter (``_partition_all_parameters``: per parameter a ``record_stream`` and a fresh empty
    tensor) and ``_post_step`` gathers them back; then ``NoGatherCoalescedHandle.wait`` synchronises the device, so the
@@ -20,7 +20,7 @@ ZeRO-3 partition is the whole parameter, and DeepSpeed's "gather" makes ``param.
 
 Each is installed on one engine (``apply``), or, for the reduce-scatter, on stage 3's module name for one-rank groups
 only; anything else in this DeepSpeed's shape leaves the engine as it was and logs one line. What each saves is
-measured in benchmarks/results/2026-11-27-h100-zero3-one-rank/; tests/test_zero3_one_rank.py checks that losses and
+measured in benchmarks/results/*-h100-zero3-one-rank/; tests/test_zero3_one_rank.py checks that losses and
 gradient norms are the same with and without them on the CPU.
 """
 

@@ -1,7 +1,7 @@
 """torch.compile of the model: whole, or each decoder block on its own (``compile_scope``).
 
 Whole-model compile (``model``) gives inductor the largest graph; on one GPU it is at parity with the bare compiled
-loop (benchmarks/results/2026-11-24-h100-speed). But a whole graph has one backward, so every gradient appears at
+loop (benchmarks/results/*-h100-speed). But a whole graph has one backward, so every gradient appears at
 its end, at once. That defeats the strategies whose point is to act on each gradient as it is produced:
 - FSDP2 reduce-scatters and reshards per block in hooks around each block's forward and backward; torchtitan
   compiles each TransformerBlock on its own for this reason (its ``apply_compile``);
@@ -15,7 +15,7 @@ Embeddings, final norm and head (a small share of the work) stay eager. ``auto``
 The DeepSpeed strategies hand the whole-model case to DeepSpeed's own ``engine.compile`` (strategies/deepspeed_zero.py).
 
 Measured side by side on one H200 (gpt2-medium, micro 16, bf16, 2 runs each;
-benchmarks/results/2026-11-26-h100-speed/call3-h200): fsdp whole model 133.2k tok/s, per block 118.4k (resharding;
+benchmarks/results/*-h100-speed/call3-h200): fsdp whole model 133.2k tok/s, per block 118.4k (resharding;
 154.2k / 113.7k without). So fsdp's ``auto`` stays the whole model; ``blocks`` is the default only where one backward
 graph defeats the point of the strategy (ao_offload, --optimizer-in-backward), and anyone can pick either with
 ``compile_scope``.

@@ -4,7 +4,7 @@ GPT-2's vocabulary has 50,257 tokens: a row of the logits (and of the head's wei
 values, not 16-byte aligned, and cuBLAS runs the head's three GEMMs (forward, input and weight gradients) in sm75-era
 ``cutlass_75_tensorop_bf16_s1688gemm`` kernels instead of Hopper's: about 14% of an eager gpt2-medium step on an H100
 (benchmarks/results/h100-profile-dp). With the vocabulary padded to 50,304 the bare eager loop ran 16.5% faster on an
-H200; the compiled loop 2% (inductor pads shapes itself) (benchmarks/results/2026-11-26-h200-speed-eager/, call 2).
+H200; the compiled loop 2% (inductor pads shapes itself) (benchmarks/results/*-h200-speed-eager/, call 2).
 
 nanoGPT pads the embedding itself and lets the padded tokens take part in the softmax; that changes the model. Here
 only the matmul is padded: the head's weight (in its compute dtype) gets zero rows up to the multiple, the logits are

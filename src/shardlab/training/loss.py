@@ -17,7 +17,7 @@ never materialised. The loss keeps fp32 accuracy: each logit is upcast in regist
 (inductor's compile time on a CPU would outweigh the gain for the short runs CPUs do). Under
 ``--compile`` too the loss stays apart from the model's graph: on an H100 (gpt2-medium, micro 16)
 the loss inside the compiled graph cost 1.4 GiB more peak memory and ran 0.9% slower
-(benchmarks/results/2026-11-21-h100-session3/foundation-compile-call1/).
+(benchmarks/results/*-h100-session3/foundation-compile-call1/).
 
 ``liger`` goes one step further: no logits at all. The model runs with its output head skipped (``head_skipped``:
 its forward returns its input, so the model's own forward, under whatever wrapper the strategy put around it, DDP,
@@ -68,7 +68,7 @@ def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_mib
     causal_lm_loss upcasts the whole logits tensor and runs an fp32 log-softmax over it: 10 B a logit alive at once in a
     16-bit run (the logits, their fp32 copy, the log-probabilities). For BLOOM's 250,880-token vocabulary that is 2.5 GB a
     row of 1,024 tokens, so with checkpointing the eval forward could be a run's GPU peak (bloom-7b1 zero3_offload, one
-    GPU: 18% above training's, benchmarks/results/2026-11-26-h100-z3off-plan). Here only one chunk's fp32 copies exist
+    GPU: 18% above training's, benchmarks/results/*-h100-z3off-plan). Here only one chunk's fp32 copies exist
     beside the model's own logits (``eval_chunk_tokens``). The same mean over the non-ignored positions, summed in fp32
     chunk by chunk."""
     shift_labels = next_token_labels(labels).reshape(-1)

@@ -6,7 +6,7 @@ each parameter's partition on its own (partition_parameters.py ``_partition_para
 into one flat pinned buffer per group and frees them (stage3.py ``_create_fp16_partitions_with_defragmentation``): the
 freed blocks stay cached, never reused (their sizes are those of single parameters), and held resident: bloom-7b1
 zero3_offload measured 166.6 GiB against the 149.9 planned, 2 B/param of it those partitions
-(benchmarks/results/2026-11-26-h100x2-ds-offload). Releasing the cache once the engine is built returns that memory
+(benchmarks/results/*-h100x2-ds-offload). Releasing the cache once the engine is built returns that memory
 before the first optimizer step adds CPU Adam's m and v.
 """
 
@@ -47,7 +47,7 @@ def autotuned_in_first_step(optimizer: str) -> bool:
     """Whether a run's first step may leave pinned copies behind worth giving back: inductor's first-run autotuning of
     torchao's compiled 8-bit step copies the tensors it mutates (the weight and its moments) to pinned host memory where
     GPU clones would raise the peak (torch/_inductor/runtime/triton_heuristics.py ``copy_args_to_cpu_if_needed``):
-    "released 8.0 GiB" at bloom-7b1 (benchmarks/results/2026-11-27-h100-big-model, call 4). shardlab now autotunes that
+    "released 8.0 GiB" at bloom-7b1 (benchmarks/results/*-h100-big-model, call 4). shardlab now autotunes that
     step before training with the clones on the GPU (training/warm_8bit.py), so this finds nothing unless the warm-up
     could not run; summary.json's pinned_released_gib shows which. Not for every run: FSDP2's CPU offload copies each
     step's gradients into pinned blocks it frees and reuses, and emptying the cache after its first step made bloom-7b1's

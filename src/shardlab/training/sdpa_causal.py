@@ -6,7 +6,7 @@ dynamo traces: before torch 2.14 dynamo folds ``torch.compiler.is_exporting()`` 
 never skips when compiling and every compiled step attends through a (batch, 1, seq, seq) boolean mask. The kernel then
 computes every block of the score matrix instead of the lower half and reads the mask: measured on an H100,
 gpt2-medium micro 16, 590 µs per layer forward and 850 backward compiled against 133 / 193 µs at micro 8 eager, 31% of
-the compiled step (benchmarks/results/2026-11-26-h100-attention).
+the compiled step (benchmarks/results/*-h100-attention).
 
 While tracing, transformers also cannot rule out packed sequences: the model's own ``position_ids`` (an arange it
 makes itself) go through ``find_packed_sequence_indices``, which returns a tensor instead of None when it cannot read the

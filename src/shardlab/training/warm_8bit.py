@@ -6,7 +6,7 @@ each moment's 8-bit codes and block scales) works on copies: clones on the GPU w
 (``max_memory_allocated - memory_allocated``), otherwise pinned host copies (torch/_inductor/runtime/triton_heuristics.py,
 ``copy_args_to_cpu_if_needed``). In a first run that happened inside the first step, at whatever headroom that moment
 had: bloom-7b1 pinned 7-8 GiB of host memory there, depending on the micro batch, which the plan could only bound
-(+14.4% at micro 32; benchmarks/results/2026-11-27-h100-remeasure).
+(+14.4% at micro 32; benchmarks/results/*-h100-remeasure).
 
 Here every distinct (shape, dtype, hyper-parameters) is stepped once on scratch copies before training, with inductor's
 clones kept on the GPU: at set-up the GPU holds only the weights, so the clones fit, the host sees none of it, and the

@@ -452,15 +452,16 @@ class Trainer:
             label = f"the exported model, step {summary['exported_step']}"
         (self.run_dir / SAMPLES_FILE).write_text(samples_markdown(self.cfg.model, prompts, before, after, label))
 
-    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None, bool, bool]:
-        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
-        stop requested on some rank, checkpoint requested on some rank)."""
+    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float, float | None, bool, bool]:
+        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, the learning rate
+        the step used, grad norm, stop requested on some rank, checkpoint requested on some rank)."""
+        lr = strategy.current_lr()  # before the step: the scheduler moves on inside optimizer_step
         step_loss, useful = strategy.train_step(batches, self.accum)
         with strategy.time_split.optimizer():  # offload runs: CPU optimizer time (timesplit.py); else a no-op
             grad_norm = strategy.optimizer_step()
         stop, save = self.signals.stop_signal is not None, self.signals.take_save_request()
         loss_value, useful_total, stop, save = _reduce_step(step_loss / self.accum, useful, self.env, stop, save)
-        return loss_value, useful_total, grad_norm, stop, save
+        return loss_value, useful_total, lr, grad_norm, stop, save
 
     def _guard_nonfinite(self, strategy, step: int, loss: float, grad_norm: float | None) -> None:
         """nan_policy: 'stop' raises naming the step; 'skip' goes on (the strategy did not apply the update)."""
@@ -563,7 +564,7 @@ class Trainer:
                         break
                     compiled_before = compile_clock.seconds()
                     timer.start()
-                    loss_value, useful_total, grad_norm, stop, save_now = self._train_step(strategy, batches)
+                    loss_value, useful_total, lr, grad_norm, stop, save_now = self._train_step(strategy, batches)
                     profiler.step(timer.stop())
                     if first_step_done is None:
                         first_step_done = time.time()
@@ -581,10 +582,10 @@ class Trainer:
                     window_losses.append(loss_value)
                     if progress is not None:
                         progress.update(1)
-                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
+                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
                     if global_step % cfg.log_every == 0 or global_step == total_steps:
                         row = {"step": global_step, "stage": si, "epoch": epoch + (step_in_epoch + 1) / steps_per_epoch,
-                               "loss": statistics.fmean(window_losses), "lr": strategy.current_lr(), "grad_norm": grad_norm,
+                               "loss": statistics.fmean(window_losses), "lr": lr, "grad_norm": grad_norm,
                                "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
                                "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
                                "samples_per_s": self.global_batch / timer.times[-1]}

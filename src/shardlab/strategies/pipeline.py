@@ -35,6 +35,7 @@ from ..measure import metrics
 from ..training import attention_backend
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
+from .base import summed
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
 from ..pipesim import simulate
 
@@ -227,10 +228,21 @@ def split_blocks(config, n_layers: int, seq_len: int, n_stages: int) -> list[tup
     return stage_costs(n_layers, 1.0, head_cost / layer_cost, n_stages)
 
 
-def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from transformers.loss.loss_utils import ForCausalLMLoss  # the loss the HF model itself uses
+class StepLoss:
+    """The last stage's loss of one micro-batch: the loss the HF model itself uses (transformers' ForCausalLMLoss).
 
-    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    In training, ``items`` is the step's label tokens over all replicas divided by the replica count, so each
+    micro-batch's summed token losses over it add up, over the micro-batches (the schedule does not scale them:
+    scale_grads=False) and the replicas' averaged gradients, to the step's token-weighted mean, as in
+    Strategy.train_step. None (eval): the micro-batch's mean."""
+
+    def __init__(self):
+        self.items: float | torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=self.items)
 
 
 # ---- measuring the stages ---------------------------------------------------------------------------------
@@ -362,12 +374,13 @@ class PipelineStrategy(TorchOptimizerStrategy):
         for stage in pp_stages:
             stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, "F")
             stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, "B")
-        loss_fn = self.timer.wrap(_lm_loss, "F")
+        self.step_loss = StepLoss()
+        loss_fn = self.timer.wrap(self.step_loss, "F")
         if opts.pp_schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn, scale_grads=False)
         else:
             cls = ScheduleGPipe if opts.pp_schedule == "gpipe" else Schedule1F1B
-            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn)
+            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn, scale_grads=False)
         # Tied embedding: the first and the last stage each hold a copy; their grads are summed.
         self._tied = self._find_tied()
         self._tie_group = None
@@ -417,32 +430,41 @@ class PipelineStrategy(TorchOptimizerStrategy):
         return self.full_model.lm_head.weight  # the same Parameter object as the input embedding
 
     # ---- one optimizer step -------------------------------------------------------------------------
-    def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:
-        """All `accum` micro-batches through the schedule at once; returns (summed loss, non-pad tokens)."""
-        micro = [next(batches) for _ in range(accum)]
-        inputs = torch.cat([b["input_ids"] for b, _ in micro])
-        labels = torch.cat([b["labels"] for b, _ in micro])
+    def step_label_tokens(self, local: int) -> float | torch.Tensor:
+        """The stages of one replica read the same batches: the step's label tokens are summed over the replicas."""
+        return summed(local, self.env.device, self.dp_group) if self.dp_group is not None else float(local)
+
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """All the step's micro-batches through the schedule at once; returns (this rank's share of the step's
+        token-weighted mean loss, non-pad tokens), each counted once per replica, on its first stage."""
+        step = next(batches)
+        inputs = torch.cat([m.batch["input_ids"] for m in step.micros])
+        labels = torch.cat([m.batch["labels"] for m in step.micros])
         losses: list[torch.Tensor] = []
         kwargs = {} if step_keeps_outputs() else {"return_outputs": False}
         if self.is_last:
             kwargs.update(target=labels, losses=losses)
+        self.step_loss.items = self.step_label_tokens(step.label_tokens) / self.dp_size
         self.timer.active = True
         metrics.sync(self.env.device)
         t0 = time.perf_counter()
-        if self.is_first:
-            self.schedule.step(inputs, **kwargs)
-        else:
-            self.schedule.step(**kwargs)
+        try:
+            if self.is_first:
+                self.schedule.step(inputs, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+        finally:
+            self.step_loss.items = None
         metrics.sync(self.env.device)
         self.schedule_times.append(time.perf_counter() - t0)
         self.timer.active = False
         self.timer.end_step()
         batches.preload()
+        # the replica's summed token losses over the step's label tokens, times the replica count (StepLoss)
         total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)  # every stage reports the loss
-        # The stages of one replica read the same batches: count their tokens once, on its first stage.
-        useful = sum(n for _, n in micro) if self.pp_rank == 0 else 0
-        return total, useful
+        first = self.pp_rank == 0
+        return (total / self.dp_size if first else torch.zeros_like(total)), (step.useful if first else 0)
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:  # pragma: no cover - train_step does it
         raise NotImplementedError("the pipeline schedule runs forward and backward together")

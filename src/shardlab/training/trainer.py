@@ -293,6 +293,11 @@ class Trainer:
         for st, sp, n in zip(stages, stage_data, stage_steps):
             log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
                       f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
+            dup = sp.stats.get("duplicates_dropped") or {}
+            if dup.get("exact") or dup.get("near"):
+                log0(env, f"stage {st.name or 'train'}: dropped {dup['exact'] + dup['near']} duplicate record(s) before holding out "
+                          f"the eval split ({dup['exact']} exact, {dup['near']} the same text once case, punctuation and "
+                          "whitespace are normalised), so that no eval record is a training record")
             if sp.stats.get("misplaced_answers"):
                 log0(env, f"stage {st.name or 'train'}: skipped {sp.stats['misplaced_answers']} QA example(s) whose answer is not at its "
                           "answer_start in the context (outside it, or other text there)")

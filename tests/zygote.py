@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from patience import patience
+
 # What a `python -m shardlab train` imports: the CLI, the launcher's preflight, the trainer with transformers, the
 # engines (a dp run that exports imports DeepSpeed too: save_pretrained -> accelerate asks for it), datasets, the
 # elastic launcher, the test presets' model classes (the planner imports one: 3.4 s), and DeepSpeed's Muon module,
@@ -418,10 +420,12 @@ class Zygote:
 
     def run(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
             timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`."""
+        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`;
+        `timeout` is a guard measured on an idle machine, stretched by the machine's load (patience.py)."""
         with tempfile.TemporaryDirectory(prefix="shardlab-cmd-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             proc = self.popen(argv, out, err, env=env, cwd=cwd)
+            timeout = patience(timeout)
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:  # end the command and its ranks, as subprocess.run would

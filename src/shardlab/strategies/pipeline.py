@@ -511,27 +511,29 @@ class PipelineStrategy(TorchOptimizerStrategy):
     def summary_extras(self) -> dict:
         """Per-stage forward/backward times measured in this run, fed to `shardlab pipeline simulate`,
         next to the measured schedule time and bubble. Collective over the pipeline group."""
-        steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
+        steps = list(zip(self.timer.steps, self.schedule_times))
+        steady = steps[metrics.WARMUP_STEPS:] or steps
         M = self.grad_accum
-        mine = {
-            "fwd": statistics.median(s["F"] for s in steady) / M if steady else 0.0,
-            "bwd": statistics.median(s["B"] for s in steady) / M if steady else 0.0,
-        }
+        # This rank's forward and backward times of one step (its median-work step), its median step time and its
+        # median share of a step spent computing: each step's work lies inside that step's time, so these keep that
+        # order however noisy the steps are (separate medians of F, of B and of the step time need not: a busy machine
+        # broke it).
+        work = sorted(steady, key=lambda st: st[0]["F"] + st[0]["B"])[(len(steady) - 1) // 2][0] if steady else {"F": 0.0, "B": 0.0}
+        mine = {"fwd": work["F"] / M, "bwd": work["B"] / M, "step": statistics.median(t for _, t in steady) if steady else float("nan"),
+                "busy": statistics.median((f["F"] + f["B"]) / t for f, t in steady if t > 0) if steady else 0.0}
         per_rank: list[dict] = [None] * self.n_ranks  # type: ignore[list-item]
         dist.all_gather_object(per_rank, mine, group=self.pp_group)
         fwd = [max(r["fwd"], 1e-9) for r in per_rank]
         bwd = [max(r["bwd"], 1e-9) for r in per_rank]
         sched = self.cfg.strategy_options.pp_schedule
         sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks)
-        times = self.schedule_times[metrics.WARMUP_STEPS:] or self.schedule_times
-        measured = statistics.median(times) if times else float("nan")
-        busy = [M * (f + b) for f, b in zip(fwd, bwd)]
+        measured = max(r["step"] for r in per_rank)  # the step ends with its slowest rank's
         return {"pipeline": {
             "schedule": sched, "stages": self.n_ranks, "chunks": self.chunks, "microbatches": M, "split": self.bounds,
             "stage_fwd_ms": [1e3 * f for f in fwd], "stage_bwd_ms": [1e3 * b for b in bwd],
             "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured,
             "simulated_bubble": sim.metrics["bubble_fraction"],
-            "measured_bubble": 1 - sum(busy) / (len(busy) * measured) if measured > 0 else None,
+            "measured_bubble": 1 - statistics.fmean(r["busy"] for r in per_rank) if measured > 0 else None,
             "note": "simulated from the measured per-stage times with no communication cost; "
                     "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
         }}

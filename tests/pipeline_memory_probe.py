@@ -24,7 +24,8 @@ from shardlab.launch.distributed import init_distributed, shutdown_distributed
 from shardlab.training.models import build_model
 from shardlab.training.optim import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
-from shardlab.training.trainer import DevicePrefetcher, apply_dropout
+from shardlab.training.batches import DevicePrefetcher
+from shardlab.training.trainer import apply_dropout
 
 
 def held_bytes(strategy: PipelineStrategy) -> int:
@@ -67,9 +68,9 @@ def measure(cfg, env) -> dict:
         for _ in range(accum):
             ids = torch.randint(0, vocab, (micro, cfg.seq_len), generator=gen)
             out.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
-        return DevicePrefetcher(iter(out), env.device)
+        return DevicePrefetcher(iter(out), env.device, accum)
 
-    strategy.train_step(batches(), accum)
+    strategy.train_step(batches())
     strategy.optimizer_step()
     it = batches()
     it.preload()  # the batch is host data the loader made before the step
@@ -92,7 +93,7 @@ def measure(cfg, env) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for info, (shape, dtype, grad) in zip(swapped, shapes):
             info.buffer = torch.zeros(shape, dtype=dtype, requires_grad=grad)
-        strategy.train_step(it, accum)
+        strategy.train_step(it)
         strategy.optimizer_step()
     peak = peak_allocated(prof)
     env.barrier()

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from patience import patience
+
 from shardlab.launch.distributed import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -85,7 +87,7 @@ class LocalSlurm:
         for cmd in (munge, ["slurmctld", "-D", "-f", str(self.conf)], ["slurmd", "-D", "-f", str(self.conf)]):
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, start_new_session=True))
             time.sleep(0.5)
-        deadline = time.time() + 60
+        deadline = time.time() + patience(60)
         while time.time() < deadline:
             out = self.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
             if out in ("idle", "mix", "alloc"):
@@ -94,7 +96,7 @@ class LocalSlurm:
         raise RuntimeError(f"local SLURM did not come up (sinfo: {out!r}); logs in {r / 'log'}")
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, capture_output=True, text=True, env=self.env, check=check, timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, env=self.env, check=check, timeout=patience(60))
 
     def state(self, job: str) -> str:
         out = self.run("scontrol", "show", "job", job, check=False).stdout
@@ -105,7 +107,7 @@ class LocalSlurm:
         return int(out.split("Restarts=")[1].split()[0]) if "Restarts=" in out else -1
 
     def wait_state(self, job: str, states: set[str], timeout: float) -> str:
-        deadline = time.time() + timeout
+        deadline = time.time() + patience(timeout)
         state = ""
         while time.time() < deadline:
             state = self.state(job)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from patience import patience
 from slurm_cluster import LocalSlurm, missing_reason
 from zygote import popen_shardlab, run_shardlab
 
@@ -53,7 +54,7 @@ class Run:
         self.rc: int | None = None
 
     def wait(self, timeout: float = TIMEOUT) -> "Run":
-        self.rc = self.proc.wait(timeout=timeout)
+        self.rc = self.proc.wait(timeout=patience(timeout))
         return self
 
     @property
@@ -66,7 +67,7 @@ class Run:
         return self
 
     def wait_for_step(self, step: int, timeout: float = TIMEOUT) -> None:
-        deadline = time.time() + timeout
+        deadline = time.time() + patience(timeout)  # a guard: the loop ends as soon as the run ends
         while time.time() < deadline:
             if last_step(self.out) >= step:
                 return
@@ -413,7 +414,7 @@ def test_slurm_job_survives_signal_and_requeue(slurm, root, ref):
     assert f"submitted job {job}" in proc.stdout
 
     def reach(step: int) -> None:
-        deadline = time.time() + TIMEOUT
+        deadline = time.time() + patience(TIMEOUT)
         while last_step(out) < step or slurm.state(job) != "RUNNING":
             assert time.time() < deadline and slurm.state(job) not in ENDED, slurm.state(job)
             time.sleep(0.1)
@@ -422,7 +423,7 @@ def test_slurm_job_survives_signal_and_requeue(slurm, root, ref):
     slurm.run("scancel", "--signal=USR1", job)  # what `--signal=USR1@N` sends before the time limit
     # The ranks see the stop flag at a step's loss all-reduce, so the first run may finish a step or two more:
     # wait for the requeue itself, then for the requeued run to train past the checkpoint.
-    deadline = time.time() + TIMEOUT
+    deadline = time.time() + patience(TIMEOUT)
     while slurm.restarts(job) < 1:  # (the state passes through requeue transitions meanwhile)
         assert time.time() < deadline, f"job {job} not requeued after SIGUSR1: {slurm.state(job)}"
         time.sleep(0.2)

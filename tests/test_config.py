@@ -374,7 +374,7 @@ def test_sanitize_cuda_arch_list_leaves_good_values_alone(monkeypatch):
 
 def test_warmup_then_cosine_to_min():
     fn = lr_lambda(RunConfig(warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=20)
-    assert [fn(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # linear warm-up to the peak
+    assert [fn(s) for s in range(4)] == pytest.approx([0.0, 0.25, 0.5, 0.75])  # linear warm-up from 0, as transformers'
     assert fn(4) == pytest.approx(1.0)
     assert fn(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
     assert fn(8) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
@@ -387,11 +387,35 @@ def test_linear_constant_and_default_floor():
     linear = lr_lambda(RunConfig(warmup_steps=0, lr_schedule="linear", min_lr_ratio=0.2), total_steps=10)
     assert [linear(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.6, 0.2])
     constant = lr_lambda(RunConfig(warmup_steps=2, lr_schedule="constant"), total_steps=10)
-    assert [constant(s) for s in (0, 1, 2, 9, 50)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
+    assert [constant(s) for s in (0, 1, 2, 9, 50)] == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0])
     cosine = lr_lambda(RunConfig(), total_steps=10)  # defaults: no warm-up, cosine to 0
     assert cosine(0) == pytest.approx(1.0) and cosine(10) == pytest.approx(0.0)
     short = lr_lambda(RunConfig(warmup_steps=10), total_steps=5)  # all warm-up: never beyond the peak
-    assert max(short(s) for s in range(10)) == pytest.approx(1.0)
+    assert [short(s) for s in range(5)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+
+
+@pytest.mark.parametrize("schedule, floor, hf_name", [("cosine", 0.0, "cosine"), ("cosine", 0.1, "cosine_with_min_lr"),
+                                                      ("linear", 0.0, "linear"), ("constant", 0.0, "constant_with_warmup")])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_schedules_are_transformers_schedules(schedule, floor, hf_name, warmup):
+    """The rate of every step is the one transformers' get_scheduler gives the same settings: a run and its Trainer twin
+    step alike (test_token_loss.py compares whole runs)."""
+    from transformers import get_scheduler
+
+    steps = 12
+    cfg = RunConfig(lr=1e-3, warmup_steps=warmup, lr_schedule=schedule, min_lr_ratio=floor)
+    ours = scheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr), cfg, steps)
+    hf_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+    extra = {"scheduler_specific_kwargs": {"min_lr_rate": floor}} if hf_name == "cosine_with_min_lr" else {}
+    theirs = get_scheduler(hf_name, hf_opt, num_warmup_steps=warmup, num_training_steps=steps, **extra)
+    got, want = [], []
+    for _ in range(steps):
+        got.append(ours.get_last_lr()[0])
+        want.append(theirs.get_last_lr()[0])
+        for sched in (ours, theirs):
+            sched.optimizer.step()
+            sched.step()
+    assert got == pytest.approx(want, abs=1e-12)
 
 
 def test_scheduler_drives_the_optimizer_lr():
@@ -405,7 +429,7 @@ def test_scheduler_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([1e-3 * fn(s) for s in range(6)])
-    assert seen[0] == pytest.approx(5e-4) and seen[1] == pytest.approx(1e-3)
+    assert seen[0] == 0.0 and seen[1] == pytest.approx(5e-4) and seen[2] == pytest.approx(1e-3)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0)
 
 

@@ -356,6 +356,36 @@ def test_num_samples_eval_split_and_eval_samples(tokenizer, cache_dir, tmp_path)
     assert none.eval is None and none.stats["train_examples"] == 20
 
 
+def test_duplicates_are_dropped_before_the_held_out_split(tokenizer, cache_dir, tmp_path):
+    """Copies of a row (exact, or the same text but for case, punctuation and spacing) would land on both sides of a
+    held-out split: they are dropped first, counted, and no eval example is a training example."""
+    lines = [f"line number {i} of the file" for i in range(20)]
+    copies = [lines[3], lines[3], lines[7], "LINE number 7, of the   file!", "Line number 11 of the file."]
+    path = write_lines(tmp_path / "lines.txt", lines + copies)
+    out = build(tokenizer, cache_dir, source=str(path), packing="pad", eval_split=0.25)
+    assert out.stats["duplicates_dropped"] == {"exact": 3, "near": 2}
+    assert (out.stats["train_examples"], out.stats["eval_examples"]) == (15, 5)
+    texts = [tokenizer.decode(it["input_ids"][it["attention_mask"].bool()]) for split in (out.train, out.eval)
+             for it in (split[i] for i in range(len(split)))]
+    assert sorted(texts) == sorted(f"{line}<|endoftext|>" for line in lines)  # each text once, on one side only
+    kept = build(tokenizer, cache_dir, source=str(path), packing="pad", eval_split=0.0)  # no held-out split: rows as given
+    assert kept.stats["train_examples"] == 25 and kept.stats["duplicates_dropped"] == {"exact": 0, "near": 0}
+
+
+def test_offline_held_out_records_are_not_training_records():
+    """The offline corpus repeats whole pydoc sections (dozens of its records are copies)."""
+    from shardlab.data.sources import classify, load_rows
+    from shardlab.data.splits import normalised, select_splits
+
+    ds = DatasetConfig(source="offline")
+    raw = load_rows(classify(ds), ds)
+    train, evals, dropped = select_splits(raw, ds, seed=0)
+    assert dropped.exact > 0 and len(train) + len(evals) + dropped.total == len(raw.train)
+    seen = {normalised(r) for r in train}
+    assert not [r for r in evals if normalised(r) in seen]
+    assert len({normalised(r) for r in raw.train}) == len(train) + len(evals)
+
+
 # ---- cache ---------------------------------------------------------------------------------------
 
 

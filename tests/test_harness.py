@@ -159,3 +159,66 @@ def test_a_forked_command_starts_its_own_shardlab_commands_through_the_zygote(tm
             break
         assert time.monotonic() < deadline + 30, "the command outlived its killed client"
         time.sleep(0.1)
+
+
+def test_a_client_that_hangs_up_or_sends_garbage_costs_the_zygote_nothing(tmp_path):
+    """One client's trouble (gone before or after its request, a request that is not JSON) never ends the zygote: its
+    other commands live on and the next command is forked as usual."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    assert ZYGOTE._ready(), "the zygote did not start"
+    sock = os.path.join(ZYGOTE.dir, "sock")
+    for payload in (b"", b"not json\n", b'{"argv": ["train", "--he'):  # hung up at once, garbage, gone mid-request
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(sock)
+        c.sendall(payload)
+        c.close()
+    served = ZYGOTE.served
+    proc = ZYGOTE.run(["train", "--help"], env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower()
+    assert ZYGOTE.served == served + 1 and ZYGOTE.proc.poll() is None, "the zygote died, or the command fell back"
+
+
+def test_a_descheduled_zygote_is_waited_for_not_timed_out(tmp_path):
+    """The client waits for the fork's answer as long as the zygote lives (a busy machine deschedules it for longer than
+    any fixed guess): here the zygote is stopped while the command is asked for, and the command is forked once it goes
+    on."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    assert ZYGOTE._ready(), "the zygote did not start"
+    served = ZYGOTE.served
+    ZYGOTE.proc.send_signal(signal.SIGSTOP)
+    timer = threading.Timer(3.0, ZYGOTE.proc.send_signal, (signal.SIGCONT,))
+    timer.start()
+    try:
+        proc = ZYGOTE.run(["train", "--help"], env=env, cwd=tmp_path, timeout=300)
+    finally:
+        timer.join()
+        ZYGOTE.proc.send_signal(signal.SIGCONT)
+    assert proc.returncode == 0 and ZYGOTE.served == served + 1
+
+
+def test_a_zygote_that_is_gone_sends_the_command_to_a_real_interpreter(tmp_path):
+    """Refused (its socket has no listener), or exited with a request unanswered: the command runs in a real
+    interpreter, and so do the later ones."""
+    import socket
+    import subprocess
+    import sys
+
+    for listening in (False, True):
+        z = Zygote()
+        z.dir = str(tmp_path / f"z{int(listening)}")
+        os.makedirs(z.dir)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(os.path.join(z.dir, "sock"))
+        if listening:
+            server.listen(1)  # accepts the connection, never answers: then the zygote exits
+        z.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])  # alive when asked, then gone
+        z.ready = True
+        z.env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+        proc = z.popen(["train", "--help"], tmp_path / "out", tmp_path / "err", env=z.env, cwd=tmp_path)
+        assert proc.wait(timeout=300) == 0 and "usage" in (tmp_path / "out").read_text().lower()
+        assert z.failed and z.served == 0
+        server.close()

@@ -78,7 +78,7 @@ def assert_trained(run, *, steps: int, world: int, strategy: str, grad_accum: in
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-        assert r["lr"] > 0
+        assert r["lr"] > 0 or (world > 1 and r["step"] == 1)  # the 2-rank runs warm up from lr 0, as transformers does
         assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
     first, last = statistics.fmean(run.losses[:5]), statistics.fmean(run.losses[-5:])
     assert last < first or not loss_falls, f"{strategy}: loss did not fall ({first:.4f} -> {last:.4f}): {run.losses}"
@@ -121,8 +121,8 @@ def test_two_ranks_train_with_accumulation(runs, strategy):
     # each rank computes with its share of the cores, not all of them (oversubscribed threads spin against each other)
     cores = len(os.sched_getaffinity(0))
     assert run.summary["cpu_threads"] == max(1, cores // 2) and run.summary["bound_cores"] == (cores // 2 if cores >= 2 else 0)
-    # 3 warm-up steps: the lr logged after step k is the one step k+1 uses
-    assert [r["lr"] for r in run.rows] == pytest.approx([2e-3 / 3] + [1e-3] * 19)
+    # 3 warm-up steps from 0 (transformers' schedules); each row's lr is the one its step used
+    assert [r["lr"] for r in run.rows] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3] + [1e-3] * 17)
 
 
 # ---- equivalence: a strategy changes memory, not the mathematics ------------------------------------------

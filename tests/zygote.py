@@ -17,7 +17,9 @@ Protocol (one Unix socket per zygote, one connection per command): the client se
 {"returncode": R} (negative: killed by that signal, as subprocess reports it). `plan` is the file a supervised
 `shardlab train` writes its plan to (launch/supervise.py). With `check`, the zygote first compares the environment
 itself and answers {"fallback": [names]} instead of forking when it differs. A client that disconnects before its
-command ended takes the command with it (its process group is killed).
+command ended takes the command with it (its process group is killed). Neither side waits on the other for a fixed
+time: the client waits for {"pid": N} as long as the zygote lives, and runs the command in a real interpreter if the
+zygote is gone; the zygote reads requests as they arrive and survives any one client.
 
 A command forked from here that starts further `shardlab` processes itself (`shardlab bench` starts one per cell)
 starts them through the same zygote: `python zygote.py --client SOCKET ARGS...` behaves like
@@ -39,6 +41,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from patience import patience
 
 # What a `python -m shardlab train` imports: the CLI, the launcher's preflight, the trainer with transformers, the
 # engines (a dp run that exports imports DeepSpeed too: save_pretrained -> accelerate asks for it), datasets, the
@@ -170,6 +174,11 @@ def _load_built_ops(pending: dict[str, str]) -> None:
 
 
 def serve(sock_path: str) -> None:
+    """The zygote's loop: one thread, never blocked on a client and never ended by one.
+
+    Nothing in it waits on a client for a fixed time: a connection is read as its bytes arrive (a client descheduled
+    between connect and send on a busy machine delays only itself), and a client that goes away, or sends garbage,
+    costs only its own command. DeepSpeed's built ops are loaded while no request waits, not before answering one."""
     _die_with_parent()  # the pytest process that started us is gone
     before = dict(os.environ)
     for name in PRELOAD:
@@ -186,68 +195,131 @@ def serve(sock_path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
+    requests: dict[socket.socket, bytes] = {}  # connections whose request line has not fully arrived
     ops_pending = dict(DEEPSPEED_OPS)
+    ops_checked = 0.0
     print("ready", json.dumps(IMPORTS_SET), flush=True)
     while True:
-        for key, _ in sel.select(timeout=0.05):
-            if key.fileobj is not server:  # a client hung up (or wrote): if it is gone, so is its command
-                conn, pid = key.fileobj, key.data
-                try:
-                    gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-                except BlockingIOError:
-                    gone = False
-                except OSError:
-                    gone = True
-                if gone:
-                    sel.unregister(conn)
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                continue
-            conn, _ = server.accept()
-            conn.settimeout(30)
-            req = json.loads(conn.makefile("r").readline())
-            if req.get("check"):
-                differ = env_mismatch(req["env"], before, IMPORTS_SET)
-                if differ:
-                    conn.sendall((json.dumps({"fallback": differ}) + "\n").encode())
-                    conn.close()
-                    continue
-            if ops_pending:
-                _load_built_ops(ops_pending)
-            pid = os.fork()
-            if pid == 0:
-                for other in (server, conn, *children.values()):
-                    other.close()
-                _child(req)
-            children[pid] = conn
-            print(f"forked {pid}: shardlab {' '.join(req['argv'])}", file=sys.stderr, flush=True)  # zygote.log
-            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
-            sel.register(conn, selectors.EVENT_READ, pid)
-        while children:
+        events = sel.select(timeout=0.05)
+        for key, _ in events:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = children.pop(pid, None)
-            if conn is None:
-                continue
-            try:
-                sel.unregister(conn)
-            except (KeyError, ValueError):  # unregistered when its client hung up
-                pass
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            try:
-                conn.sendall((json.dumps({"returncode": code}) + "\n").encode())
-            except OSError:
-                pass
+                if key.fileobj is server:
+                    conn, _ = server.accept()
+                    conn.setblocking(False)
+                    requests[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ)
+                elif key.fileobj in requests:
+                    _read_request(key.fileobj, requests, sel, children, before, server)
+                else:
+                    _watch_client(key.fileobj, key.data, sel)
+            except Exception as err:  # noqa: BLE001 - one connection's trouble is never the zygote's end
+                print(f"zygote: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        if not events and not requests and ops_pending and time.monotonic() > ops_checked + 1:  # idle: nobody waits
+            _load_built_ops(ops_pending)  # (while an op loads)
+            ops_checked = time.monotonic()
+        _reap(children, sel)
+
+
+def _send(conn: socket.socket, message: dict) -> bool:
+    """One JSON line to a client; False if it has gone."""
+    try:
+        conn.setblocking(True)
+        conn.sendall((json.dumps(message) + "\n").encode())
+        return True
+    except OSError:
+        return False
+
+
+def _read_request(conn: socket.socket, requests: dict, sel, children: dict, base_env: dict, server) -> None:
+    """What has arrived of a client's request; once its line is whole, answer it (fork, or say to fall back)."""
+    try:
+        chunk = conn.recv(65536)
+    except BlockingIOError:
+        return
+    except OSError:
+        chunk = b""
+    buf = requests[conn] + chunk
+    if not chunk or b"\n" in buf:
+        del requests[conn]
+        sel.unregister(conn)
+    if not chunk:  # gone before its request was whole
+        conn.close()
+        return
+    if b"\n" not in buf:
+        requests[conn] = buf
+        return
+    try:
+        req = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        conn.close()
+        raise
+    if req.get("check"):
+        differ = env_mismatch(req["env"], base_env, IMPORTS_SET)
+        if differ:
+            _send(conn, {"fallback": differ})
             conn.close()
+            return
+    pid = os.fork()
+    if pid == 0:
+        for other in (server, conn, *requests, *children.values()):
+            other.close()
+        _child(req)
+    children[pid] = conn
+    print(f"forked {pid}: shardlab {' '.join(req['argv'])}", file=sys.stderr, flush=True)  # zygote.log
+    if _send(conn, {"pid": pid}):
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ, pid)
+    else:  # the client went away meanwhile: so does its command (the reaper collects it)
+        _kill_command(pid)
+
+
+def _kill_command(pid: int) -> None:
+    """SIGKILL a forked command and its process group (the child makes its own group first thing; until then, itself)."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _watch_client(conn: socket.socket, pid: int, sel) -> None:
+    """A running command's client hung up (or wrote): if it is gone, so is its command."""
+    try:
+        gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        gone = False
+    except OSError:
+        gone = True
+    if gone:
+        sel.unregister(conn)
+        _kill_command(pid)
+
+
+def _reap(children: dict, sel) -> None:
+    """Tell each finished command's client its exit status."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):  # unregistered when its client hung up, or never registered
+            pass
+        _send(conn, {"returncode": -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)})
+        conn.close()
 
 
 # ---------------------------------------------------------------------------------------------- the test's side
+
+
+class ZygoteGone(Exception):
+    """The zygote ended, or dropped a request, before it forked the command."""
 
 
 class Zygote:
@@ -311,29 +383,49 @@ class Zygote:
             return subprocess.Popen([sys.executable, "-m", "shardlab", *map(str, argv)], env=env, cwd=cwd,
                                     stdout=open(stdout, "w"), stderr=open(stderr, "w"), stdin=subprocess.DEVNULL)
         plan = tempfile.NamedTemporaryFile(prefix="shardlab-plan-", suffix=".json", delete=False).name
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(os.path.join(self.dir, "sock"))
         req = {"argv": [str(a) for a in argv], "env": env, "cwd": cwd, "stdout": os.fspath(stdout),
                "stderr": os.fspath(stderr), "plan": plan}
-        conn.sendall((json.dumps(req) + "\n").encode())
-        conn.settimeout(30)
-        buf = b""
-        while b"\n" not in buf:  # {"pid": N}, sent as soon as the zygote has forked
-            chunk = conn.recv(4096)
-            if not chunk:
-                raise RuntimeError("the test zygote closed the connection before forking")
-            buf += chunk
-        line, rest = buf.split(b"\n", 1)
-        conn.settimeout(None)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(os.path.join(self.dir, "sock"))
+            conn.sendall((json.dumps(req) + "\n").encode())
+            line, rest = self._forked(conn)
+        except (OSError, ZygoteGone) as err:  # nothing was started: the command runs in a real interpreter
+            conn.close()
+            Path(plan).unlink(missing_ok=True)
+            self.failed, self.ready = True, False
+            print(f"zygote: unusable ({err}); commands run in real interpreters from now on", file=sys.stderr, flush=True)
+            return self.popen(argv, stdout, stderr, env=env, cwd=cwd)
         self.served += 1
         return Forked(json.loads(line)["pid"], conn, rest, ["shardlab", *map(str, argv)], plan)
 
+    def _forked(self, conn: socket.socket) -> tuple[bytes, bytes]:
+        """The zygote's {"pid": N} line (and what followed it), waited for as long as the zygote lives.
+
+        No wall-clock limit: on a busy machine the zygote may be descheduled, or loading an op, for longer than any
+        fixed guess (a fixed 30 s failed runs on a 2-core machine busy with two other jobs); a dead zygote ends the
+        wait at once, and a hung one would hang every command anyway."""
+        buf = b""
+        while b"\n" not in buf:
+            if not select.select([conn], [], [], 1.0)[0]:
+                if self.proc.poll() is not None:
+                    raise ZygoteGone(f"the zygote exited ({self.proc.returncode}) before forking")
+                continue
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise ZygoteGone("the zygote closed the connection before forking")
+            buf += chunk
+        line, rest = buf.split(b"\n", 1)
+        return line, rest
+
     def run(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
             timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`."""
+        """Like `subprocess.run([python, "-m", "shardlab", *argv], capture_output=True, text=True, stdin=DEVNULL)`;
+        `timeout` is a guard measured on an idle machine, stretched by the machine's load (patience.py)."""
         with tempfile.TemporaryDirectory(prefix="shardlab-cmd-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             proc = self.popen(argv, out, err, env=env, cwd=cwd)
+            timeout = patience(timeout)
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:  # end the command and its ranks, as subprocess.run would

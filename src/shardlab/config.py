@@ -183,7 +183,7 @@ class RunConfig(_Strict):
     lr: float = Field(5e-5, gt=0, json_schema_extra=cli("--lr"),
         description="peak learning rate")
     warmup_steps: int = Field(0, ge=0, json_schema_extra=cli("--warmup-steps"),
-        description="linear warm-up steps")
+        description="linear warm-up steps from 0, as in transformers' schedules (the first step uses lr 0, the next 1/N of --lr)")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=cli("--lr-schedule"),
         description="cosine, linear or constant after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="the learning rate the schedule ends at, as a fraction of lr")

@@ -126,7 +126,7 @@ def _build_from_rows(
     src: Source, ds: DatasetConfig, tokenizer: Any, seq_len: int, seed: int
 ) -> tuple[Blocks, Blocks | None, dict[str, Any]]:
     raw = load_rows(src, ds)
-    train_rows, eval_rows = select_splits(raw, ds, seed)
+    train_rows, eval_rows, duplicates = select_splits(raw, ds, seed)
     # num_samples / eval_samples count usable examples, after blank rows are skipped
     train_text = render(train_rows, ds, raw.description).head(ds.num_samples)
     eval_text = render(eval_rows, ds, raw.description).head(ds.eval_samples) if eval_rows is not None else None
@@ -155,6 +155,7 @@ def _build_from_rows(
     stats = _stats(raw.description, ds, seq_len, train, evals, len(train_text.texts), len(eval_text.texts) if eval_text else 0)
     stats["skipped_rows"] = train_text.skipped + (eval_text.skipped if eval_text else 0)
     stats["misplaced_answers"] = misplaced  # among skipped_rows
+    stats["duplicates_dropped"] = {"exact": duplicates.exact, "near": duplicates.near}  # before the held-out split
     return train, evals if evals is not None and len(evals) else None, stats
 
 

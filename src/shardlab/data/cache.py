@@ -25,7 +25,9 @@ from .blocks import Blocks
 log = logging.getLogger(__name__)
 
 # Bump when the way blocks are built changes, so stale caches are not reused.
-CACHE_VERSION = 2  # 2: qa without answer_only_loss has loss on every token (1 masked the prompt regardless); misplaced answers skipped
+# 2: qa without answer_only_loss has loss on every token (1 masked the prompt regardless); misplaced answers skipped.
+# 3: duplicate rows dropped before a held-out split (splits.deduplicated).
+CACHE_VERSION = 3
 _PROBE_TEXT = "Hello world\nQuestion: Why?\nAnswer: 42"
 
 

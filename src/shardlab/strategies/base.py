@@ -1,9 +1,10 @@
 """The small interface every strategy implements; the training loop calls only these verbs.
 
 A strategy owns the wrapped model, the optimizer, the lr scheduler and (for fp16) the loss
-scaler. It receives the *raw* mean loss of a micro-batch and is responsible for scaling it
-by 1/grad_accum, because engines disagree on who does that (DeepSpeed scales inside
-``engine.backward``; DDP and FSDP leave it to the caller).
+scaler. The loss of a step weighs tokens, as transformers' Trainer does: the summed token losses
+of all its micro-batches on all data-parallel ranks over the step's count of label tokens.
+``train_step`` hands ``backward`` each micro-batch's share of it, already weighted; engines that
+would scale it again (DeepSpeed by 1/gradient_accumulation_steps) are told not to.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..training import attention_backend, loss, optim, sdpa_causal
@@ -27,6 +29,19 @@ from ..measure.timesplit import StepSplit
 
 # Lazy imports below: transformers (training.models) loads with the model, not with the strategy class (preflight and
 # the dry run and autobatch ask strategy classes about the layout).
+
+
+def _as(value: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    """`value` in `like`'s dtype when it is a tensor (a float64 count's quotient would promote the loss); a number stays
+    a number (multiplying by it copies nothing to the device)."""
+    return value.to(like.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def summed(count: int, device: torch.device, group=None) -> torch.Tensor:
+    """`count` summed over the ranks of `group` (default: all), as a float64 device tensor (exact up to 2**53)."""
+    total = torch.tensor(float(count), dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    return total
 
 
 class Strategy(ABC):
@@ -128,29 +143,41 @@ class Strategy(ABC):
         return data_parallel_size(cfg, world_size)
 
     # ---- one optimizer step = grad_accum micro-batches ----------------------------------------------
-    def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:
-        """Forward and backward of `accum` micro-batches from `batches` (a DevicePrefetcher).
+    def step_label_tokens(self, local: int) -> float | torch.Tensor:
+        """The step's label tokens over every data-parallel rank, from this rank's ``local`` count: a number on one
+        process, else a device tensor (an all-reduce on the device's stream: no host sync)."""
+        return summed(local, self.env.device) if self.env.is_distributed else float(local)
 
-        Returns the sum of the micro-batches' mean losses (a device tensor) and their non-pad tokens.
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """Forward and backward of the next step's micro-batches from `batches` (a batches.DevicePrefetcher).
+
+        Each micro-batch's mean loss is weighted by its label tokens over the step's (all ranks'), times the
+        data-parallel size because the engines average gradients over ranks: the gradient is that of the step's
+        token-weighted mean loss. Returns this rank's share of that mean (the ranks' shares sum to it; a device
+        tensor) and its non-pad tokens.
         """
+        step = next(batches)
+        total = self.step_label_tokens(step.label_tokens)
+        ranks = self.data_parallel_size(self.cfg, self.env.world_size)
         step_loss = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        useful = 0
         if self.time_split.enabled and not self.time_split.h2d_bytes:  # first step: the engine has placed the model
             n = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf_model.parameters())  # (ZeRO-3: partitioned)
             h2d, d2h = self.transfer_bytes_per_param()
             self.time_split.h2d_bytes, self.time_split.d2h_bytes = h2d * n, d2h * n
         self.time_split.compute_start()
-        for micro in range(accum):
-            batch, n_useful = next(batches)
-            useful += n_useful
-            last = micro == accum - 1
+        for i, micro in enumerate(step.micros):
+            last = i == len(step.micros) - 1
             with self.accumulate(last):
-                loss = self.forward(batch)
-                self.backward(loss, last)
-            batches.preload()  # the next batch's host work overlaps this step's GPU tail
-            step_loss += loss.detach().float()
+                loss = self.forward(micro.batch)
+                if micro.labels:
+                    share = _as(micro.labels / total, loss)  # of the step's mean
+                    self.backward(loss * (share * ranks), last)
+                    step_loss += loss.detach().float() * share
+                else:  # no label token: the model's mean is 0/0; a zero loss keeps the engines' hooks and collectives
+                    self.backward(loss.nan_to_num() * 0.0, last)
+            batches.preload()  # the next step's host work overlaps this step's device tail
         self.time_split.compute_end()
-        return step_loss, useful
+        return step_loss, step.useful
 
     def transfer_bytes_per_param(self) -> tuple[float, float]:
         """(host->device, device->host) bytes per parameter in one optimizer step, for offload strategies."""
@@ -199,7 +226,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        """Backward of one micro-batch's mean loss; `last_micro` ends the accumulation window."""
+        """Backward of one micro-batch's weighted loss (train_step), as it is; `last_micro` ends the accumulation
+        window."""
 
     @abstractmethod
     def optimizer_step(self) -> float | None:

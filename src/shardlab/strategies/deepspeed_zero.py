@@ -708,7 +708,9 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps inside
+        # weighted by train_step (tokens over the step's, across ranks) already: the engine's own 1/accum would count
+        # micro-batches, not tokens (transformers' Trainer turns it off the same way)
+        self.engine.backward(loss, scale_wrt_gas=False)
         if not last_micro:
             self.engine.step()  # advances DeepSpeed's micro-step counter; no optimizer step yet
 

@@ -41,6 +41,7 @@ from ..measure import metrics
 from ..training import attention_backend
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
+from .base import summed
 from .torch_optim import TorchOptimizerStrategy, check_checkpointable
 from ..pipesim import simulate
 
@@ -240,10 +241,21 @@ def split_blocks(config, n_layers: int, seq_len: int, n_stages: int) -> list[tup
     return stage_costs(n_layers, 1.0, head_cost / layer_cost, n_stages)
 
 
-def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from transformers.loss.loss_utils import ForCausalLMLoss  # the loss the HF model itself uses
+class StepLoss:
+    """The last stage's loss of one micro-batch: the loss the HF model itself uses (transformers' ForCausalLMLoss).
 
-    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    In training, ``items`` is the step's label tokens over all replicas divided by the replica count, so each
+    micro-batch's summed token losses over it add up, over the micro-batches (the schedule does not scale them:
+    scale_grads=False) and the replicas' averaged gradients, to the step's token-weighted mean, as in
+    Strategy.train_step. None (eval): the micro-batch's mean."""
+
+    def __init__(self):
+        self.items: float | torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=self.items)
 
 
 # ---- measuring the stages ---------------------------------------------------------------------------------
@@ -385,9 +397,6 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.last_rank = self.pp_ranks[self.parallel.stage_position(n_stages - 1)]
         params = [p for m in self.stage_modules for p in m.parameters()]
         self._owned = {id(p) for p in params}
-        # A Parameter in two of this rank's stages (zbv's tied embedding: first and last stage on rank 0): torch's
-        # schedule scales each stage's gradients by 1/M after its last backward, which would scale it twice.
-        self._scale_own_grads = len(params) != len(self._owned)
         self.hf_model = model
         self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
         self._build_optimizer(self.model, env.device.type, total_steps)
@@ -397,15 +406,17 @@ class PipelineStrategy(TorchOptimizerStrategy):
             stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, s, "F")
             stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, s, "B")
             stage.backward_weight_one_chunk = self.timer.wrap(stage.backward_weight_one_chunk, s, "W")
-        loss_fn = self.timer.wrap(_lm_loss, n_stages - 1, "F")
-        scale = {"scale_grads": False} if self._scale_own_grads else {}  # torch's default (True) otherwise
+        self.step_loss = StepLoss()
+        loss_fn = self.timer.wrap(self.step_loss, n_stages - 1, "F")
+        # StepLoss already weighs each micro-batch by its share of the step's tokens: no schedule divides by M (a tied
+        # parameter held by two of a rank's zbv stages would be divided twice by torch's scale_grads).
         if opts.pp_schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn, **scale)
+            self.schedule = ScheduleInterleaved1F1B(pp_stages, self.grad_accum, loss_fn=loss_fn, scale_grads=False)
         elif opts.pp_schedule == "zbv":  # check_options refused zbv where torch lacks it
-            self.schedule = zbv_schedule_class()(pp_stages, self.grad_accum, loss_fn=loss_fn, **scale)
+            self.schedule = zbv_schedule_class()(pp_stages, self.grad_accum, loss_fn=loss_fn, scale_grads=False)
         else:
             cls = ScheduleGPipe if opts.pp_schedule == "gpipe" else Schedule1F1B
-            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn, **scale)
+            self.schedule = cls(pp_stages[0], self.grad_accum, loss_fn=loss_fn, scale_grads=False)
         # Tied embedding: the first and the last stage each hold a copy; their grads are summed.
         self._tied = self._find_tied()
         self._tie_group = None
@@ -455,36 +466,41 @@ class PipelineStrategy(TorchOptimizerStrategy):
         return self.full_model.lm_head.weight  # the same Parameter object as the input embedding
 
     # ---- one optimizer step -------------------------------------------------------------------------
-    def train_step(self, batches, accum: int) -> tuple[torch.Tensor, int]:
-        """All `accum` micro-batches through the schedule at once; returns (summed loss, non-pad tokens)."""
-        micro = [next(batches) for _ in range(accum)]
-        inputs = torch.cat([b["input_ids"] for b, _ in micro])
-        labels = torch.cat([b["labels"] for b, _ in micro])
+    def step_label_tokens(self, local: int) -> float | torch.Tensor:
+        """The stages of one replica read the same batches: the step's label tokens are summed over the replicas."""
+        return summed(local, self.env.device, self.dp_group) if self.dp_group is not None else float(local)
+
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """All the step's micro-batches through the schedule at once; returns (this rank's share of the step's
+        token-weighted mean loss, non-pad tokens), each counted once per replica, on its first stage."""
+        step = next(batches)
+        inputs = torch.cat([m.batch["input_ids"] for m in step.micros])
+        labels = torch.cat([m.batch["labels"] for m in step.micros])
         losses: list[torch.Tensor] = []
         kwargs = {} if step_keeps_outputs() else {"return_outputs": False}
         if self.is_last:
             kwargs.update(target=labels, losses=losses)
+        self.step_loss.items = self.step_label_tokens(step.label_tokens) / self.dp_size
         self.timer.active = True
         metrics.sync(self.env.device)
         t0 = time.perf_counter()
-        if self.is_first:
-            self.schedule.step(inputs, **kwargs)
-        else:
-            self.schedule.step(**kwargs)
+        try:
+            if self.is_first:
+                self.schedule.step(inputs, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+        finally:
+            self.step_loss.items = None
         metrics.sync(self.env.device)
         self.schedule_times.append(time.perf_counter() - t0)
         self.timer.active = False
         self.timer.end_step()
-        if self._scale_own_grads:  # the schedule's scale_grads, once per Parameter (see setup)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(self.grad_accum)
         batches.preload()
+        # the replica's summed token losses over the step's label tokens, times the replica count (StepLoss)
         total = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.env.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)  # every stage reports the loss
-        # The stages of one replica read the same batches: count their tokens once, on its first stage.
-        useful = sum(n for _, n in micro) if self.pp_rank == 0 else 0
-        return total, useful
+        first = self.pp_rank == 0
+        return (total / self.dp_size if first else torch.zeros_like(total)), (step.useful if first else 0)
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:  # pragma: no cover - train_step does it
         raise NotImplementedError("the pipeline schedule runs forward and backward together")
@@ -535,13 +551,23 @@ class PipelineStrategy(TorchOptimizerStrategy):
         stage_fwd_ms / stage_bwd_ms: per rank (all its stages); virtual_stage_*: per virtual stage, what the
         simulator is fed (interleaved and zbv chunks are not equal: the split balances blocks plus head, and
         zbv's first stage has no input gradient); zbv adds each stage's weight-gradient (W) time."""
-        steady = self.timer.steps[metrics.WARMUP_STEPS:] or self.timer.steps
+        steps = list(zip(self.timer.steps, self.schedule_times))
+        steady = steps[metrics.WARMUP_STEPS:] or steps
         M = self.grad_accum
-        mine = {s: {k: statistics.median(step.get((s, k), 0.0) for step in steady) / M if steady else 0.0 for k in ("F", "B", "W")}
-                for s in self.my_stages}
+
+        def work(times: dict) -> float:  # this rank's compute in one step ("B" includes zbv's W)
+            return sum(v for (_, k), v in times.items() if k in ("F", "B"))
+
+        # This rank's per-stage times of one step (its median-work step), its median step time and its median share
+        # of a step spent computing: each step's work lies inside that step's time, so these keep that order however
+        # noisy the steps are (separate medians of F, of B and of the step time need not: a busy machine broke it).
+        mid = sorted(steady, key=lambda st: work(st[0]))[(len(steady) - 1) // 2][0] if steady else {}
+        mine = {"stages": {s: {k: mid.get((s, k), 0.0) / M for k in ("F", "B", "W")} for s in self.my_stages},
+                "step": statistics.median(t for _, t in steady) if steady else float("nan"),
+                "busy": statistics.median(work(f) / t for f, t in steady if t > 0) if steady else 0.0}
         per_rank: list[dict] = [None] * self.n_ranks  # type: ignore[list-item]
         dist.all_gather_object(per_rank, mine, group=self.pp_group)
-        stages = {s: t for rank in per_rank for s, t in rank.items()}
+        stages = {s: t for rank in per_rank for s, t in rank["stages"].items()}
         n_stages = len(stages)
         fwd = [max(stages[s]["F"], 1e-9) for s in range(n_stages)]
         bwd = [max(stages[s]["B"], 1e-9) for s in range(n_stages)]
@@ -549,11 +575,9 @@ class PipelineStrategy(TorchOptimizerStrategy):
         split = sched == "zbv"
         wgrad = [min(1.0, stages[s]["W"] / bwd[s]) for s in range(n_stages)] if split else None
         sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks, wgrad=wgrad)
-        times = self.schedule_times[metrics.WARMUP_STEPS:] or self.schedule_times
-        measured = statistics.median(times) if times else float("nan")
+        measured = max(r["step"] for r in per_rank)  # the step ends with its slowest rank's
         rank_fwd = [sum(fwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
         rank_bwd = [sum(bwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
-        busy = [M * (f + b) for f, b in zip(rank_fwd, rank_bwd)]
         out = {
             "schedule": sched, "stages": self.n_ranks, "chunks": self.chunks, "microbatches": M, "split": self.bounds,
             "stage_fwd_ms": [1e3 * f for f in rank_fwd], "stage_bwd_ms": [1e3 * b for b in rank_bwd],
@@ -561,7 +585,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
             "stages_of_rank": [self.parallel.stages_of(r) for r in range(self.n_ranks)],
             "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured,
             "simulated_bubble": sim.metrics["bubble_fraction"],
-            "measured_bubble": 1 - sum(busy) / (len(busy) * measured) if measured > 0 else None,
+            "measured_bubble": 1 - statistics.fmean(r["busy"] for r in per_rank) if measured > 0 else None,
             "note": "simulated from the measured per-stage times with no communication cost; "
                     "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
         }

@@ -52,7 +52,7 @@ class TorchOptimizerStrategy(Strategy):
         self._fold_clip = self.plain_tensor_params and fused and not self.scaler.is_enabled()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        self.scaler.scale(loss / self.grad_accum).backward()
+        self.scaler.scale(loss).backward()  # weighted by train_step (tokens over the step's, across ranks) already
 
     def optimizer_step(self) -> float | None:
         norm = None

@@ -263,13 +263,16 @@ def fused_clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tenso
 
 
 def lr_lambda(cfg: RunConfig, total_steps: int):
-    """Multiplier of the peak lr at optimizer step `step`: linear warmup, then cosine/linear/constant."""
+    """Multiplier of the peak lr at optimizer step `step` (0 for the first): linear warm-up, then cosine/linear/constant,
+    as transformers' get_scheduler computes them ("cosine_with_min_lr", "linear", "constant_with_warmup"), so that a run
+    and its Trainer twin step with the same rates. Warm-up starts from 0 (step k of W uses k/W of the peak); the linear
+    decay's floor (min_lr_ratio) is shardlab's own, 0 by default as in transformers."""
     warmup = cfg.warmup_steps
     floor = cfg.min_lr_ratio
 
     def fn(step: int) -> float:
         if warmup and step < warmup:
-            return (step + 1) / warmup
+            return step / warmup
         if cfg.lr_schedule == "constant" or total_steps <= warmup:
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))

@@ -13,7 +13,7 @@ makes itself) go through ``find_packed_sequence_indices``, which returns a tenso
 values, and the causal mask function becomes ``and_masks(causal, packed)`` with the skip disabled.
 
 Training never needs a mask when the batch has no padding (shardlab drops an all-ones ``attention_mask``,
-trainer._without_trivial_mask), passes no ``position_ids`` (one sequence per row: nothing is packed) and queries and
+batches.without_trivial_mask), passes no ``position_ids`` (one sequence per row: nothing is packed) and queries and
 keys are the same positions (no KV cache). So the model runs under an attention implementation of shardlab's,
 ``shardlab_sdpa``: transformers' own SDPA attention function, with a mask function that returns no mask
 - for a plain causal mask over full-length, unpadded rows (the case transformers itself skips in eager mode), and

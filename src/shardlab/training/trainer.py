@@ -1,7 +1,8 @@
 """The training loop: one worker process's whole run, strategy-agnostic.
 
     model + tokenizer -> datasets -> [samples before] -> strategy.setup -> [resume] -> [eval before] -> for each stage, epoch, step:
-        for each micro-batch: with strategy.accumulate(last): loss = strategy.forward(b); strategy.backward(loss, last)
+        the step's micro-batches, their label tokens counted first (batches.py); for each: with strategy.accumulate(last):
+            loss = strategy.forward(b); strategy.backward(loss x its label tokens / the step's on all ranks, last)
         strategy.optimizer_step(); log; eval (best checkpoint, early stopping); checkpoint
     -> [load the best checkpoint] -> export (HF format) -> [samples after] -> summary
 
@@ -45,6 +46,7 @@ from ..measure.compile_stats import CompileClock, process_start_time, use_persis
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
 from ..launch.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
+from .batches import DevicePrefetcher, to_device, without_trivial_mask
 from .early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import ParallelLayout, local_world_size
@@ -122,8 +124,9 @@ def apply_dropout(model: nn.Module, p: float | None) -> None:
 
 
 def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv, stop: bool = False, save: bool = False) -> tuple[float, float, bool, bool]:
-    """This step's loss averaged over ranks, its non-pad tokens summed over ranks, and whether any
-    rank was asked to stop / to checkpoint (preemption.py), in the same all-reduce.
+    """This step's loss (each rank passes its share of the token-weighted mean: their sum is the mean), its non-pad
+    tokens summed over ranks, and whether any rank was asked to stop / to checkpoint (preemption.py), in the same
+    all-reduce.
 
     One process needs no collective and no host-to-device copy: one `.item()` is the only sync.
     """
@@ -133,50 +136,7 @@ def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv, stop: boo
     values = torch.cat([loss.float().reshape(1), extra])
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     total_loss, total_useful, stops, saves = values.tolist()
-    return total_loss / env.world_size, total_useful, stops > 0, saves > 0
-
-
-def _without_trivial_mask(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """Drop an all-ones attention mask (packed data) and count non-pad tokens, on the CPU.
-
-    An all-ones mask can make transformers build an explicit 4-D mask (or check the mask on the
-    GPU), keeping SDPA off its fused `is_causal` kernels; the bare loops we compare with pass
-    no mask either. Counting on the CPU avoids a GPU sync.
-    """
-    mask = batch["attention_mask"]
-    n_useful = int(mask.sum())
-    if n_useful == mask.numel():
-        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
-    return batch, n_useful
-
-
-class DevicePrefetcher:
-    """Wraps a batch iterator: `preload()` fetches, collates and copies the next batch to the
-    device (non-blocking, from pinned memory) while the GPU is still busy, as nanoGPT does."""
-
-    _END = object()
-
-    def __init__(self, iterator, device: torch.device):
-        self.iterator, self.device, self._next = iterator, device, None
-
-    def preload(self) -> None:
-        if self._next is None:
-            try:
-                batch, n_useful = _without_trivial_mask(next(self.iterator))
-                self._next = (_to_device(batch, self.device), n_useful)
-            except StopIteration:
-                self._next = self._END
-
-    def __next__(self) -> tuple[dict[str, torch.Tensor], int]:
-        self.preload()
-        item, self._next = self._next, None
-        if item is self._END:
-            raise StopIteration
-        return item
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return total_loss, total_useful, stops > 0, saves > 0
 
 
 @torch.no_grad()
@@ -186,7 +146,7 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
     t0 = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss*tokens, tokens, samples
     for batch in loader:
-        batch = _to_device(_without_trivial_mask(batch)[0], env.device)
+        batch = to_device(without_trivial_mask(batch)[0], env.device)
         loss = strategy.forward(batch)
         # HF averages over predicted positions: labels != IGNORE after the shift by one.
         n_tok = (batch["labels"][:, 1:] != IGNORE).sum()
@@ -333,6 +293,11 @@ class Trainer:
         for st, sp, n in zip(stages, stage_data, stage_steps):
             log0(env, f"stage {st.name or 'train'}: {sp.stats.get('source')} | {sp.stats.get('train_blocks')} train blocks, "
                       f"{sp.stats.get('eval_blocks')} eval blocks, non-pad {sp.stats.get('non_pad_fraction', 1.0):.1%} | {n} optimizer steps")
+            dup = sp.stats.get("duplicates_dropped") or {}
+            if dup.get("exact") or dup.get("near"):
+                log0(env, f"stage {st.name or 'train'}: dropped {dup['exact'] + dup['near']} duplicate record(s) before holding out "
+                          f"the eval split ({dup['exact']} exact, {dup['near']} the same text once case, punctuation and "
+                          "whitespace are normalised), so that no eval record is a training record")
             if sp.stats.get("misplaced_answers"):
                 log0(env, f"stage {st.name or 'train'}: skipped {sp.stats['misplaced_answers']} QA example(s) whose answer is not at its "
                           "answer_start in the context (outside it, or other text there)")
@@ -452,15 +417,17 @@ class Trainer:
             label = f"the exported model, step {summary['exported_step']}"
         (self.run_dir / SAMPLES_FILE).write_text(samples_markdown(self.cfg.model, prompts, before, after, label))
 
-    def _train_step(self, strategy, batches: "DevicePrefetcher") -> tuple[float, float, float | None, bool, bool]:
-        """One optimizer step over `grad_accum` micro-batches: (mean loss over ranks, non-pad tokens, grad norm,
-        stop requested on some rank, checkpoint requested on some rank)."""
-        step_loss, useful = strategy.train_step(batches, self.accum)
+    def _train_step(self, strategy, batches: DevicePrefetcher) -> tuple[float, float, float, float | None, bool, bool]:
+        """One optimizer step over `grad_accum` micro-batches: (loss: the mean over the step's label tokens on every
+        rank, non-pad tokens, the learning rate the step used, grad norm, stop requested on some rank, checkpoint
+        requested on some rank)."""
+        lr = strategy.current_lr()  # before the step: the scheduler moves on inside optimizer_step
+        step_loss, useful = strategy.train_step(batches)
         with strategy.time_split.optimizer():  # offload runs: CPU optimizer time (timesplit.py); else a no-op
             grad_norm = strategy.optimizer_step()
         stop, save = self.signals.stop_signal is not None, self.signals.take_save_request()
-        loss_value, useful_total, stop, save = _reduce_step(step_loss / self.accum, useful, self.env, stop, save)
-        return loss_value, useful_total, grad_norm, stop, save
+        loss_value, useful_total, stop, save = _reduce_step(step_loss, useful, self.env, stop, save)
+        return loss_value, useful_total, lr, grad_norm, stop, save
 
     def _guard_nonfinite(self, strategy, step: int, loss: float, grad_norm: float | None) -> None:
         """nan_policy: 'stop' raises naming the step; 'skip' goes on (the strategy did not apply the update)."""
@@ -556,14 +523,14 @@ class Trainer:
                 # Seek to where the checkpoint stopped: the same remaining batches, without fetching the skipped ones.
                 # Still one iter() per epoch, so the loader's generator is drawn from exactly as before.
                 sampler.skip_next(skip * self.accum * self.micro)
-                batches = DevicePrefetcher(iter(train_loader), env.device)
+                batches = DevicePrefetcher(iter(train_loader), env.device, self.accum)
                 epoch_t0, epoch_losses, epoch_steps, epoch_compile0 = time.perf_counter(), [], 0, compile_clock.seconds()
                 for step_in_epoch in range(skip, steps_per_epoch):
                     if global_step >= stage_end:
                         break
                     compiled_before = compile_clock.seconds()
                     timer.start()
-                    loss_value, useful_total, grad_norm, stop, save_now = self._train_step(strategy, batches)
+                    loss_value, useful_total, lr, grad_norm, stop, save_now = self._train_step(strategy, batches)
                     profiler.step(timer.stop())
                     if first_step_done is None:
                         first_step_done = time.time()
@@ -581,10 +548,10 @@ class Trainer:
                     window_losses.append(loss_value)
                     if progress is not None:
                         progress.update(1)
-                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{strategy.current_lr():.2e}")
+                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
                     if global_step % cfg.log_every == 0 or global_step == total_steps:
                         row = {"step": global_step, "stage": si, "epoch": epoch + (step_in_epoch + 1) / steps_per_epoch,
-                               "loss": statistics.fmean(window_losses), "lr": strategy.current_lr(), "grad_norm": grad_norm,
+                               "loss": statistics.fmean(window_losses), "lr": lr, "grad_norm": grad_norm,
                                "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
                                "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
                                "samples_per_s": self.global_batch / timer.times[-1]}

@@ -232,11 +232,13 @@ def test_deepspeed_json_mistakes_are_one_line_before_anything_runs(tmp_path, cap
     bad_batch = tmp_path / "ds_batch.json"
     bad_batch.write_text(json.dumps({"train_batch_size": 7, "zero_optimization": {"stage": 2}}))
     run = ["train", "--max-steps", "1", "--device", "cpu", "--output-dir", "run"]
-    assert_error(run + ["--strategy", "zero2", "--deepspeed-config", str(bad_batch)], tmp_path, capsys, monkeypatch,
-                 "train_batch_size=7", "resolves it to 8", '"auto"')
-    # two ranks: still one line from the launching process, before any worker exists
+    # a batch flag that contradicts the JSON's batch size
+    assert_error(run + ["--strategy", "zero2", "--micro-batch", "2", "--deepspeed-config", str(bad_batch)], tmp_path, capsys,
+                 monkeypatch, "train_batch_size=7", "resolves it to 2", '"auto"')
+    # no batch flag: the JSON's size is taken, and on two ranks 7 does not split: still one line from the launching
+    # process, before any worker exists, naming the JSON
     assert_error(run + ["--gpus", "2", "--deepspeed-config", str(bad_batch)], tmp_path, capsys, monkeypatch,
-                 "train_batch_size=7", "resolves it to 16")
+                 "ds_batch.json sets train_batch_size 7", "not divisible by the data-parallel world size 2", '"auto"')
     # the JSON's ZeRO stage and offload against --strategy: name the strategy that matches
     assert_error(run + ["--strategy", "zero2", "--deepspeed-config", str(ACCELERATE_JSON)], tmp_path, capsys, monkeypatch,
                  "stage 3, offload to cpu", "strategy zero3_offload", "--strategy is zero2", "--strategy zero3_offload")

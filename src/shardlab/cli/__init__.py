@@ -198,9 +198,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _dry_run(cfg) -> None:
     from ..launch.distributed import pick_device_type, processes_per_node
-    from ..launch.launcher import check_tokenizer, preflight, stale_run_files, with_user_deepspeed_json
+    from ..launch.launcher import check_tokenizer, preflight, quiet_engines, stale_run_files, with_user_deepspeed_json
     from ..training.optim import resolve_precision
 
+    quiet_engines(pick_device_type(cfg.device))  # DeepSpeed, imported to check a user's JSON, names its accelerator otherwise
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
     cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
     if note:

@@ -30,7 +30,9 @@ from ..layout import ParallelLayout, model_layers
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
 from ..strategies.spec import spec
-from ..strategies.deepspeed_zero import adopt_user_json, check_nvme_path, resolved_ds_config, sanitize_cuda_arch_list
+from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
+from ..strategies.deepspeed_schema import check_with_deepspeed
+from ..strategies.deepspeed_zero import check_nvme_path, resolved_ds_config, sanitize_cuda_arch_list
 from ..checkpoint.store import check_resume, find_resume_dir
 from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
@@ -62,12 +64,13 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     else:
         _say_pipeline_options_unused(cfg)
     # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
-    dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
+    try:
+        dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
+        accum = (cfg.grad_accum or 1) if cfg.micro_batch == "auto" else cfg.resolve_batch(dp_world)[1]
+    except UserError as err:  # batch sizes a --deepspeed-config set: said as the JSON's
+        raise explain_batch_error(cfg, err) from None
     if cfg.micro_batch == "auto":
         check_auto(cfg, dp_world)
-        accum = cfg.grad_accum or 1
-    else:
-        accum = cfg.resolve_batch(dp_world)[1]
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
 
@@ -77,7 +80,8 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
 
         micro, accum, _ = cfg.resolve_batch(dp_world)
-        resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
+        ds = resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
+        check_with_deepspeed(ds, Path(cfg.deepspeed_config).name)  # every key DeepSpeed would refuse in each rank
     if cfg.nan_policy == "skip" and s.zero_stage == 0:
         raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
     if cfg.compile and not s.supports_compile:
@@ -162,6 +166,7 @@ def _train(cfg: RunConfig, force: bool):
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
 
     cfg = resolve_nodes(cfg)
+    quiet_engines(pick_device_type(cfg.device))  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
@@ -171,7 +176,6 @@ def _train(cfg: RunConfig, force: bool):
         clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
-    quiet_engines(device_type)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
 

@@ -1,8 +1,7 @@
 """`zero0`..`zero3`, `*_offload`, `infinity`: DeepSpeed ZeRO engines built from the RunConfig.
 
 The DeepSpeed JSON is generated here, so the batch triple, precision, clipping and optimizer
-hyper-parameters always agree with the run; a user's own JSON is merged on top, with its
-HF-style "auto" values filled from the run config.
+hyper-parameters always agree with the run; a user's own JSON is merged on top (deepspeed_json.py).
 """
 
 from __future__ import annotations
@@ -22,12 +21,13 @@ from ..errors import UserError
 from .base import Strategy
 from .spec import all_specs, spec
 from .zero3_release_cache import apply_release_cache_fix
+from .deepspeed_json import adopt_user_json, merge_user_config, read_user_json  # noqa: F401  (adopt: re-exported)
 from . import zero3_one_rank
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 from ..training.optim import resolve_precision
 
 # Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
-# or a DeepSpeed checkpoint read; hjson only for a user JSON, inside read_user_json's error handling.
+# or a DeepSpeed checkpoint read.
 
 # Derived from the specs (strategies/specs/deepspeed_zero.py owns each name's stage).
 STAGE = {s.name: s.zero_stage for s in all_specs() if s.engine == "deepspeed"}
@@ -333,159 +333,6 @@ def use_deepspeed_optimizer(cfg: RunConfig, device_type: str) -> bool:
     return device_type == "cuda" or offload_kind(cfg.strategy) is not None
 
 
-# ---- user JSON with "auto" values -------------------------------------------------------------------
-
-
-# What `total_num_steps: "auto"` shows before the run knows its length (dry run, pre-spawn check).
-TOTAL_STEPS_LATER = "<the run's optimizer steps>"
-
-
-def _auto_values(base: dict[str, Any], cfg: RunConfig, total_steps: int | None = None) -> dict[str, Any]:
-    """What HF-style "auto" means, taken from the run config (not from the generated optimizer
-    section, which is absent when shardlab passes torch's AdamW)."""
-    zero = base["zero_optimization"]
-    return {
-        "train_micro_batch_size_per_gpu": base["train_micro_batch_size_per_gpu"],
-        "gradient_accumulation_steps": base["gradient_accumulation_steps"],
-        "train_batch_size": base["train_batch_size"],
-        "gradient_clipping": base["gradient_clipping"],
-        "lr": cfg.lr,
-        "betas": [cfg.adam_beta1, cfg.adam_beta2],
-        "eps": cfg.adam_eps,
-        "weight_decay": cfg.weight_decay,
-        # DeepSpeed's WarmupLR refuses 0 (and warms up over max(2, n) steps, the first at warmup_min_lr): no warm-up is 1
-        "warmup_num_steps": max(1, cfg.warmup_steps),
-        "warmup_max_lr": cfg.lr,
-        "warmup_min_lr": cfg.lr * cfg.min_lr_ratio,  # where shardlab's own schedule ends, as WarmupDecayLR's does
-        "total_num_steps": total_steps if total_steps is not None else TOTAL_STEPS_LATER,
-        "reduce_bucket_size": zero["reduce_bucket_size"],
-        "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
-        "stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
-        "stage3_gather_16bit_weights_on_model_save": False,  # export gathers the weights itself (full_state_dict)
-    }
-
-
-def _fill_auto(node: Any, values: dict[str, Any], key: str | None = None) -> Any:
-    if isinstance(node, dict):
-        return {k: _fill_auto(v, values, k) for k, v in node.items()}
-    if node == "auto":
-        if key == "enabled":
-            return None  # resolved by the precision merge below
-        if key not in values or values[key] is None:
-            raise UserError(f"DeepSpeed config value {key!r} is 'auto' but shardlab cannot fill it", f"give {key!r} a number")
-        return values[key]
-    return node
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def read_user_json(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"DeepSpeed config {path!r} not found", "check the path given to --deepspeed-config")
-    try:
-        import hjson  # DeepSpeed accepts hjson (comments, trailing commas); so do we
-
-        user = json.loads(json.dumps(hjson.loads(p.read_text())))
-    except Exception:
-        raise UserError(f"DeepSpeed config {path!r} is not valid JSON", "fix its syntax") from None
-    if not isinstance(user, dict):
-        raise UserError(f"DeepSpeed config {path!r} is not a JSON object", "write a {...} DeepSpeed config")
-    return user
-
-
-def json_strategy(user: dict[str, Any]) -> tuple[str | None, str]:
-    """The shardlab strategy a DeepSpeed JSON's zero_optimization describes (None: it sets no stage), and why."""
-    zero = user.get("zero_optimization") or {}
-    stage = zero.get("stage")
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        return None, "no zero_optimization.stage"
-    devices = {(zero.get(k) or {}).get("device") for k in ("offload_optimizer", "offload_param")} - {None, "none"}
-    where = f"zero_optimization.stage {stage}" + (f", offload to {' and '.join(sorted(devices))}" if devices else "")
-    if "nvme" in devices:
-        return ("infinity" if stage == 3 else None), where
-    if "cpu" in devices:
-        return (f"zero{stage}_offload" if stage else None), where
-    return f"zero{stage}", where
-
-
-def adopt_user_json(cfg: RunConfig, device_type: str) -> tuple[RunConfig, list[str]]:
-    """A user's DeepSpeed JSON decides what the run left open: the strategy from its zero_optimization (a given
-    --strategy must match it), the precision from its bf16/fp16 section where this device can run it.
-    Returns the config to run and the lines to log."""
-    if not cfg.deepspeed_config:
-        return cfg, []
-
-    user = read_user_json(cfg.deepspeed_config)
-    notes: list[str] = []
-    name = Path(cfg.deepspeed_config).name
-    strategy, where = json_strategy(user)
-    if strategy is None and where != "no zero_optimization.stage":
-        raise UserError(f"DeepSpeed config {name} has {where}, which no shardlab strategy runs",
-                        "offload needs stage 1-3 (cpu) or 3 (nvme, strategy infinity)")
-    if strategy is not None and strategy != cfg.strategy:
-        if "strategy" in cfg.model_fields_set:
-            raise UserError(f"DeepSpeed config {name} has {where}, which is strategy {strategy}, but --strategy is {cfg.strategy}",
-                            f"pass --strategy {strategy}, or drop --strategy and shardlab takes it from the JSON")
-        cfg = cfg.model_copy(update={"strategy": strategy})
-        notes.append(f"strategy {strategy}, from {name} ({where})")
-    if cfg.precision == "auto":
-        enabled = [sec for sec in ("bf16", "fp16") if (user.get(sec) or {}).get("enabled") is True]
-        if enabled and _runs_on(enabled[0], device_type):
-            cfg = cfg.model_copy(update={"precision": enabled[0]})
-            notes.append(f"precision {enabled[0]}, from {name}")
-        elif enabled:
-            chosen = resolve_precision("auto", device_type).name
-            notes.append(f"{name} enables {enabled[0]}, which {device_type.upper()} training does not support: precision {chosen}, "
-                         f"its {enabled[0]} section is turned off")
-    scheduler = (user.get("scheduler") or {}).get("params") or {}
-    if scheduler.get("warmup_num_steps") == "auto" and cfg.warmup_steps == 0:
-        notes.append(f"{name}'s scheduler warmup_num_steps 'auto' with no warm-up: 1 (DeepSpeed's WarmupLR refuses 0; "
-                     "its first step runs at warmup_min_lr)")
-    return cfg, notes
-
-
-def _runs_on(precision: str, device_type: str) -> bool:
-    try:
-        resolve_precision(precision, device_type)
-    except UserError:
-        return False
-    return True
-
-
-def merge_user_config(base: dict[str, Any], path: str, precision: str, cfg: RunConfig, total_steps: int | None = None,
-                      device_type: str | None = None) -> dict[str, Any]:
-    """Overlay a user's DeepSpeed JSON on the generated one; the batch triple must agree with the run."""
-    user = _fill_auto(read_user_json(path), _auto_values(base, cfg, total_steps))
-    stage = user.get("zero_optimization", {}).get("stage")
-    if stage is not None and stage != base["zero_optimization"]["stage"]:
-        raise UserError(
-            f"DeepSpeed config sets zero_optimization.stage={stage} but strategy {cfg.strategy!r} is ZeRO-{base['zero_optimization']['stage']}",
-            f"pass --strategy zero{stage} (or its _offload variant), or remove the stage from the JSON",
-        )
-    for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
-        if section in user and (user[section].get("enabled") is None or (
-                cfg.precision == "auto" and device_type is not None and not _runs_on(section, device_type))):
-            user[section]["enabled"] = wanted  # "auto", or a precision this device cannot run (adopt_user_json said so)
-        elif section in user and bool(user[section].get("enabled")) != wanted:
-            raise UserError(
-                f"DeepSpeed config enables {section} = {user[section].get('enabled')} but the run's precision is {precision}",
-                f"set {section}.enabled to \"auto\" or pass --precision to match",
-            )
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if key in user and user[key] != base[key]:
-            raise UserError(
-                f"DeepSpeed config sets {key}={user[key]} but the run resolves it to {base[key]}",
-                f"set {key} to \"auto\" in the JSON, or pass the matching --micro-batch/--grad-accum/--global-batch",
-            )
-    return _deep_merge(base, user)
-
-
 def resolved_ds_config(cfg: RunConfig, precision: str, micro: int, accum: int, world: int, device_type: str,
                        total_steps: int | None = None, n_params: int | None = None,
                        hidden: int | None = None, leaf_classes: list[str] | None = None) -> dict[str, Any]:
@@ -590,18 +437,6 @@ def announce_op_builds(ds: dict[str, Any], log) -> None:
 # ---- the strategy -------------------------------------------------------------------------------------
 
 
-def _one_name_per_zero_key(ds: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed accepts `max_live_parameters` or its alias `stage3_max_live_parameters`, not both. shardlab's own
-    section uses the aliases, so a name beside its alias came from the user's JSON (Axolotl's use them): it wins."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deepspeed is imported by the caller anyway
-
-    zero = dict(ds.get("zero_optimization") or {})
-    for name, field in DeepSpeedZeroConfig.model_fields.items():
-        if field.alias and field.alias != name and name in zero:
-            zero.pop(field.alias, None)
-    return {**ds, "zero_optimization": zero}
-
-
 class DeepSpeedStrategy(Strategy):
     @classmethod
     def cpu_optimizer(cls, cfg: RunConfig) -> bool:
@@ -628,10 +463,8 @@ class DeepSpeedStrategy(Strategy):
     def ds_config(self, total_steps: int | None = None, n_params: int | None = None, hidden: int | None = None,
                   leaf_classes: list[str] | None = None) -> dict[str, Any]:
         """What DeepSpeed gets, both for the engine and for the ZeRO-3 build's zero.Init (a user's JSON merged in)."""
-        return _one_name_per_zero_key(resolved_ds_config(
-            self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size, self.env.device.type,
-            total_steps, n_params, hidden, leaf_classes
-        ))
+        return resolved_ds_config(self.cfg, self.precision.name, self.micro_batch, self.grad_accum, self.env.world_size,
+                                  self.env.device.type, total_steps, n_params, hidden, leaf_classes)
 
     def build_model(self) -> nn.Module:
         """Built in the engine's own dtype: with bf16/fp16 every stage keeps 16-bit module weights (the engine

@@ -207,7 +207,9 @@ def _dry_run(cfg) -> None:
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
-    for check in (stale_run_files, check_tokenizer):
+    from ..launch.run_lock import check_no_live_run
+
+    for check in (lambda c: check_no_live_run(c.output_dir), stale_run_files, check_tokenizer):
         try:
             check(cfg)
         except UserError as err:  # a dry run writes nothing: say what `train` would refuse

@@ -8,6 +8,7 @@ or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -41,6 +42,7 @@ from ..planning.run_plan import check_host_ram, plan_for_run, write_record
 from .guards import publish_failure
 from .nodes import resolve_nodes
 from .preemption import REQUEUE_EXIT, ForwardToWorkers
+from .run_lock import LOCK_NAME, OutputDirLock
 from .supervise import mark_nodes_joining, note_for_kill, oom_kills, record_plan
 
 # Lazy imports below: transformers (training.models) loads when a model config is read, the trainer in the worker that
@@ -174,6 +176,17 @@ def _train(cfg: RunConfig, force: bool):
     check_tokenizer(cfg)  # train's own too: a plan needs no tokenizer
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
         clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
+    # A live run in output_dir is refused, --overwrite or not; held until this run ends (run_lock.py).
+    with OutputDirLock(cfg.output_dir) if _owns_output_dir(cfg) else contextlib.nullcontext():
+        return _run(cfg, force, device_type, nproc)
+
+
+def _owns_output_dir(cfg: RunConfig) -> bool:
+    """The one process that decides over output_dir: node 0's launcher (or rank 0 of a launched job)."""
+    return _rank_zero() and cfg.node_rank == 0
+
+
+def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
     auto = None
@@ -216,8 +229,9 @@ def _train(cfg: RunConfig, force: bool):
     return result
 
 
-# Not a run's output: `shardlab slurm` snapshots the job's code and config here before the job's first run.
-KEEP_IN_OUTPUT_DIR = ("slurm",)
+# Not a run's output: `shardlab slurm` snapshots the job's code and config here before the job's first run; the live
+# run's lock (run_lock.py).
+KEEP_IN_OUTPUT_DIR = ("slurm", LOCK_NAME)
 
 
 def stale_run_files(cfg: RunConfig) -> list[Path]:
@@ -225,8 +239,8 @@ def stale_run_files(cfg: RunConfig) -> list[Path]:
     resumes from a checkpoint there; with --overwrite, or --resume auto over an attempt that left no checkpoint and no
     summary (a requeued job that died early), the files to delete. Otherwise refused, in one line."""
     out = Path(cfg.output_dir)
-    if not _rank_zero() or cfg.node_rank != 0 or not out.is_dir():
-        return []  # one process decides: node 0's launcher (or rank 0 of a launched job)
+    if not _owns_output_dir(cfg) or not out.is_dir():
+        return []
     old = sorted(p for p in out.iterdir() if p.name not in KEEP_IN_OUTPUT_DIR)
     if not old:
         return []

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 # Bump when the way blocks are built changes, so stale caches are not reused.
 # 2: qa without answer_only_loss has loss on every token (1 masked the prompt regardless); misplaced answers skipped.
 # 3: duplicate rows dropped before a held-out split (splits.deduplicated).
-CACHE_VERSION = 3
+# 4: a text file that is mostly not UTF-8 is refused (sources.MAX_UNREADABLE_SHARE), not tokenized.
+CACHE_VERSION = 4
 _PROBE_TEXT = "Hello world\nQuestion: Why?\nAnswer: 42"
 
 

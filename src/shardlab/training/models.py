@@ -771,6 +771,8 @@ def load_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase:
         if kind == "gguf":
             tok = AutoTokenizer.from_pretrained(str(_gguf_cache(obj, "tokenizer")))
         elif kind == "dir":
+            if not _has_any(obj, TOKENIZER_FILES):  # transformers would build an empty tokenizer from config.json alone
+                raise _no_tokenizer_in_dir(name)
             try:
                 tok = AutoTokenizer.from_pretrained(str(obj), trust_remote_code=cfg.trust_remote_code)
             except ValueError as exc:
@@ -859,6 +861,36 @@ def run_tokenizer(cfg: RunConfig) -> transformers.PreTrainedTokenizerBase | None
     if needs_text(cfg):
         raise problem
     return None
+
+
+# What a save_pretrained directory holds besides config.json: weight files transformers loads, and tokenizer files (a fast
+# tokenizer's JSON, a sentencepiece model, a BPE or WordPiece vocabulary). With config.json alone, transformers builds an
+# empty tokenizer without a word, every text tokenizes to nothing, and the run fails blaming the data.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
+
+
+def _has_any(directory: Path, patterns: tuple[str, ...]) -> bool:
+    return any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
+def model_dir_problem(cfg: RunConfig) -> UserError | None:
+    """What a `--model DIR` lacks for this run, as one line: weights (always) and a tokenizer (a run on text without
+    --tokenizer); None for a complete directory and for every other kind of model."""
+    kind, obj = _classify(cfg.model)
+    if kind != "dir":
+        return None
+    missing = []
+    if not _has_any(obj, WEIGHT_FILES):
+        missing.append("no weights (model.safetensors or pytorch_model.bin)")
+    if cfg.tokenizer is None and needs_text(cfg) and not _has_any(obj, TOKENIZER_FILES):
+        missing.append("no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if not missing:
+        return None
+    fix = "point --model at a directory written by save_pretrained (weights and tokenizer) or at a preset, which starts from random weights"
+    if len(missing) == 1 and missing[0].startswith("no tokenizer"):
+        fix = f"pass --tokenizer with a tokenizer directory or hub id ({GPT2_BPE} for GPT-2 models), or save the tokenizer into it"
+    return UserError(f"model directory {cfg.model!r} has a config.json but {' and '.join(missing)}", fix)
 
 
 def _no_tokenizer_in_dir(name: str) -> UserError:

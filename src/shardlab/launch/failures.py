@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 
 from ..errors import UserError, say
-from .preemption import REQUEUE_EXIT, Preempted
+from .preemption import INTERRUPT_EXIT, REQUEUE_EXIT, Preempted
 
 
 def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:
@@ -31,7 +31,7 @@ def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:
     elif code < 0:
         kind = 1 if code == -signal.SIGABRT else 0
     else:
-        kind = 3 if code == requeue_exit else 2
+        kind = 3 if code in (requeue_exit, INTERRUPT_EXIT) else 2
     return failure.timestamp, kind, rank
 
 
@@ -50,6 +50,8 @@ class WorkerFailed(Exception):
         rank, first = min(failures.items(), key=lambda kv: _cause_order(kv[0], kv[1], REQUEUE_EXIT))
         if first.exitcode == REQUEUE_EXIT:  # ranks stop at the same step, so the first to exit speaks for all
             return cls(REQUEUE_EXIT, "the workers checkpointed and stopped on a signal (exit 75: requeue and resume with --resume auto)")
+        if first.exitcode == INTERRUPT_EXIT:
+            return cls(INTERRUPT_EXIT, "the workers stopped on SIGINT (exit 130)")
         if first.exitcode < 0:  # killed by a signal: it could not say so itself
             name = first.signal_name()
             why = ""
@@ -80,8 +82,8 @@ def report_errors():
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         say(f"{prefix}error: {err}")
         status.code = err.exit_code
-    except WorkerFailed as err:
-        say(f"{'[shardlab]' if err.exitcode == Preempted.exit_code else 'error:'} {err}")
+    except WorkerFailed as err:  # a stop the user or the scheduler asked for is no error
+        say(f"{'[shardlab]' if err.exitcode in (REQUEUE_EXIT, INTERRUPT_EXIT) else 'error:'} {err}")
         status.code = err.exitcode
     except KeyboardInterrupt:
         say("interrupted")

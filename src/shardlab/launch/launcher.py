@@ -338,7 +338,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
             monitor_interval=0.5,
         )
         if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # torch >= 2.8
-            launch.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded by ForwardToWorkers
+            launch.signals_to_handle = "SIGHUP,SIGQUIT"  # SIGTERM and SIGINT are forwarded by ForwardToWorkers
         start = worker_start_method(pick_device_type(cfg.device))
         how = "forked from this launcher" if start == "fork" else "fresh interpreters"
         wait = f"; waiting up to {RENDEZVOUS_TIMEOUT_S} s for all {cfg.nodes} nodes to join" if cfg.nodes > 1 else ""

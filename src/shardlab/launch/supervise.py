@@ -147,24 +147,26 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
         env = {**os.environ, **bytecode_env(os.environ), SUPERVISED_ENV: str(plan_file)}  # bytecode.py: start-up halved
         child = subprocess.Popen(command or [sys.executable, *sys.orig_argv[1:]], env=env,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        # Ctrl-C reaches the child from the terminal itself; the child stops cleanly and we report its status. Not while
-        # the child waits for the other nodes of a multi-node run (nodes_joining): that wait is a C++ call during which
-        # no signal reaches the child's Python, so Ctrl-C and SIGTERM end it from here.
+        # Ctrl-C reaches the child from the terminal itself; a SIGINT sent to this pid alone (an IDE's stop button, a
+        # scheduler) is passed on (ForwardToWorkers); either way the child stops cleanly and we report its status. Not
+        # while the child waits for the other nodes of a multi-node run (nodes_joining): that wait is a C++ call during
+        # which no signal reaches the child's Python, so Ctrl-C and SIGTERM end it from here.
         ended: list[int] = []
 
         def end_if_joining(signum: int, frame) -> None:
             if nodes_joining(plan_file).exists():
                 ended.append(signum)
                 child.kill()
-            elif signum != signal.SIGINT:
+            else:
                 forward._handle(signum, frame)
 
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, end_if_joining)}
         for sig in FORWARDED:
             previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
         try:
-            with ForwardToWorkers() as forward:  # SIGTERM / SIGUSR1 / SIGUSR2 sent to this process only (kill PID, SLURM's batch shell)
-                signal.signal(signal.SIGTERM, end_if_joining)  # restored by ForwardToWorkers
+            with ForwardToWorkers() as forward:  # SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT sent to this process only (kill PID, SLURM's batch shell)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, end_if_joining)  # restored by ForwardToWorkers
                 code = child.wait()
         finally:
             for sig, handler in previous.items():

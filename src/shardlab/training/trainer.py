@@ -344,7 +344,7 @@ class Trainer:
         if env.is_main and state["global_step"] > 0:
             metrics.drop_rows_after(self.run_dir / "metrics.jsonl", state["global_step"])
         writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
-        self.signals.install()  # SIGTERM/SIGUSR1: checkpoint and stop after this step; SIGUSR2: checkpoint
+        self.signals.install()  # SIGTERM/SIGUSR1: checkpoint and stop after this step; SIGUSR2: checkpoint; SIGINT: stop
         try:
             summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
             if self.plan is not None:
@@ -574,10 +574,11 @@ class Trainer:
                         last_eval, last_eval_step = evaluate(strategy, eval_loader, env), global_step
                         writer.log({"step": global_step, **last_eval})
                         self._track(strategy, last_eval, nxt)
-                    if stop or save_now or (cfg.save_every and global_step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
+                    saved = None  # a stop by SIGTERM/SIGUSR1 asks for a checkpoint (save_now); by SIGINT, only if the run saves them
+                    if save_now or (stop and cfg.save_every) or (cfg.save_every and global_step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
                         saved = checkpoint.save(strategy, self.run_dir, {**nxt, "evals": self.evals.state()}, cfg.keep_checkpoints, self.config_text)
-                        if stop:
-                            raise Preempted(self.signals.describe(), global_step, str(saved))
+                    if stop:
+                        raise Preempted(self.signals.describe(), global_step, str(saved) if saved else None, requeue=save_now)
                     if self.evals.stopped_early:
                         break
                 # epoch end

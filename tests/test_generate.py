@@ -86,9 +86,16 @@ def test_model_dir_resolution(run_dir, tmp_path):
     assert model_dir(str(run_dir)) == str(run_dir / "model")
     assert model_dir(str(run_dir / "model")) == str(run_dir / "model")
     assert model_dir("tiny-gpt2") == "tiny-gpt2"  # not a path: shardlab.training.models resolves it
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.yaml").write_text("model: tiny-gpt2\n")
+    # a --no-export run without checkpoints: nothing to export either, so no `shardlab export` to suggest
+    with pytest.raises(UserError, match="no checkpoint: .* its trained weights were not kept") as refused:
+        model_dir(str(tmp_path / "r"))
+    assert "shardlab export" not in str(refused.value)
+    step = tmp_path / "r" / "checkpoints" / "step-0000002"  # with one, export is the way
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
     with pytest.raises(UserError, match="shardlab export"):
-        (tmp_path / "r").mkdir()
-        (tmp_path / "r" / "config.yaml").write_text("model: tiny-gpt2\n")
         model_dir(str(tmp_path / "r"))
 
 

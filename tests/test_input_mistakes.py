@@ -95,3 +95,60 @@ def test_text_with_a_few_bytes_that_are_not_utf8_still_reads(tmp_path):
     ds = DatasetConfig(source=str(data))
     rows = load_rows(classify(ds), ds).train
     assert len(rows) == 2 and "\ufffd" in rows[0]["text"]
+
+
+# ---- habits from other tools: what a user would expect to be told --------------------------------------------
+
+
+def test_a_python_tag_in_the_yaml_is_named_as_executable_and_never_run(tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "ran"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f'model: !!python/object/apply:os.system ["touch {marker}"]\n')
+    assert_error(["train", "--config", str(cfg)], tmp_path, capsys, monkeypatch, "executable YAML tag !!python/object/apply:os.system",
+                 "line 1:8", "not allowed", "remove the tag")
+    assert not marker.exists()
+    cfg.write_text("model: !Ref tiny-gpt2\n")  # CloudFormation's habit: refused as a tag, not as broken syntax
+    line = assert_error(["train", "--config", str(cfg)], tmp_path, capsys, monkeypatch, "YAML tag !Ref")
+    assert "syntax" not in line
+
+
+def test_nodes_without_master_addr_say_they_meet_on_this_machine(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["train", "--nodes", "2", "--device", "cpu", "--dry-run"], tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert "# --nodes 2 without --master-addr: the nodes meet at 127.0.0.1, this machine" in out
+    code, out, err = run_cli(["train", "--nodes", "2", "--master-addr", "10.0.0.1", "--device", "cpu", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0 and "without --master-addr" not in out, err
+
+
+def test_a_run_that_keeps_no_weights_says_so_at_the_start_and_generate_does_not_suggest_export(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["train", "--no-export", "--device", "cpu", "--dry-run"], tmp_path, capsys, monkeypatch)
+    assert code == 0 and "# --no-export without --save-every: the trained weights will not be kept" in out, err
+    for kept in (["--save-every", "5"], []):  # a checkpoint, or the exported model
+        code, out, err = run_cli(["train", *kept, "--device", "cpu", "--dry-run"], tmp_path, capsys, monkeypatch)
+        assert code == 0 and "will not be kept" not in out, err
+    run = tmp_path / "no-export-run"  # what such a run leaves: its record, no model/, no checkpoints/
+    run.mkdir()
+    for name in ("config.yaml", "summary.json", "metrics.jsonl"):
+        (run / name).write_text("{}\n")
+    line = assert_error(["generate", str(run), "--prompt", "Hello"], tmp_path, capsys, monkeypatch, "no exported model",
+                        "no checkpoint", "weights were not kept", "without --no-export")
+    assert "shardlab export" not in line
+
+
+def test_bf16_on_a_cpu_without_native_bf16_says_it_is_slow(tmp_path, capsys, monkeypatch):
+    from shardlab.training import cpu_bf16
+
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert cpu_bf16.native_bf16(flags) is False
+    flags.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert cpu_bf16.native_bf16(flags) is True
+    argv = ["train", "--device", "cpu", "--precision", "bf16", "--dry-run"]
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda *a: False)
+    code, out, err = run_cli(argv, tmp_path, capsys, monkeypatch)
+    assert code == 0 and out.count("# precision bf16 on a CPU without native bf16 matrix multiplies") == 1, err
+    assert "14-25x slower than in fp32" in out
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda *a: True)
+    code, out, err = run_cli(argv, tmp_path, capsys, monkeypatch)
+    assert code == 0 and "native bf16" not in out, err

@@ -511,6 +511,15 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             raise UserError(f"config file {str(path)!r} has a tab character at line {mark.line + 1}:{mark.column + 1}; "
                             "YAML indents with spaces only", "replace the tab with spaces") from None
         where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""
+        found = re.search(r"tag '([^']+)'", str(getattr(exc, "problem", "")))
+        if isinstance(exc, yaml.constructor.ConstructorError) and found:  # valid YAML, with a tag safe_load will not construct
+            tag = found.group(1).replace("tag:yaml.org,2002:", "!!")  # as the file spells it
+            if tag.startswith("!!python/"):
+                raise UserError(f"config file {str(path)!r} has the executable YAML tag {tag}{where}: tags that build Python "
+                                "objects or run code are not allowed (shardlab reads YAML with safe_load)",
+                                "remove the tag and write the plain value") from None
+            raise UserError(f"config file {str(path)!r} has the YAML tag {tag}{where}, which shardlab does not read",
+                            "remove the tag and write the plain value") from None
         raise UserError(f"config file {str(path)!r} is not valid YAML{where}", "fix the YAML syntax") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {str(path)!r} must hold a mapping of keys", "write `key: value` lines")

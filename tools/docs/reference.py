@@ -202,6 +202,11 @@ def _flag_table(entries: list[Flag]) -> list[str]:
     return rows + [""]
 
 
+def key_anchor(key: str) -> str:
+    """The page anchor of a dotted config key or summary field (`a.b[]` -> `a-b`)."""
+    return re.sub(r"[^A-Za-z0-9_]+", "-", key.replace("[]", "")).strip("-")
+
+
 # --------------------------------------------------------------------------------------------------
 # config keys
 
@@ -216,7 +221,7 @@ class Key:
 
     @property
     def anchor(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_]+", "-", self.key.replace("[]", "")).strip("-")
+        return key_anchor(self.key)
 
 
 def _type_name(annotation: object) -> str:
@@ -280,7 +285,7 @@ class SummaryField:
 
     @property
     def anchor(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_]+", "-", self.key.replace("[]", "")).strip("-")
+        return key_anchor(self.key)
 
 
 def summary_entries() -> list[SummaryField]:

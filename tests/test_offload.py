@@ -388,7 +388,7 @@ def test_exact_options_match_dp_and_offload_runs_split_their_time(tmp_path, trai
 
 
 # AdamW8bit quantises m and v block-wise (256 elements, dynamic-tree 8-bit code), so it does not follow AdamW
-# bit for bit. Documented tolerance: over 200 steps of tiny-gpt2 on the offline corpus (micro 2 x 32 tokens), the
+# bit for bit. Documented tolerance: over 100 steps of tiny-gpt2 on the offline corpus (micro 2 x 32 tokens), the
 # mean loss of the last 20 steps within 3% of exact AdamW's. (Each run is under a minute on an idle 2-core machine,
 # most of the 8-bit one torchao compiling its step once per parameter shape; under load much longer, hence the
 # long timeout.)
@@ -396,8 +396,8 @@ ADAMW8BIT_REL_TOLERANCE = 0.03
 
 
 @pytest.mark.slow
-def test_adamw8bit_tracks_adamw_over_200_steps(tmp_path, train_cli):
-    args = ["--model", "tiny-gpt2", "--max-steps", "200", "--seq-len", "32", "--micro-batch", "2", "--lr", "3e-3", "--dropout", "0",
+def test_adamw8bit_tracks_adamw_over_100_steps(tmp_path, train_cli):
+    args = ["--model", "tiny-gpt2", "--max-steps", "100", "--seq-len", "32", "--micro-batch", "2", "--lr", "3e-3", "--dropout", "0",
             "--precision", "fp32", "--log-every", "1", "--seed", "1234", "--lr-schedule", "constant", "--no-export",
             "--set", "dataset.eval_samples=1"]  # fmt: skip
     ref = train_cli(args, tmp_path / "adamw", timeout=1800).check()
@@ -405,7 +405,7 @@ def test_adamw8bit_tracks_adamw_over_200_steps(tmp_path, train_cli):
     assert q.summary["optimizer"].startswith("8-bit AdamW")
     tail_ref, tail_q = statistics.fmean(ref.losses[-20:]), statistics.fmean(q.losses[-20:])
     assert tail_q < statistics.fmean(q.losses[:20])  # it trains
-    assert tail_q == pytest.approx(tail_ref, rel=ADAMW8BIT_REL_TOLERANCE), (tail_q, tail_ref)  # 0.39% apart on 2026-11-27
+    assert tail_q == pytest.approx(tail_ref, rel=ADAMW8BIT_REL_TOLERANCE), (tail_q, tail_ref)
 
 
 def test_auto_micro_batch_accumulates_offload_steps_to_a_large_token_batch():

@@ -271,7 +271,7 @@ def test_export_reloads_and_reproduces_eval_loss(runs, trainer_eval_loss, strate
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------
 
-# zero3 on one rank: a checkpoint saved and loaded between steps whose parameters stay gathered (zero3_one_rank.py)
+# zero3 on one rank: a checkpoint saved and loaded between steps whose parameters stay gathered (compat/zero3_one_rank.py)
 RESUMABLE = [("dp", 1), ("zero2", 1), ("fsdp", 1), ("zero3", 2), ("zero3", 1)]
 
 

@@ -1,4 +1,4 @@
-"""strategies/zero3_one_rank.py: one-rank ZeRO-3 skips the step's release/re-gather of parameters that are views of
+"""compat/zero3_one_rank.py: one-rank ZeRO-3 skips the step's release/re-gather of parameters that are views of
 their partitions, the reduce-scatter to itself, and the per-tensor norm kernels. They change host work, not the
 arithmetic: the same run with DeepSpeed's own path has the same losses and gradient norms."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardlab.strategies import zero3_one_rank
+from shardlab.compat import zero3_one_rank
 from test_train_e2e import train_args
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .bytecode import bytecode_env
+from ..compat import check_switch
 from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
@@ -52,6 +53,7 @@ from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_ki
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
     """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
+    check_switch()  # SHARDLAB_PATCHES names known patches (compat/)
     device_type = pick_device_type(cfg.device)
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)

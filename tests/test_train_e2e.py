@@ -299,8 +299,8 @@ def resume_runs(runs, strategy, gpus):
 
     def killed_at_step_12():  # as if the job had been killed at step 12, after logging two steps past its last checkpoint
         assert [r["step"] for r in first.rows] == list(range(1, 11))
-        with open(first.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n")
+        with open(first.out / "metrics.jsonl", "a") as f:  # and in the middle of writing step 13's row (a torn line)
+            f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n" + '{"step": 13, "lo')
 
     second = runs.get(f"{name}-continued", again, out=first.out, prepare=killed_at_step_12)
     return first, second

@@ -273,6 +273,9 @@ class RunConfig(_Strict):
         description="run directory")
     resume: str | None = Field(None, json_schema_extra=cli("--resume"),
         description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    trust_checkpoint: bool = Field(False, json_schema_extra=cli("--trust-checkpoint"),
+        description="resume from a checkpoint that shardlab did not write for this user even where its pickles hold more "
+        "than tensors and plain data (loading it may run its code); without it such a checkpoint is refused")
     overwrite: bool = Field(False, json_schema_extra=cli("--overwrite"),
         description="output_dir holds another run: delete its files first (else the run is refused)")
     log_every: int = Field(10, gt=0, json_schema_extra=cli("--log-every"),

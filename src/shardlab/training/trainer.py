@@ -395,10 +395,11 @@ class Trainer:
         directory = checkpoint.checkpoints_root(self.run_dir) / checkpoint.BEST
         if best is None or best == current:
             return current
-        if not checkpoint.is_complete(directory):  # e.g. resumed with --save-best from a run that had it off
+        found = checkpoint.complete(directory)  # best/, or best.old if a kill came while best/ was re-saved
+        if found is None:  # e.g. resumed with --save-best from a run that had it off
             log0(self.env, f"no best checkpoint in {directory}; exporting the last step {current}")
             return current
-        checkpoint.load(strategy, directory, self.layout)
+        checkpoint.load(strategy, found, self.layout)
         log0(self.env, f"exporting the best step {best} (eval loss {self.evals.best:.4f}), not the last step {current}")
         return best
 

@@ -261,6 +261,9 @@ def screen(directory: Path) -> str | None:
 # ---- the decision ---------------------------------------------------------------------------------------
 
 
+_SCREENED: set[Path] = set()  # said once per process: `shardlab plan` runs the preflight once per strategy
+
+
 def check_checkpoint(directory: Path, trusted: bool, what: str, say: Callable[[str], None] = print) -> str:
     """How the checkpoint ``directory`` may be read: 'trusted' (``--trust-checkpoint``), 'sealed' (written here) or
     'screened'; a UserError in one line when it holds a pickle the screen refuses. ``what``: the option that named it."""
@@ -273,6 +276,8 @@ def check_checkpoint(directory: Path, trusted: bool, what: str, say: Callable[[s
         raise UserError(f"{what}: checkpoint {str(directory)!r} was not written by shardlab for this user and {problem}, "
                         "which loading it would run",
                         "load only checkpoints you trust; if you trust this one, pass --trust-checkpoint")
-    say(f"checkpoint {directory} was not written by shardlab for this user: screened, its pickles hold only tensors "
-        "and plain data")
+    if directory.resolve() not in _SCREENED:
+        _SCREENED.add(directory.resolve())
+        say(f"checkpoint {directory} was not written by shardlab for this user: screened, its pickles hold only "
+            "tensors and plain data")
     return "screened"

@@ -25,6 +25,7 @@ This module imports no torch: the launcher and the CLI check the switch before a
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import sys
@@ -96,6 +97,7 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
 # ---- versions ------------------------------------------------------------------------------------
 
 
+@functools.cache  # the planner asks for every strategy it plans; what is installed does not change in a process
 def installed(distribution: str) -> str | None:
     """The installed version of ``distribution`` (``python``: the interpreter's), None when it is not installed."""
     if distribution == "python":

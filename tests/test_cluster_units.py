@@ -389,15 +389,18 @@ class _RunsCode:
 
 
 def test_export_refuses_a_zero_checkpoint_whose_files_would_run_code(tmp_path):
-    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False: export opens every file weights-only first."""
-    from shardlab.checkpoint import export, reshard
+    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False: export screens a checkpoint shardlab did not write
+    for this user first (checkpoint/trust.py), every file weights-only."""
+    from shardlab.checkpoint import export, reshard, store
 
     source = tmp_path / "ckpt" / reshard.DS_TAG
     source.mkdir(parents=True)
+    (tmp_path / "ckpt" / store.TRAINER_STATE).write_text(json.dumps({"global_step": 1, "layout": {"strategy": "zero2"}}))
     marker = tmp_path / "code-ran"
     torch.save({"optimizer_state_dict": _RunsCode(str(marker))}, source / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    with pytest.raises(UserError, match="weights-only load refuses") as err:
-        export._zero_weights(tmp_path / "ckpt")
-    assert not marker.exists() and "\n" not in err.value.message
+    with pytest.raises(UserError, match="mkdir") as err:
+        export.export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+    assert not marker.exists() and "\n" not in err.value.message and "--trust-checkpoint" in err.value.hint
+    assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match="holds no DeepSpeed ZeRO checkpoint"):
         export._zero_weights(tmp_path)

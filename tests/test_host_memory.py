@@ -362,7 +362,7 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
         # One-rank ZeRO-3 reduces the parameters' own gradients (no contiguous bucket). DeepSpeed's own path flattens
         # them into one more copy first: on a GPU, where the step has no AdamW temporaries, that end of backward is the
         # peak of a run with few activations (gpt2 fp32 micro 1 x 256 on an H200: 3.31 GiB measured, 3.25 planned, 2.81
-        # before). The one-rank shortcut identity_reduce_scatter (strategies/zero3_one_rank.py, the default) makes none.
+        # before). The one-rank shortcut identity_reduce_scatter (compat/zero3_one_rank.py, the default) makes none.
         from shardlab.planning.planner import plan
 
         own = probe("[]")

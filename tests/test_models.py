@@ -100,7 +100,7 @@ def test_dtype_and_attention_for_presets():
     assert models.model_summary(gpt2)["dtype"] == "bf16"
     assert gpt2.config._attn_implementation == "shardlab_sdpa"  # transformers' sdpa, is_causal under compile (sdpa_causal.py)
     bloom = models.build_model(RunConfig(model="tiny-bloom", device="cpu"))
-    # transformers builds BLOOM eager (it has no SDPA path); shardlab.training.bloom_sdpa then routes its attention through SDPA
+    # transformers builds BLOOM eager (it has no SDPA path); shardlab.compat.bloom_sdpa then routes its attention through SDPA
     assert bloom.config._attn_implementation == "eager" and "forward" in vars(bloom.transformer.h[0].self_attention)
     eager = models.build_model(RunConfig(model="tiny-gpt2", device="cpu", attn_implementation="eager"))
     assert eager.config._attn_implementation == "eager"
@@ -120,7 +120,7 @@ def test_resolve_attn_implementation(monkeypatch):
     monkeypatch.setattr(models, "_flash_attn_importable", lambda: False)
     assert models.resolve_attn_implementation("auto", "cpu") == "sdpa"
     assert models.resolve_attn_implementation("auto", "cuda") == "sdpa"
-    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "sdpa"  # shardlab.training.bloom_sdpa
+    assert models.resolve_attn_implementation("auto", "cuda", BloomForCausalLM) == "sdpa"  # shardlab.compat.bloom_sdpa
     assert models.resolve_attn_implementation("eager", "cpu") == "eager"
     assert models.resolve_attn_implementation("sdpa", "cpu", GPT2LMHeadModel) == "sdpa"
     with pytest.raises(UserError, match="flash_attn"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardlab.training.optim import fused_clipped_step
+from shardlab.compat.fused_clip import fused_clipped_step
 
 
 def _model() -> nn.Module:

@@ -74,6 +74,7 @@ def test_gpt2_pipeline_matches_dp(shared_runs, dp_gpt2, schedule):
     assert_same_losses(run, dp_gpt2)
     assert run.summary["world_size"] == 2 and run.summary["global_batch"] == 4
     check_measured_vs_simulated(run.summary["pipeline"], schedule, stages=2, microbatches=2)
+    assert "stage_timer" in run.summary["patches"]  # the per-stage times come from compat/stage_timer.py
     # The export gathers both stages (embedding and head included) into one HF model equal to dp's.
     pp, dp = (AutoModelForCausalLM.from_pretrained(r.out / "model").state_dict() for r in (run, dp_gpt2))
     assert pp.keys() == dp.keys()

@@ -382,7 +382,7 @@ MEASURED_ZERO3_GATHER = [
     (dict(model="gpt2-large", gpus=2, micro_batch=4, grad_accum=4, loss_kernel="hf"), "zero3", 20.821),
     (dict(model="gpt2-large", gpus=4, micro_batch=4, grad_accum=2, loss_kernel="hf"), "zero3", 17.9),
     (dict(model="gpt2-large", gpus=1, micro_batch=2, grad_accum=1, strategy_options=MEASURED_BUCKETS), "zero3_offload", 7.95),
-    # measured with BLOOM's eager attention (before shardlab.training.bloom_sdpa made sdpa its auto choice)
+    # measured with BLOOM's eager attention (before shardlab.compat.bloom_sdpa made sdpa its auto choice)
     (dict(model="bloom-560m", gpus=1, micro_batch=2, grad_accum=1, attn_implementation="eager", strategy_options=MEASURED_BUCKETS),
      "zero3_offload", 9.96),
 ]

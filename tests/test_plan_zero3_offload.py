@@ -44,7 +44,7 @@ HIDDEN = {"bloom-7b1": 4096, "bloom-3b": 2560}
 
 # (model, GPUs, eval_at_start, measured torch.cuda.max_memory_allocated GiB, where)
 MEASURED = [
-    # With the initial eval, after both ZeRO-3 release fixes (strategies/zero3_release_cache.py; the partition cache
+    # With the initial eval, after both ZeRO-3 release fixes (compat/zero3_release_cache.py; the partition cache
     # emptied after an eval): benchmarks/results/2026-11-27-h100-remeasure call 2 (shardlab train, 10 steps, one GPU of a
     # 2 x H200 host). The peak is the final eval's: 2.87 GiB of bf16 logits + 2 x 5.74 fp32 + 0.05 persistent + the 1.87
     # GiB the training trace keeps gathered = 16.37 (planned 16.28). Before the fixes the same run peaked at 14.45: the

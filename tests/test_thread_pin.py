@@ -82,6 +82,7 @@ def test_pin_confines_the_thread_and_not_what_it_starts():
     one CPU; a Python thread, a forked and a spawned multiprocessing child, a subprocess and an os.posix_spawn'd
     process started from the pinned thread all see the full set; release gives the full set back."""
     full = set(os.sched_getaffinity(0))
+    creators = (threading.Thread.start, subprocess.Popen._execute_child, os.posix_spawn)
     ready, stop, seen = threading.Event(), threading.Event(), {}
 
     def helper():  # stands in for autograd's device thread, created before the pin
@@ -126,6 +127,8 @@ def test_pin_confines_the_thread_and_not_what_it_starts():
         stop.set()
         h.join()
     assert not pin.is_pinned() and os.sched_getaffinity(0) == full and seen["mask"] == full
+    # the wrappers around CPython's creators are gone with the pin (compat/thread_spawn.py)
+    assert (threading.Thread.start, subprocess.Popen._execute_child, os.posix_spawn) == creators
 
 
 # ---- one-rank ZeRO-3 defaults in the generated JSON -------------------------------------------------------

@@ -240,6 +240,21 @@ def test_tiny_bloom_trains(runs):
     assert run.summary["initial_eval_loss"] == evals[0]["eval_loss"]
     config = json.loads((run.out / "model" / "config.json").read_text())
     assert config["model_type"] == "bloom" and config["architectures"] == ["BloomForCausalLM"]
+    assert run.summary["patches"] == ["bloom_sdpa"] and run.summary["patches_off"] is None  # compat/bloom_sdpa.py
+
+
+@pytest.mark.slow
+def test_a_patch_switched_off_is_said_once_and_the_run_records_it(runs, train_cli, tmp_path, monkeypatch):
+    """SHARDLAB_PATCHES=-bloom_sdpa: one line says so, BLOOM trains with transformers' eager attention, and summary.json
+    lists the patch as off, with why. The losses are the patched run's (tests/test_compat.py checks them closely)."""
+    monkeypatch.setenv("SHARDLAB_PATCHES", "-bloom_sdpa")
+    run = train_cli(train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"]), tmp_path / "run").check()
+    assert [line for line in run.stdout.splitlines() if "patch bloom_sdpa off" in line] == [
+        "[shardlab] patch bloom_sdpa off: turned off by SHARDLAB_PATCHES; instead transformers' eager BLOOM attention"]
+    assert run.summary["patches"] == [] and run.summary["patches_off"] == {"bloom_sdpa": "turned off by SHARDLAB_PATCHES"}
+    patched = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"])).check()
+    for a, b in zip(run.rows, patched.rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
 
 
 # ---- export: the HF directory reproduces the run's eval loss ------------------------------------------------
@@ -271,7 +286,7 @@ def test_export_reloads_and_reproduces_eval_loss(runs, trainer_eval_loss, strate
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------
 
-# zero3 on one rank: a checkpoint saved and loaded between steps whose parameters stay gathered (zero3_one_rank.py)
+# zero3 on one rank: a checkpoint saved and loaded between steps whose parameters stay gathered (compat/zero3_one_rank.py)
 RESUMABLE = [("dp", 1), ("zero2", 1), ("fsdp", 1), ("zero3", 2), ("zero3", 1)]
 
 
@@ -284,8 +299,8 @@ def resume_runs(runs, strategy, gpus):
 
     def killed_at_step_12():  # as if the job had been killed at step 12, after logging two steps past its last checkpoint
         assert [r["step"] for r in first.rows] == list(range(1, 11))
-        with open(first.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n")
+        with open(first.out / "metrics.jsonl", "a") as f:  # and in the middle of writing step 13's row (a torn line)
+            f.write(json.dumps({"step": 11, "loss": 0.5}) + "\n" + json.dumps({"step": 12, "loss": 0.5}) + "\n" + '{"step": 13, "lo')
 
     second = runs.get(f"{name}-continued", again, out=first.out, prepare=killed_at_step_12)
     return first, second

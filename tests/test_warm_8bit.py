@@ -10,6 +10,7 @@ from torch import nn
 
 from shardlab.config import RunConfig
 from shardlab.planning.planner import eight_bit_state_bytes, eight_bit_warmup_bytes
+from shardlab.compat.autotune import clones_on_device
 from shardlab.training import optim, warm_8bit
 
 slow = pytest.mark.slow  # torchao's step compiles on the CPU: seconds a graph on 2 cores
@@ -78,7 +79,7 @@ def test_clones_on_device_restores_inductors_choice():
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     original = CachingAutotuner.copy_args_to_cpu_if_needed
-    with warm_8bit.clones_on_device() as steered:
+    with clones_on_device() as steered:
         assert steered and CachingAutotuner.copy_args_to_cpu_if_needed(object()) == {}
     assert CachingAutotuner.copy_args_to_cpu_if_needed is original
 

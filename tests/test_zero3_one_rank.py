@@ -1,4 +1,4 @@
-"""strategies/zero3_one_rank.py: one-rank ZeRO-3 skips the step's release/re-gather of parameters that are views of
+"""compat/zero3_one_rank.py: one-rank ZeRO-3 skips the step's release/re-gather of parameters that are views of
 their partitions, the reduce-scatter to itself, and the per-tensor norm kernels. They change host work, not the
 arithmetic: the same run with DeepSpeed's own path has the same losses and gradient norms."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardlab.strategies import zero3_one_rank
+from shardlab.compat import zero3_one_rank
 from test_train_e2e import train_args
 
 
@@ -67,6 +67,8 @@ def test_the_shortcuts_change_no_loss_and_no_gradient_norm(shared_runs):
     # use, so those steps find them released and take DeepSpeed's own path
     assert 6 <= fast.summary["zero3_steps_kept_gathered"] <= 8
     assert "zero3_one_rank_shortcuts" not in own.summary
+    assert {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} <= set(fast.summary["patches"])
+    assert not {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} & set(own.summary["patches"])
     assert len(fast.rows) == len(own.rows) == 8
     for a, b in zip(fast.rows, own.rows):
         # the weights after each step are the same tensors' in-place update: a stale view would show from step 2 on

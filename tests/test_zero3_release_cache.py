@@ -1,4 +1,4 @@
-"""strategies/zero3_release_cache.py: DeepSpeed's ZeRO-3 coordinator caches its release decisions
+"""compat/zero3_release_cache.py: DeepSpeed's ZeRO-3 coordinator caches its release decisions
 (PartitionedParameterCoordinator.__params_to_release, lru_cache'd, never cleared), so an eval before the first training
 step left the eval trace's decisions in force for the whole run. The fix clears that cache when a new trace completes.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.strategies import zero3_release_cache
-from shardlab.strategies.zero3_release_cache import apply_release_cache_fix
+from shardlab.compat import zero3_release_cache
+from shardlab.compat.zero3_release_cache import apply_release_cache_fix
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PROBE = Path(__file__).resolve().parent / "zero3_release_probe.py"

@@ -1,7 +1,7 @@
 """For tests/test_zero3_release_cache.py, run as its own process (DeepSpeed's and torch.distributed's global state stay
 out of pytest's): which non-persistent parameters ZeRO-3 with CPU offload still holds gathered at the start of
 backward, per training micro-batch, with and without a forward-only eval before the first one, without and then with
-shardlab's release-cache fix (strategies/zero3_release_cache.py). One gloo rank is enough to show it.
+shardlab's release-cache fix (compat/zero3_release_cache.py). One gloo rank is enough to show it.
 
     python tests/zero3_release_probe.py   ->  one JSON line {"no_eval": [...], "eval_first": [...],
                                                            "eval_first_fixed": [...], "no_eval_fixed": [...], "applied": bool}
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 from transformers import BloomConfig, BloomForCausalLM  # noqa: E402
 
-from shardlab.strategies.zero3_release_cache import apply_release_cache_fix  # noqa: E402
+from shardlab.compat.zero3_release_cache import apply_release_cache_fix  # noqa: E402
 
 LAYERS, HIDDEN, VOCAB, SEQ, MICRO, STEPS = 4, 64, 2048, 32, 2, 4
 

@@ -5,7 +5,7 @@ layers and blocks) at a tiny width, so that a step's wall time is mostly framewo
 and the per-tensor operators that stay the same at any width, which is what a one-GPU step cannot hide once the
 strategy is host-bound (issue 15's zero3). On a GPU, ``--width 0`` keeps the preset's width.
 
-``--modes`` (zero3 on one rank) switches strategies/zero3_one_rank.py's shortcuts between steps: step k runs mode
+``--modes`` (zero3 on one rank) switches compat/zero3_one_rank.py's shortcuts between steps: step k runs mode
 ``modes[(k // period) % len(modes)]``, so every mode sees the same stretches of the host CPU's speed (a one-GPU
 host's speed drifts by up to 1.7x for seconds at a time: 2026-11-27-h100-zero3-gc), and the comparison is within one
 process. A mode is "none", "all", or shortcut names joined by "+". A step's time is from its start to the next
@@ -33,7 +33,7 @@ def _switch(strategy, installed: dict) -> callable:
     """A function that turns the named shortcuts on (the rest off) on this engine, and stage 3's module name."""
     from deepspeed.runtime.zero import stage3
 
-    from shardlab.strategies import zero3_one_rank
+    from shardlab.compat import zero3_one_rank
 
     opt = strategy.engine.optimizer
     own = {"pap": type(opt)._partition_all_parameters.__get__(opt), "norm": type(opt)._get_norm_groups.__get__(opt)}

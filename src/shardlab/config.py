@@ -61,7 +61,7 @@ class DatasetConfig(_Strict):
     synthetic_tokens: int = Field(200_000, gt=0, description="synthetic source: number of random tokens")
 
 
-# strategies/zero3_one_rank.py's shortcuts, by the names a config gives them (that module installs them)
+# compat/zero3_one_rank.py's shortcuts, by the names a config gives them (that module installs them)
 ZERO3_ONE_RANK_SHORTCUTS = ("keep_gathered", "identity_reduce_scatter", "foreach_norm")
 
 
@@ -79,7 +79,7 @@ class StrategyOptions(_Strict):
         "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work; on otherwise)")
     zero3_one_rank_shortcuts: list[Literal[ZERO3_ONE_RANK_SHORTCUTS]] | None = Field(
         None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
-        "and itself (strategies/zero3_one_rank.py: what each does). Default: all three; [] runs DeepSpeed's own path")
+        "and itself (compat/zero3_one_rank.py: what each does). Default: all three; [] runs DeepSpeed's own path")
     zero3_block_leaves: bool | None = Field(
         None, description="ZeRO-3: make the model's decoder-block class a DeepSpeed leaf module (one fetch/release hook pair "
         "and one gather per block instead of per sub-module: ~9x fewer coordinator calls). Default: on without offload "
@@ -273,6 +273,9 @@ class RunConfig(_Strict):
         description="run directory")
     resume: str | None = Field(None, json_schema_extra=cli("--resume"),
         description="'auto' (latest checkpoint in output_dir) or a checkpoint dir")
+    trust_checkpoint: bool = Field(False, json_schema_extra=cli("--trust-checkpoint"),
+        description="resume from a checkpoint that shardlab did not write for this user even where its pickles hold more "
+        "than tensors and plain data (loading it may run its code); without it such a checkpoint is refused")
     overwrite: bool = Field(False, json_schema_extra=cli("--overwrite"),
         description="output_dir holds another run: delete its files first (else the run is refused)")
     log_every: int = Field(10, gt=0, json_schema_extra=cli("--log-every"),

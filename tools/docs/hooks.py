@@ -4,7 +4,8 @@
 - results/index.md from benchmarks/RESULTS.md, changelog.md from CHANGELOG.md, and results/<page>.md for each dated
   results page they link (their links rewritten to point inside the site; a link to a data file becomes its path).
 - figures/: the HTML report and plots of a committed bench, the pipeline simulator's diagrams and the plan of a 7B
-  model (figures.py), and the `<!-- generated: NAME -->` markers in pages replaced by the tables made from them.
+  model (figures.py), and the `<!-- generated: NAME -->` markers in pages replaced by the tables made from them (and
+  the patches table, from shardlab.compat: reference.patches_table).
 The build imports this checkout's src/ (not an installed shardlab), so the site describes the code beside it.
 """
 
@@ -118,6 +119,7 @@ def on_files(files, config):
     made = figures.generate(out)
     _state["tables"] = figures.plan_tables(json.loads(made["plan-7b"].read_text()))
     bubbles = {p.stem.removeprefix("timeline-"): float(p.read_text()) for p in made["pipeline"].glob("timeline-*.txt")}
+    _state["tables"]["patches"] = reference.patches_table()
     _state["tables"]["pipeline-bubbles"] = "\n".join(
         ["| schedule (4 stages, 8 micro-batches, backward = 2 x forward) | bubble |", "|---|---|"]
         + [f"| {name} | {bubbles[name]:.1%} |" for name in ("gpipe", "1f1b", "interleaved-1f1b")])

@@ -8,7 +8,8 @@ Each is read from the code at build time, never written by hand, so it cannot go
   error_entries    reads every `UserError(...)` (and subclass) call in src/ with Python's ast: the message is the
                    cause, the hint the fix
 Each *_page function renders one Markdown page; tools/docs/hooks.py adds them to the site and
-tests/test_docs_reference.py checks that nothing is missing. Importing this module loads no torch.
+tests/test_docs_reference.py checks that nothing is missing. patches_table renders shardlab.compat.PATCHES for the
+concepts page on patches. Importing this module loads no torch.
 """
 
 from __future__ import annotations
@@ -488,6 +489,23 @@ def errors_page() -> str:
             lines.append(f'| <a id="{e.anchor}"></a>{_cell(e.cause)} | {_cell(e.fix)} | `{e.function}`{kind} |')
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# the patches of dependencies' internals (a table for docs/concepts/patches.md)
+
+
+def patches_table() -> str:
+    """One row per patch of shardlab.compat.PATCHES: name, what it changes, the versions it was tested on, what runs
+    when it is off."""
+    from shardlab.compat import PATCHES, SWITCH_ENV
+
+    lines = ["| patch | changes | tested on | scope | off: instead |", "|---|---|---|---|---|"]
+    for p in PATCHES.values():
+        tested = ", ".join(f"{dist} {spec}" for dist, spec in p.tested)
+        lines.append(f"| `{p.name}` | {_cell(p.target)} (`compat/{p.module}.py`) | {_cell(tested)} | {p.scope} | "
+                     f"{_cell(p.off)} |")
+    return "\n".join(lines) + f"\n\nOff for one run: `{SWITCH_ENV}=-NAME` (several: comma-separated; `-all`: every one).\n"
 
 
 PAGES = {"reference/cli.md": cli_page, "reference/config.md": config_page, "reference/summary.md": summary_page,

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import pickle
 from pathlib import Path
 
 import torch
 
-from . import store as checkpoint, reshard
+from . import store as checkpoint, reshard, trust
 from ..config import RunConfig, load_config
 from ..errors import UserError
 from ..strategies.torch_optim import CKPT_DIR
@@ -112,21 +111,13 @@ def _zero_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     `deepspeed.utils.zero_to_fp32` (any ZeRO stage, any number of ranks). It reads the master weights only (the files
     memory-mapped, the Adam moments dropped) and writes nothing; the universal-checkpoint conversion used before wrote
     every optimizer state to a temporary directory first (12 bytes a parameter: 85 GB for bloom-7b1).
-    DeepSpeed unpickles with weights_only=False, so each file is first opened with weights_only=True
-    (reshard.load_deepspeed_file, memory-mapped): a file that would run code is refused before DeepSpeed reads it."""
+    DeepSpeed unpickles with weights_only=False: export_checkpoint has screened the files first (trust.py), unless
+    shardlab wrote them for this user or the user trusts them."""
     source = ckpt / reshard.DS_TAG
     files = sorted(source.glob("*_optim_states.pt")) + sorted(source.glob("*_model_states.pt"))
     if not files:
         raise UserError(f"{str(ckpt)!r} holds no DeepSpeed ZeRO checkpoint ({reshard.DS_TAG}/*_optim_states.pt)",
                         "pass a checkpoint written by a zero* strategy")
-    for file in files:
-        try:
-            reshard.load_deepspeed_file(file, mmap=True)
-        except pickle.UnpicklingError as err:
-            why = next((line.split("error:", 1)[-1].split(" was not")[0].strip() for line in str(err).splitlines() if "Unsupported" in line),
-                       str(err).splitlines()[0])
-            raise UserError(f"{str(file)!r} holds objects a weights-only load refuses ({why})",
-                            "export only checkpoints written by shardlab, which hold tensors and DeepSpeed's own classes") from None
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
@@ -141,13 +132,18 @@ def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state["module"].items()}
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, trusted: bool = False) -> Path:
     """The checkpoint as a Hugging Face model directory, with the run's tokenizer; a preset's offline tokenizer that
-    cannot load here (its package not installed) leaves the model alone, said in one line."""
+    cannot load here (its package not installed) leaves the model alone, said in one line. A checkpoint shardlab did
+    not write for this user is screened first, or refused unless ``trusted`` (trust.py); its config's remote code
+    runs only when trusted."""
     from ..training.models import load_tokenizer, offline_tokenizer_problem
 
     ckpt = resolve_checkpoint(path)
+    how = trust.check_checkpoint(ckpt, trusted, f"export {path}", lambda m: print(f"[shardlab] {m}", flush=True))
     cfg = checkpoint_config(ckpt)
+    if how == "screened" and cfg.trust_remote_code:  # a foreign config.yaml is not the user's consent to run code
+        cfg = cfg.model_copy(update={"trust_remote_code": False})
     weights = full_weights(ckpt, cfg)
     model = _meta_model(cfg)
     out = Path(out)

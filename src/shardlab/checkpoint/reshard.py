@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..compat.universal_checkpoint import loadable_by_every_stage
 from ..errors import UserError
 from ..strategies.spec import lookup
 
@@ -159,18 +160,7 @@ def _convert(source: Path, tmp: Path) -> None:
                               keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are noise in a training log
         ds_to_universal.main(args)
-    # DeepSpeed reads a universal checkpoint's metadata (lr schedule, counters; the weights come from
-    # zero/) from the file name its *own* stage writes: give both names, so ZeRO-1/2 <-> 3 both load.
-    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    present = [n for n in names if (tmp / n).is_file()]
-    if not present:
-        present = [p.name for p in sorted(source.glob("*model_states.pt"))[:1]]
-        if present:
-            shutil.copy2(source / present[0], tmp / present[0])
-    for name in names:
-        if present and not (tmp / name).is_file():
-            shutil.copy2(tmp / present[0], tmp / name)
-    _normalize(tmp / "zero")
+    loadable_by_every_stage(source, tmp, load_deepspeed_file)  # compat/universal_checkpoint.py
 
 
 def load_deepspeed_file(path: Path, mmap: bool = False) -> Any:
@@ -182,44 +172,6 @@ def load_deepspeed_file(path: Path, mmap: bool = False) -> Any:
 
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def _normalize(zero: Path) -> None:
-    """zero/optimizer_state.pt as both ZeRO-1/2 and ZeRO-3 read it (DeepSpeed writes the source stage's form):
-    1/2 want top-level `param_groups` and `ds_version`; 3 wants `optimizer_state_dict` with a step."""
-    import deepspeed
-
-    load = load_deepspeed_file
-
-    # ZeRO-3 writes each tensor flat; ZeRO-1/2 read {"param": full-shape tensor} (ZeRO-3 accepts that too).
-    shapes: dict[str, Any] = {}
-    for states in sorted(zero.parent.glob("*model_states.pt"))[:1]:
-        found = load(states).get("param_shapes") or []
-        for group in [found] if isinstance(found, dict) else found:
-            shapes.update(group)
-    for file in zero.glob("*/*.pt"):
-        if file.stem in ("fp32", "exp_avg", "exp_avg_sq"):
-            x = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(x, dict):
-                shape = shapes.get(file.parent.name)
-                torch.save({"param": x.reshape(shape) if shape is not None else x, "cat_dim": 0}, file)
-
-    path = zero / "optimizer_state.pt"
-    sd = load(path)
-    inner = sd.get("optimizer_state_dict") or {}
-    groups = sd.get("param_groups") or inner.get("param_groups")
-    step_files = sorted(zero.glob("*/step.pt"))
-    if step_files:  # ZeRO-1/2 source: a step per parameter
-        step = torch.load(step_files[0], map_location="cpu", weights_only=True)
-    else:  # ZeRO-3 source: one step in the optimizer state; ZeRO-1/2 targets read it per parameter
-        step = next(iter(inner.get("state", {}).values()), {}).get("step", torch.tensor(0.0))
-        for moments in zero.glob("*/exp_avg.pt"):
-            torch.save(step, moments.parent / "step.pt")
-    sd.setdefault("param_groups", groups)
-    sd.setdefault("ds_version", deepspeed.__version__)
-    if not inner.get("state"):
-        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": groups}
-    torch.save(sd, path)
 
 
 @dataclass
@@ -236,7 +188,7 @@ def read_universal(universal: Path, with_optimizer: bool = True) -> FullState:
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     step = 0
-    def tensor(path: Path) -> torch.Tensor:  # {"param": t, ...} (see _normalize)
+    def tensor(path: Path) -> torch.Tensor:  # {"param": t, ...} (compat/universal_checkpoint.py) or the tensor
         x = torch.load(path, map_location="cpu", weights_only=True)
         return x["param"] if isinstance(x, dict) else x
 

@@ -41,8 +41,9 @@ def check_same_model(cfg: RunConfig, hf_config: Any) -> None:
         return
     try:
         saved = yaml.safe_load((found / CONFIG_FILE).read_text())
+        # remote code only where this run allows it: a checkpoint's config.yaml is not the user's consent
         saved_cfg = RunConfig(model=saved["model"], tokenizer=saved.get("tokenizer"), seq_len=int(saved.get("seq_len", 128)),
-                              trust_remote_code=bool(saved.get("trust_remote_code", False)))
+                              trust_remote_code=bool(saved.get("trust_remote_code", False)) and cfg.trust_remote_code)
         theirs = architecture(build_hf_config(saved_cfg))
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError, UserError):
         return

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from ..launch import faults
-from . import reshard
+from . import reshard, trust
 from ..errors import UserError
+from ..measure.records import write_text_atomic
 
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -52,17 +53,8 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 BEST = "best"  # checkpoints/best: the lowest eval loss so far (--save-best)
+OLD = ".old"  # the copy a re-save renames aside until the new one is in place (replace_dir)
 EXPORT_DIR = "model"  # OUTPUT_DIR/model: the exported HF model
 
 
@@ -94,21 +86,35 @@ def save(strategy, output_dir: Path, trainer_state: dict[str, Any], keep: int, c
     _fsync_tree(tmp)  # each rank: nothing is renamed into place before every rank's bytes are on disk
     env.barrier()
     if env.is_main:
+        trust.seal(tmp)  # every rank's pickles, under this user's key: a resume knows it wrote them (trust.py)
         if config_text is not None:
-            _atomic_write_text(tmp / CONFIG_FILE, config_text)
-        _atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))  # last: marks it complete
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+            write_text_atomic(tmp / CONFIG_FILE, config_text)
+        write_text_atomic(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))  # last: marks it complete
+        replace_dir(tmp, final)
         if rotated:
-            _atomic_write_text(root / "latest", name)
+            write_text_atomic(root / "latest", name)
             _prune(root, keep)
     env.barrier()
     return final
 
 
+def replace_dir(tmp: Path, final: Path) -> Path:
+    """``tmp`` (complete) becomes ``final``, an earlier copy there (a re-saved checkpoints/best, model/) renamed aside
+    before it is deleted: at every moment a complete copy is under ``final`` or, for the instant between the two
+    renames, ``final.old``, where readers look next (``complete``). A copy under ``.old`` with none under ``final`` is
+    the only one left by a kill in that instant: it stays until the new one is in place."""
+    old = final.with_name(final.name + OLD)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # superseded by final
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", OLD)))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step-*.tmp"):
@@ -116,7 +122,15 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / TRAINER_STATE).is_file() and not path.name.endswith(".tmp")
+    return (path / TRAINER_STATE).is_file() and not path.name.endswith((".tmp", OLD))
+
+
+def complete(path: Path) -> Path | None:
+    """The complete checkpoint at ``path``, or the earlier copy a kill during its re-save left (``replace_dir``)."""
+    if is_complete(path):
+        return path
+    old = path.with_name(path.name + OLD)
+    return old if (old / TRAINER_STATE).is_file() else None
 
 
 def _newest_complete(run_dir: Path) -> Path | None:
@@ -124,8 +138,8 @@ def _newest_complete(run_dir: Path) -> Path | None:
     latest = root / "latest"
     done = sorted(p for p in root.glob("step-*") if is_complete(p))
     if latest.is_file():
-        cand = root / latest.read_text().strip()
-        if is_complete(cand) and (not done or cand.name >= done[-1].name):
+        cand = complete(root / latest.read_text().strip())
+        if cand is not None and (not done or cand.name >= done[-1].name):
             return cand
     return done[-1] if done else None
 
@@ -149,6 +163,14 @@ def find_resume_dir(resume: str, output_dir: Path) -> Path | None:
 
 def read_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / TRAINER_STATE).read_text())
+
+
+def check_trusted(cfg, say=print) -> None:
+    """Before anything reads it: the checkpoint `--resume` picks was written by shardlab for this user, or holds only
+    tensors and plain data, or the user trusts it (trust.py); else one line and no run."""
+    found = find_resume_dir(cfg.resume, Path(cfg.output_dir)) if cfg.resume else None
+    if found is not None:
+        trust.check_checkpoint(found, cfg.trust_checkpoint, f"--resume {cfg.resume}", say)
 
 
 def check_resume(cfg, world_size: int, dp_size: int) -> None:
@@ -211,9 +233,7 @@ def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path) ->
     hf_model.save_pretrained(tmp, state_dict=state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+    return replace_dir(tmp, final)
 
 
 def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:

@@ -26,6 +26,9 @@ def add_cluster_parsers(sub, add_run_flags) -> None:
     ex = sub.add_parser("export", help="write any checkpoint (any strategy) as a Hugging Face model + tokenizer")
     ex.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints/step-N, or OUTPUT_DIR for its newest checkpoint")
     ex.add_argument("out", help="new directory for the model (from_pretrained loads it)")
+    ex.add_argument("--trust-checkpoint", action="store_true",
+                    help="read a checkpoint that shardlab did not write for this user even where its pickles hold more "
+                         "than tensors and plain data (reading it may run its code)")
 
 
 def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
@@ -51,5 +54,5 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from ..checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, trusted=args.trust_checkpoint)
     print(f"[shardlab] exported {args.checkpoint} to {out}")

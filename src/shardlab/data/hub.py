@@ -4,17 +4,16 @@ Compute nodes often have no internet. ``datasets`` reads HF_HUB_OFFLINE /
 HF_DATASETS_OFFLINE only at import, and without them it retries for ~25 s before
 giving up. So the offline switches are re-read here at call time, and when neither is
 set one short TCP probe decides; an unreachable hub turns offline mode on for this
-load (a dataset already in the local HF cache still loads).
+load (compat/hub_offline.py; a dataset already in the local HF cache still loads).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from contextlib import contextmanager
-from typing import Iterator
 from urllib.parse import urlparse
 
+from ..compat.hub_offline import offline_mode
 from ..errors import UserError
 from .rows import RawSplits
 
@@ -48,29 +47,6 @@ def hub_reachable() -> bool:
         return False
 
 
-@contextmanager
-def _offline_mode(enabled: bool) -> Iterator[None]:
-    """Set the offline flags that datasets and huggingface_hub consult per request."""
-    if not enabled:
-        yield
-        return
-    import datasets.config as dcfg
-    import huggingface_hub.constants as hcfg
-
-    saved = (dcfg.HF_HUB_OFFLINE, getattr(dcfg, "HF_DATASETS_OFFLINE", None), hcfg.HF_HUB_OFFLINE)
-    dcfg.HF_HUB_OFFLINE = True
-    if hasattr(dcfg, "HF_DATASETS_OFFLINE"):
-        dcfg.HF_DATASETS_OFFLINE = True
-    hcfg.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        dcfg.HF_HUB_OFFLINE = saved[0]
-        if saved[1] is not None:
-            dcfg.HF_DATASETS_OFFLINE = saved[1]
-        hcfg.HF_HUB_OFFLINE = saved[2]
-
-
 def _network_errors() -> tuple[type[BaseException], ...]:
     # OSError covers ConnectionError/OfflineModeIsEnabled, FileNotFoundError (DatasetNotFoundError,
     # LocalEntryNotFoundError) and HfHubHTTPError; the HTTP client's own errors may escape unwrapped.
@@ -90,7 +66,7 @@ def load_hub(source: str, hub_config: str | None) -> RawSplits:
     call = f"datasets.load_dataset({name!r}" + (f", {config!r})" if config else ")")
     offline = env_offline() or datasets.config.HF_HUB_OFFLINE or not hub_reachable()
     try:
-        with _offline_mode(offline):
+        with offline_mode(offline):  # compat/hub_offline.py
             loaded = datasets.load_dataset(name, config)
     except ValueError as exc:
         text = str(exc)

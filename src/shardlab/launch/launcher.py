@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .bytecode import bytecode_env
+from ..compat import check_switch
 from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
@@ -35,7 +36,7 @@ from ..strategies.spec import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
 from ..strategies.deepspeed_schema import check_with_deepspeed
 from ..strategies.deepspeed_zero import check_nvme_path, resolved_ds_config, sanitize_cuda_arch_list
-from ..checkpoint.store import check_resume, find_resume_dir
+from ..checkpoint.store import check_resume, check_trusted, find_resume_dir
 from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
 from ..planning.autobatch import check_auto, resolve_auto_micro_batch
@@ -52,6 +53,7 @@ from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_ki
 
 def preflight(cfg: RunConfig) -> tuple[str, int]:
     """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
+    check_switch()  # SHARDLAB_PATCHES names known patches (compat/)
     device_type = pick_device_type(cfg.device)
     resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
@@ -79,6 +81,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
 
     from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
 
+    check_trusted(cfg, say=_say0)  # a checkpoint not written here is screened before anything reads it (trust.py)
     check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
     check_resume(cfg, world, dp_world)
     if cfg.deepspeed_config and s.engine != "deepspeed":
@@ -287,6 +290,11 @@ def clear_stale_run_files(cfg: RunConfig) -> None:
         print(f"[shardlab] {why}: deleting the earlier run's files in {cfg.output_dir} ({', '.join(p.name for p in old)})", flush=True)
     for path in old:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _say0(line: str) -> None:
+    if _rank_zero():
+        print(f"[shardlab] {line}", flush=True)
 
 
 def _rank_zero() -> bool:

@@ -16,7 +16,8 @@ compiles in the first step, also in eager runs), NCCL's communicators, DeepSpeed
 (warmed here before the pin), and the autograd device threads, which are then pinned explicitly by their thread id.
 Whatever the pinned thread creates afterwards gets the rank's full set back: Python threads (`threading.Thread.start`)
 and processes (`os.fork` through at-fork hooks; `subprocess` and multiprocessing's spawn, which exec without running
-at-fork hooks, and `os.posix_spawn`) are created with the thread's mask widened for the moment of creation. Threads that
+at-fork hooks, and `os.posix_spawn`) are created with the thread's mask widened for the moment of creation
+(compat/thread_spawn.py wraps them while a thread is pinned). Threads that
 C++ code creates later from the pinned thread (a CUDA driver or NCCL thread for a new communicator) are the gap; none
 is created in the steady loop. The pin is released (full mask back on both threads) when the loop ends.
 
@@ -29,11 +30,12 @@ the other GPU strategies without offload; 'off' never pins.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from typing import Any
 
+from .. import compat
+from ..compat import thread_spawn
 from .distributed import rank_share
 
 
@@ -61,6 +63,8 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     mine = rank_share(cores, local_rank, local_world)
     if not mine:
         return None, f"{local_world} ranks on {len(cores)} CPUs: no CPU of its own per rank"
+    if not compat.enabled("thread_spawn"):  # what keeps new threads and processes off the one CPU
+        return None, f"patch thread_spawn off: {compat.why_off('thread_spawn')}"
     # The last CPU of the share, not whichever the thread happens to be on: a choice the summary can report and a rerun
     # repeats. (It is not a speed-up of its own: pinned to CPU 15 of 16, zero3 ran 0.92/0.90/0.78x dp on one machine
     # and 0.61/0.59/0.56x on another; benchmarks/results/*-h100-zero3-pin/, call 3.)
@@ -96,7 +100,6 @@ class _State:
     others: list[int] = []  # the other threads pinned with it (autograd's device threads)
     full: set[int] = set()
     depth = 0  # nested widenings (a Popen whose preexec_fn forks, ...)
-    installed = False
 
 
 def _widen() -> bool:
@@ -114,51 +117,8 @@ def _narrow() -> None:
         os.sched_setaffinity(0, _State.pinned)
 
 
-def _widened(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        widened = _widen()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if widened:
-                _narrow()
-
-    wrapper._shardlab_widened = True
-    return wrapper
-
-
-def _install_hooks() -> None:
-    """Once per process: every thread/process creator widens the pinned thread's mask around the creation."""
-    if _State.installed:
-        return
-    import multiprocessing.util
-    import subprocess
-
-    for owner, name in ((threading.Thread, "start"), (subprocess.Popen, "_execute_child"),
-                        (multiprocessing.util, "spawnv_passfds"), (os, "posix_spawn"), (os, "posix_spawnp")):
-        fn = getattr(owner, name, None)
-        if fn is not None and not getattr(fn, "_shardlab_widened", False):
-            setattr(owner, name, _widened(fn))
-    # os.fork (multiprocessing's fork start method, DataLoader workers): the child is a copy of the forking thread,
-    # mask included. Widen before, narrow again in the parent; the child keeps the full set.
-    state = {"widened": False}
-
-    def before():
-        state["widened"] = _widen()
-
-    def after_in_parent():
-        if state["widened"]:
-            state["widened"] = False
-            _narrow()
-
-    def after_in_child():
-        if state["widened"]:
-            state["widened"] = False
-            _State.depth, _State.ident = 0, None  # the child's thread is not the pinned one (its mask is already full)
-
-    os.register_at_fork(before=before, after_in_parent=after_in_parent, after_in_child=after_in_child)
-    _State.installed = True
+def _forget_in_child() -> None:
+    _State.depth, _State.ident = 0, None  # a forked child's thread is not the pinned one (its mask is already full)
 
 
 def pin(cpu: int, threads: list[int] | None = None) -> dict[str, Any]:
@@ -167,7 +127,7 @@ def pin(cpu: int, threads: list[int] | None = None) -> dict[str, Any]:
         if _State.ident is not None:
             raise RuntimeError("a thread is already pinned")
         _warm_openmp_pool()
-        _install_hooks()
+        thread_spawn.install(_widen, _narrow, _forget_in_child)
         _State.full = set(os.sched_getaffinity(0))
         _State.pinned = {cpu}
         others = autograd_threads() if threads is None else threads
@@ -198,6 +158,7 @@ def release() -> None:
         if threading.get_ident() == _State.ident:
             os.sched_setaffinity(0, full)
         _State.ident, _State.others, _State.depth = None, [], 0
+        thread_spawn.uninstall()
 
 
 def is_pinned() -> bool:

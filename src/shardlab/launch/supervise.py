@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import say
+from ..measure.records import read_json, write_text_atomic
 from ..strategies.spec import find, lookup
 from .bytecode import bytecode_env
 from .preemption import ForwardToWorkers
@@ -182,7 +183,7 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
         sig = signal.Signals(-code)
         what = f"the training process (pid {child.pid}) was killed by {sig.name}"
         if sig == signal.SIGKILL:
-            plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+            plan = read_json(plan_file)  # None: none written, or not whole
             note, fix = note_for_kill(output_dir, plan, before, strategy)
             say(f"error: {what}; {note} (fix: {fix})")
         else:
@@ -223,4 +224,4 @@ def record_plan(plan: dict[str, Any]) -> None:
     """In a supervised child: leave the plan where the supervisor reads it after a kill."""
     path = os.environ.get(SUPERVISED_ENV)
     if path:
-        Path(path).write_text(json.dumps(plan))
+        write_text_atomic(path, json.dumps(plan))  # the kill it is for may come while it is written

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import mfu
+from .records import read_jsonl, write_text_atomic
 
 # Lazy import below: tensorboard is optional (the `tensorboard` extra) and slow to import; only --tensorboard runs need it.
 
@@ -112,11 +113,13 @@ def throughput(step_times: list[float], tokens_per_step: int, useful_tokens_per_
 
 
 def drop_rows_after(path: Path, step: int) -> None:
-    """On resume, forget what a killed run logged after its last checkpoint: those steps are run and logged again."""
+    """On resume, forget what a killed run logged after its last checkpoint: those steps are run and logged again. A
+    torn last line (the kill came mid-write) goes too; the file is replaced whole (records.py), so a second kill here
+    leaves the old file or the new one."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in keep))
 
 
 class MetricsWriter:

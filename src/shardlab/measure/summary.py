@@ -294,6 +294,9 @@ class RunSummary(_Record):
     plan: PlanRecord | None = None
     exported_step: int | None = None
     export_dir: str | None = None
+    # the patches of dependencies' internals (compat/): applied by this run, and those left off with why
+    patches: list[str] | None = None
+    patches_off: dict[str, str] | None = None
     # the run monitor's statistics (merge_monitor)
     gpu_monitor: GpuMonitor | None = None
     cpu_monitor: CpuMonitor | None = None

@@ -96,6 +96,10 @@ FIELDS: dict[str, str] = {
     "plan": "the launcher's memory prediction for this run (`shardlab plan`'s figures for its strategy)",
     "exported_step": "the step whose weights are in model/ (the best one with --save-best)",
     "export_dir": "where the Hugging Face export was written (model/ in the run directory)",
+    "patches": "the patches of dependencies' private code this run applied (rank 0), in order: see the patches "
+               "table in the docs (shardlab.compat.PATCHES)",
+    "patches_off": "the patches this run considered and left off, with why: a dependency outside the versions the "
+                   "patch was tested on, or SHARDLAB_PATCHES (null: none)",
     # the monitor
     "gpu_monitor": "the GPUs sampled through NVML over the whole run (gpu_memory.csv), or why they were not",
     "cpu_monitor": "the run's process tree sampled through psutil (cpu_memory.csv), or why it was not",

@@ -24,6 +24,7 @@ import psutil
 
 from ..config import RunConfig
 from ..errors import UserError
+from ..measure.records import read_json, write_text_atomic
 from ..strategies.spec import spec, speed_order
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB, host_fits
 from .microbatch import largest_that_fits, micro_candidates
@@ -306,9 +307,9 @@ def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=No
 
 
 def write_record(record: dict[str, Any], path: Path) -> Path:
-    path.write_text(json.dumps(record))
-    return path
+    return write_text_atomic(path, json.dumps(record))
 
 
-def read_record(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+def read_record(path: str | Path) -> dict[str, Any] | None:
+    """The record ``write_record`` left; None when it is not whole (the run then records no plan)."""
+    return read_json(path)

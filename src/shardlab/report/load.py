@@ -21,6 +21,7 @@ from ..config import config_from_dict
 from ..dotted import get_dotted
 from ..errors import UserError
 from ..strategies.spec import DEFAULT_STRATEGY
+from ..measure.records import read_jsonl
 from ..measure.summary import RunSummary
 
 BENCH_FILE = "bench.json"
@@ -49,17 +50,7 @@ class Run:
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:
-        path = self.path / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut short by a killed run
-        return rows
+        return read_jsonl(self.path / "metrics.jsonl")  # a line cut short by a killed run is skipped
 
     def _csv(self, name: str) -> list[dict[str, str]]:
         path = self.path / name

@@ -12,11 +12,13 @@ sits between the gradient hook and the copy): both are refused in one line befor
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
+from ..compat import fused_clip
 from ..training import compiling, optim
 from ..errors import UserError
 from .ddp import DDPStrategy
@@ -91,19 +93,19 @@ class AOOffloadStrategy(DDPStrategy):
             self.optimizer.queue.clear()
             self.skipped_steps += 1
         else:
-            scales = []
-            if cfg.max_grad_norm is not None:
-                # Clip inside the fused AdamW kernels (optim.fused_clipped_step's trick), on each optimizer's device:
-                # the CPU ones for the offloaded tensors, the GPU one for the small tensors torchao keeps there.
+            clip = contextlib.nullcontext()
+            if cfg.max_grad_norm is not None and fused_clip.available():
+                # Clip inside the fused AdamW kernels (compat/fused_clip.py), on each optimizer's device: the CPU ones
+                # for the offloaded tensors, the GPU one for the small tensors torchao keeps there.
                 coef = torch.clamp(cfg.max_grad_norm / (norm_t + 1e-6), max=1.0).reciprocal().float()
-                for inner in self._inner_optimizers():
-                    inner.grad_scale = coef.to(inner.param_groups[0]["params"][0].device)
-                    scales.append(inner)
-            try:
+                clip = fused_clip.gradients_divided_by(self._inner_optimizers(), coef)
+            elif cfg.max_grad_norm is not None:  # torch's own clip, once every gradient's copy to the host has landed
+                for copied in self.optimizer.queue.values():
+                    copied.synchronize()
+                params = [p for inner in self._inner_optimizers() for g in inner.param_groups for p in g["params"]]
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, norm_t)
+            with clip:
                 self.optimizer.step()
-            finally:
-                for inner in scales:
-                    del inner.grad_scale
             self.scheduler.step()
         self._sq_norm.zero_()
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,9 +20,10 @@ from ..config import RunConfig
 from ..errors import UserError
 from .base import Strategy
 from .spec import all_specs, spec
-from .zero3_release_cache import apply_release_cache_fix
+from ..compat.zero3_release_cache import apply_release_cache_fix
 from .deepspeed_json import adopt_user_json, merge_user_config, read_user_json  # noqa: F401  (adopt: re-exported)
-from . import zero3_one_rank
+from .. import compat
+from ..compat import zero3_one_rank
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 from ..training.optim import resolve_precision
 
@@ -145,13 +146,14 @@ def block_leaves(opts, stage: int, offloads: bool) -> bool:
 
 
 def one_rank_shortcuts(opts, stage: int, world: int, offloads: bool) -> tuple[str, ...]:
-    """The one-rank ZeRO-3 shortcuts a run takes (strategies/zero3_one_rank.py): all of them where the user left
-    strategy_options.zero3_one_rank_shortcuts unset, the ones named otherwise; none but on one rank without offload.
-    The planner reads it too: identity_reduce_scatter removes the flat copy of every gradient at the end of backward."""
+    """The one-rank ZeRO-3 shortcuts a run takes (compat/zero3_one_rank.py): all of them where the user left
+    strategy_options.zero3_one_rank_shortcuts unset, the ones named otherwise, less those this DeepSpeed may not take
+    (compat.enabled); none but on one rank without offload. The planner reads it too: identity_reduce_scatter removes
+    the flat copy of every gradient at the end of backward."""
     if not one_rank_zero3(stage, world, offloads):
         return ()
     wanted = opts.zero3_one_rank_shortcuts
-    return zero3_one_rank.SHORTCUTS if wanted is None else tuple(wanted)
+    return tuple(n for n in (zero3_one_rank.SHORTCUTS if wanted is None else wanted) if compat.enabled(n))
 
 
 def zero3_leaf_classes(model: nn.Module | None) -> list[str]:

@@ -13,6 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .. import compat
 from .spec import spec
 from .torch_optim import TorchOptimizerStrategy
 
@@ -118,8 +119,9 @@ def random_init_by_module(world_size: int, random_init: bool) -> bool:
     or the host under CPUOffloadPolicy and on CPU runs) in the ordinary build's order, and keeps its slice
     (init_by_module): the weights are the ordinary build's on that device (dp's), and beside the shards each rank holds
     the largest module's full tensors (``by_module_build_bytes``), not the model. On one rank the shards are the
-    whole tensors, drawn in place (init_weights)."""
-    return world_size > 1 and random_init
+    whole tensors, drawn in place (init_weights), and so are the shards where transformers' per-module init may not be
+    intercepted (compat/module_init.py)."""
+    return world_size > 1 and random_init and compat.enabled("init_by_module")
 
 
 def by_module_build_bytes(largest_module_params: int, world_size: int) -> float:

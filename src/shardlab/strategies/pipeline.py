@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.stage_timer import time_stages
 from ..measure import metrics
 from ..training import attention_backend
 from ..errors import UserError
@@ -264,8 +265,8 @@ class StepLoss:
 class StageTimer:
     """Time spent in each forward and backward of each of this rank's stages, per optimizer step.
 
-    Wraps the PipelineStage's `forward_one_chunk` / `backward_one_chunk` / `backward_weight_one_chunk` (and the
-    loss, part of the last stage's forward). The schedule waits for its receives before calling them, so their
+    Wraps the PipelineStage's `forward_one_chunk` / `backward_one_chunk` / `backward_weight_one_chunk`
+    (compat/stage_timer.py) and the loss, part of the last stage's forward. The schedule waits for its receives before calling them, so their
     time is compute, not waiting. Under zbv `backward_one_chunk` is the input gradient (I) and
     `backward_weight_one_chunk` the weight gradient (W); "B" is their sum, "W" the second part.
     On GPU, CUDA events read once per step (no sync per call).
@@ -402,12 +403,9 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self._build_optimizer(self.model, env.device.type, total_steps)
         self.timer = StageTimer(env.device)
         self.schedule_times: list[float] = []
-        for s, stage in zip(my_stages, pp_stages):
-            stage.forward_one_chunk = self.timer.wrap(stage.forward_one_chunk, s, "F")
-            stage.backward_one_chunk = self.timer.wrap(stage.backward_one_chunk, s, "B")
-            stage.backward_weight_one_chunk = self.timer.wrap(stage.backward_weight_one_chunk, s, "W")
+        self.stages_timed = time_stages(zip(my_stages, pp_stages), self.timer.wrap)  # compat/stage_timer.py
         self.step_loss = StepLoss()
-        loss_fn = self.timer.wrap(self.step_loss, n_stages - 1, "F")
+        loss_fn = self.timer.wrap(self.step_loss, n_stages - 1, "F") if self.stages_timed else self.step_loss
         # StepLoss already weighs each micro-batch by its share of the step's tokens: no schedule divides by M (a tied
         # parameter held by two of a rank's zbv stages would be divided twice by torch's scale_grads).
         if opts.pp_schedule == "interleaved-1f1b":
@@ -554,6 +552,10 @@ class PipelineStrategy(TorchOptimizerStrategy):
         steps = list(zip(self.timer.steps, self.schedule_times))
         steady = steps[metrics.WARMUP_STEPS:] or steps
         M = self.grad_accum
+        sched = self.cfg.strategy_options.pp_schedule
+        if not self.stages_timed:  # every rank alike: the patch's versions are the same on all
+            return {"pipeline": {"schedule": sched, "stages": self.n_ranks, "chunks": self.chunks, "microbatches": M,
+                                 "split": self.bounds, "note": "no per-stage times: patch stage_timer is off"}}
 
         def work(times: dict) -> float:  # this rank's compute in one step ("B" includes zbv's W)
             return sum(v for (_, k), v in times.items() if k in ("F", "B"))
@@ -571,7 +573,6 @@ class PipelineStrategy(TorchOptimizerStrategy):
         n_stages = len(stages)
         fwd = [max(stages[s]["F"], 1e-9) for s in range(n_stages)]
         bwd = [max(stages[s]["B"], 1e-9) for s in range(n_stages)]
-        sched = self.cfg.strategy_options.pp_schedule
         split = sched == "zbv"
         wgrad = [min(1.0, stages[s]["W"] / bwd[s]) for s in range(n_stages)] if split else None
         sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks, wgrad=wgrad)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import fused_clip
 from ..training import optim
 from ..errors import UserError
 from .base import Strategy
@@ -34,7 +35,7 @@ def check_checkpointable(cfg) -> None:
 
 
 class TorchOptimizerStrategy(Strategy):
-    # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (optim.fused_clipped_step).
+    # Plain (non-DTensor) parameters: clipping can ride in the fused AdamW kernel (compat/fused_clip.py).
     plain_tensor_params = False
 
     @classmethod
@@ -49,7 +50,7 @@ class TorchOptimizerStrategy(Strategy):
         # Dynamic loss scaling is what keeps fp16 gradients from underflowing.
         self.scaler = torch.amp.GradScaler(self.env.device.type, enabled=self.precision.name == "fp16")
         fused = bool(self.optimizer.defaults.get("fused"))
-        self._fold_clip = self.plain_tensor_params and fused and not self.scaler.is_enabled()
+        self._fold_clip = self.plain_tensor_params and fused and not self.scaler.is_enabled() and fused_clip.available()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.scaler.scale(loss).backward()  # weighted by train_step (tokens over the step's, across ranks) already
@@ -66,7 +67,7 @@ class TorchOptimizerStrategy(Strategy):
             norm = float(norm_t)
             self.last_step_skipped = not math.isfinite(norm)
             if not self.last_step_skipped:  # the clip rides in the fused AdamW kernel
-                optim.fused_clipped_step(self.optimizer, norm_t, self.cfg.max_grad_norm)
+                fused_clip.fused_clipped_step(self.optimizer, norm_t, self.cfg.max_grad_norm)
         else:
             if self.cfg.max_grad_norm is not None:  # no clipping: skip the norm's extra pass over all grads
                 self.scaler.unscale_(self.optimizer)

@@ -4,7 +4,6 @@
     models.py          presets, hub ids, local directories, GGUF; tokenizers
     optim.py           precision, AdamW parameter groups, learning-rate schedules (shared by every strategy)
     loss.py            the causal-LM loss outside the model (chunked, compile-friendly)
-    bloom_sdpa.py      BLOOM attention through SDPA
     early_stopping.py  eval-loss bookkeeping and early stopping
     sampling.py        a seekable DistributedSampler for resumes
     generate.py        `shardlab generate` and a run's samples.md

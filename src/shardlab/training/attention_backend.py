@@ -10,7 +10,7 @@ keeps the others behind it, so inputs the chosen kernel rejects (an additive mas
 is the unfused reference alone (torch's CPU dispatch ignores priorities and would otherwise still run flash). It is
 entered around each forward: backward runs the kernel paired with the forward's, and torch.compile traces the
 forward under it, so compiled graphs get the same choice. Models that do not call SDPA (``--attn-implementation
-eager``) are unaffected; BLOOM's ALiBi attention (training/bloom_sdpa.py) passes a bias, which flash rejects.
+eager``) are unaffected; BLOOM's ALiBi attention (compat/bloom_sdpa.py) passes a bias, which flash rejects.
 
 torch's AOTAutograd cache does not key on these flags: a graph compiled under one backend is loaded from the cache
 under another (checked with torch 2.13: a math run after a default one got the flash graph). So each non-default

@@ -2,7 +2,7 @@
 
 ``init_weights`` (models.py) runs transformers' own ``PreTrainedModel.init_weights`` over a model whose tensors all
 exist. ``init_by_module`` runs the very same call over a meta skeleton, intercepting transformers' per-module step
-(``_initialize_weights``, which its ``smart_apply`` calls children first), and gives each tensor real storage only
+(``_initialize_weights``, which its ``smart_apply`` calls children first: compat/module_init.py), and gives each tensor real storage only
 from the first module initialisation that writes it to the last one: its draws are the whole-model init's draws (the
 same functions, on the same shapes, in the same order, from the same generator), so the tensors it hands out are the
 ordinary build's weights bit for bit, while no more than one module's tensors are alive (plus those an ancestor's
@@ -23,6 +23,8 @@ import torch
 import transformers
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from ..compat.module_init import each_module_init
 
 Emit = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]
 
@@ -134,14 +136,8 @@ def _run_init(model: transformers.PreTrainedModel, before: Callable[[int, nn.Mod
             after(index)
         return visit
 
-    for owner in owners:  # smart_apply reads each sub-model's _initialize_weights from the instance
-        owner._initialize_weights = wrap(owner._initialize_weights)
-    try:
-        with initialising(model):
-            model.init_weights()
-    finally:
-        for owner in owners:
-            del owner._initialize_weights
+    with each_module_init(owners, wrap), initialising(model):  # compat/module_init.py
+        model.init_weights()
     return visits
 
 

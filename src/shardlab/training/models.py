@@ -45,7 +45,9 @@ from transformers import (
 )
 
 from . import sdpa_causal
-from .bloom_sdpa import is_bloom, use_sdpa_attention
+from .. import compat
+from ..compat.bloom_sdpa import is_bloom, use_sdpa_attention
+from ..compat.gguf import drop_quantizer
 from .init_by_module import initialising
 from ..cachedir import built_once, cache_root
 from ..config import RunConfig
@@ -327,11 +329,7 @@ def _gguf_cache(path: Path, part: str) -> Path:
 def _dequantise(path: Path, **kwargs: Any) -> transformers.PreTrainedModel:
     """The GGUF's model, dequantised by transformers (gguf + accelerate) straight into ``kwargs['dtype']``."""
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=str(path), **kwargs)
-    # The tensors are plain `dtype` now, but newer transformers (5.24) keep a GGUF quantizer on the model,
-    # which refuses save_pretrained ("quantized with gguf and is not serializable"): it is a normal model.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    drop_quantizer(model)  # a normal model now, which save_pretrained must take (compat/gguf.py)
     return model
 
 
@@ -455,8 +453,8 @@ def causal_lm_class(hf_config: Any) -> type | None:
 def supports_attention(model_class: type | None, impl: str) -> bool:
     if model_class is None or impl == "eager":
         return True
-    if impl == "sdpa":  # BLOOM: through shardlab's ALiBi-bias SDPA attention (bloom_sdpa.py)
-        return bool(getattr(model_class, "_supports_sdpa", False)) or is_bloom(model_class)
+    if impl == "sdpa":  # BLOOM: through shardlab's ALiBi-bias SDPA attention (compat/bloom_sdpa.py), where it may apply
+        return bool(getattr(model_class, "_supports_sdpa", False)) or (is_bloom(model_class) and compat.enabled("bloom_sdpa"))
     if impl == "flash_attention_2":  # transformers 5 spells it _supports_flash_attn, 4.x _supports_flash_attn_2
         return bool(getattr(model_class, "_supports_flash_attn", False) or getattr(model_class, "_supports_flash_attn_2", False))
     return False
@@ -467,7 +465,7 @@ def resolve_attn_implementation(requested: str, device_type: str, model_class: t
 
     'auto' -> 'flash_attention_2' when ``flash_attn`` imports, the device is CUDA and the model
     supports it; else 'sdpa' (or 'eager' for models without SDPA support). BLOOM's 'sdpa' is
-    shardlab's own (bloom_sdpa.py): transformers builds it eager and ``build_model`` patches it.
+    shardlab's own (compat/bloom_sdpa.py): transformers builds it eager and ``build_model`` patches it.
     An explicit choice the environment or model cannot honour is a UserError.
     """
     name = model_class.__name__ if model_class is not None else "this model"

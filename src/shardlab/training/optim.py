@@ -245,23 +245,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             opt.load_state_dict(state_dict[self.names[p]])
 
 
-def fused_clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:
-    """`optimizer.step()` on gradients clipped to `max_norm`, without a separate pass over them.
-
-    Clipping multiplies every gradient by `max_norm / norm` (a full read+write of all gradients,
-    ~1 ms per step for gpt2-medium on an H100). The fused AdamW kernel already reads every
-    gradient and divides it by `optimizer.grad_scale` when that is set (the hook GradScaler uses
-    for fused optimizers), so setting it to the reciprocal of the clip coefficient clips for free.
-    Only for fused AdamW without a GradScaler (bf16/fp32), and a finite `total_norm`.
-    """
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    optimizer.grad_scale = coef.reciprocal().float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale
-
-
 def lr_lambda(cfg: RunConfig, total_steps: int):
     """Multiplier of the peak lr at optimizer step `step` (0 for the first): linear warm-up, then cosine/linear/constant,
     as transformers' get_scheduler computes them ("cosine_with_min_lr", "linear", "constant_with_warmup"), so that a run

@@ -37,6 +37,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
+from .. import compat
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards, pin
 from ..measure.startup import StartupClock
@@ -361,6 +362,7 @@ class Trainer:
         if env.is_main:
             if samples_before is not None:
                 self._write_samples(samples_before, summary)
+            summary.update(compat.summary())  # the patches of dependencies' internals this run applied (compat/)
             RunSummary.from_dict(summary).write(self.run_dir)  # the launcher adds the monitor's figures (summary.merge_monitor)
         return RunResult(self.run_dir, summary, self.step_losses)
 
@@ -393,10 +395,11 @@ class Trainer:
         directory = checkpoint.checkpoints_root(self.run_dir) / checkpoint.BEST
         if best is None or best == current:
             return current
-        if not checkpoint.is_complete(directory):  # e.g. resumed with --save-best from a run that had it off
+        found = checkpoint.complete(directory)  # best/, or best.old if a kill came while best/ was re-saved
+        if found is None:  # e.g. resumed with --save-best from a run that had it off
             log0(self.env, f"no best checkpoint in {directory}; exporting the last step {current}")
             return current
-        checkpoint.load(strategy, directory, self.layout)
+        checkpoint.load(strategy, found, self.layout)
         log0(self.env, f"exporting the best step {best} (eval loss {self.evals.best:.4f}), not the last step {current}")
         return best
 
@@ -729,6 +732,7 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     # first, so "rank 1 was killed by SIGABRT" comes with where it was.
     faulthandler.enable(all_threads=True)
     use_persistent_cache(cfg.sdpa_backend)  # before anything compiles
+    compat.start_run()  # summary.json's patches are this run's
     try:
         # why: its docstring (faster CPU steps, a higher resident peak: only where the plan says the run fits with it)
         with reuse_freed_heap(heap_reuse(cfg, pick_device_type(cfg.device), plan)):
@@ -744,3 +748,4 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
                 raise
     finally:
         shutdown_distributed()
+        compat.restore_all()  # the dependencies' own code again for whatever this process runs next

@@ -9,7 +9,7 @@ had: bloom-7b1 pinned 7-8 GiB of host memory there, depending on the micro batch
 (+14.4% at micro 32; benchmarks/results/*-h100-remeasure).
 
 Here every distinct (shape, dtype, hyper-parameters) is stepped once on scratch copies before training, with inductor's
-clones kept on the GPU: at set-up the GPU holds only the weights, so the clones fit, the host sees none of it, and the
+clones kept on the GPU (compat/autotune.py): at set-up the GPU holds only the weights, so the clones fit, the host sees none of it, and the
 graphs and the configurations chosen are those the real step then uses (dynamo's cache is keyed on exactly these
 guards: ``tests/test_warm_8bit.py`` checks the real first step compiles nothing). The GPU moment this adds (weights,
 then one shape's scratch weight, gradient, moments, their clones and the step's temporaries) is the planner's
@@ -18,37 +18,16 @@ then one shape's scratch weight, gradient, moments, their clones and the step's 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
 import torch
 
+from ..compat.autotune import clones_on_device
 from ..config import RunConfig
 from . import optim
 
 GIB = 2**30
-
-
-@contextlib.contextmanager
-def clones_on_device():
-    """Inductor's autotuner clones mutated arguments on the device instead of copying them to pinned host memory.
-    Yields whether it could (torch's private API moved: then inductor decides as it would anyway)."""
-    try:
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except ImportError:
-        yield False
-        return
-    original = CachingAutotuner.__dict__.get("copy_args_to_cpu_if_needed")
-    if original is None:
-        yield False
-        return
-    # An empty dict is inductor's own answer for kernels that need no copies: every mutated argument is cloned instead.
-    CachingAutotuner.copy_args_to_cpu_if_needed = lambda self, *args, **kwargs: {}
-    try:
-        yield True
-    finally:
-        CachingAutotuner.copy_args_to_cpu_if_needed = original
 
 
 def _key(p: torch.Tensor, group: dict) -> tuple:

@@ -28,6 +28,9 @@ FlexAttention (ALiBi as a ``score_mod``, no seq² tensor at all) was considered:
 kernel when compiled, so eager runs would need a separately compiled attention with its compile
 time at start-up and a recompile per new sequence length, and CPU support differs between
 torch 2.11 and 2.13; SDPA's bias works eagerly and compiled on both.
+
+Another transformers than those (compat.PATCHES) may have changed ``BloomAttention``: there the models module asks
+``compat.enabled("bloom_sdpa")`` and resolves BLOOM's attention to eager, transformers' own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import applied
 
 # Lazy imports below: transformers' BLOOM module loads only when a BLOOM model is patched.
 
@@ -134,4 +139,6 @@ def use_sdpa_attention(model: torch.nn.Module) -> int:
         module._shardlab_eager_forward = module.forward
         module.forward = types.MethodType(_sdpa_forward, module)
         n += 1
+    if n:
+        applied("bloom_sdpa")
     return n

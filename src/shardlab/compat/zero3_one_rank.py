@@ -19,8 +19,9 @@ ZeRO-3 partition is the whole parameter, and DeepSpeed's "gather" makes ``param.
    multi-tensor kernel per dtype), and the same -1 for a non-finite norm.
 
 Each is installed on one engine (``apply``), or, for the reduce-scatter, on stage 3's module name for one-rank groups
-only; anything else in this DeepSpeed's shape leaves the engine as it was and logs one line. What each saves is
-measured in benchmarks/results/*-h100-zero3-one-rank/; tests/test_zero3_one_rank.py checks that losses and
+only (undone when the run ends: compat.restore_all); anything else in this DeepSpeed's shape leaves the engine as it
+was and logs one line, and so does a DeepSpeed outside the versions they were tested on (compat.PATCHES). What each
+saves is measured in benchmarks/results/*-h100-zero3-one-rank/; tests/test_zero3_one_rank.py checks that losses and
 gradient norms are the same with and without them on the CPU.
 """
 
@@ -31,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import applied, enabled
 from ..config import ZERO3_ONE_RANK_SHORTCUTS as SHORTCUTS  # the names a config gives them, in this order
 
 _MARK = "_shardlab_one_rank"
@@ -123,6 +125,11 @@ def identity_reduce_scatter() -> None:
     setattr(reduce_scatter_coalesced, _MARK, True)
     stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
 
+    def undo() -> None:
+        stage3.reduce_scatter_coalesced = original
+
+    applied("identity_reduce_scatter", undo)
+
 
 def apply(engine, shortcuts: tuple[str, ...] = SHORTCUTS, log: Callable[[str], None] = print) -> list[str]:
     """Install ``shortcuts`` on a one-rank ZeRO-3 engine without offload; the names installed. The caller decides that
@@ -132,6 +139,8 @@ def apply(engine, shortcuts: tuple[str, ...] = SHORTCUTS, log: Callable[[str], N
     if getattr(opt, _MARK, None) is not None:
         return list(getattr(opt, _MARK))
     for name in shortcuts:
+        if not enabled(name):  # another DeepSpeed than the one they were tested on, or switched off
+            continue
         try:
             if name == "keep_gathered":
                 keep_gathered(opt)
@@ -144,6 +153,7 @@ def apply(engine, shortcuts: tuple[str, ...] = SHORTCUTS, log: Callable[[str], N
             else:
                 raise ValueError(f"unknown shortcut {name!r}")
             done.append(name)
+            applied(name)
         except Exception as err:  # noqa: BLE001 - another DeepSpeed's internals: run without it, say so once
             log(f"one-rank ZeRO-3 shortcut {name} not applied ({type(err).__name__}: {err}): DeepSpeed's own path runs")
     setattr(opt, _MARK, tuple(done))

@@ -14,13 +14,16 @@ benchmarks/diag/z3off/eval_first_probe.py shows it on CPU.
 
 The fix: clear that cache whenever ``reset_step`` completes a newly recorded trace (RECORD -> COMPLETE). The
 lru_cache lives on the class, so ``cache_clear`` drops every coordinator's entries, not only this one's: harmless (one
-engine per process here; another engine recomputes its answers once, on its next use).
+engine per process here; another engine recomputes its answers once, on its next use). Installed on the class, so
+for the whole process: undone when the run ends (compat.restore_all).
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
+
+from . import applied, enabled
 
 _MARK = "_shardlab_clears_release_cache"  # set on the installed reset_step: applying twice does nothing more
 
@@ -39,17 +42,22 @@ def _cached_params_to_release(ppc: type) -> Any | None:
 
 def apply_release_cache_fix(log: Callable[[str], None] = print) -> bool:
     """Install the fix once (idempotent); True when it is in place. With another DeepSpeed whose coordinator has not
-    this shape it changes nothing and logs one line: a missing fix costs memory or traffic, never the run."""
+    this shape, or outside the versions it was tested on, it changes nothing and logs one line: a missing fix costs
+    memory or traffic, never the run."""
+    if not enabled("zero3_release_cache"):
+        return False
     try:
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
 
         if getattr(PPC.reset_step, _MARK, False):
+            applied("zero3_release_cache")
             return True
         cached = _cached_params_to_release(PPC)
         needed = ("reset_step", "is_record_trace", "is_complete_trace")
         if cached is None or not all(callable(getattr(PPC, n, None)) for n in needed):
             raise AttributeError("no lru_cache'd __params_to_release, or no reset_step/is_record_trace/is_complete_trace")
         original = PPC.reset_step
+        own = PPC.__dict__["reset_step"]  # what the class holds, decorators and all: what undo puts back
 
         @functools.wraps(original)
         def reset_step(self) -> None:
@@ -67,6 +75,11 @@ def apply_release_cache_fix(log: Callable[[str], None] = print) -> bool:
         setattr(reset_step, _MARK, True)
         setattr(installed, _MARK, True)
         PPC.reset_step = installed
+
+        def undo() -> None:
+            PPC.reset_step = own
+
+        applied("zero3_release_cache", undo)
         return True
     except Exception as err:  # noqa: BLE001 - another DeepSpeed's internals: run without the fix, say so once
         log(f"ZeRO-3 release-cache fix not applied ({type(err).__name__}: {err}): this DeepSpeed may reuse the first "

@@ -405,3 +405,5 @@ class StrategyPlan:
     grad_accum: int = 0
     notes: list[str] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
+    # every moment of a step the plan weighed (bytes per GPU; the largest is gpu_peak); a pipeline's are in ``stages``
+    moments: dict[str, float] = field(default_factory=dict)

@@ -637,17 +637,17 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         shapes = {math.ceil(k / d) if s.engine == "fsdp2" else k for k, _ in arch.param_sizes} or {arch.largest_param}
         moment_warm = params + sum(persistent_temp.values()) + max(
             eight_bit_warmup_bytes(k, 2 if bf16_master else 4) for k in shapes)
-    peak, moment = max((moment_fb, "start of backward (activations + loss gradients)"),
-                       (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
-                       (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
-                       (moment_end, "optimizer step (all gradients + step buffers)"),
-                       (moment_reduce, f"end of backward (ZeRO-3's reduce: {reduce_what})"),
-                       (moment_tied, "end of backward (all gradients + the tied embedding's second gradient)"),
-                       (moment_fsdp_reduce, f"end of backward (FSDP2's reduce-scatter: {fsdp_reduce[1]})"),
-                       (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
-                       (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
-                                     "the autotuner's clones and the step's temporaries beside the weights)"),
-                       key=lambda m: m[0])
+    candidates = ((moment_fb, "start of backward (activations + loss gradients)"),
+                  (moment_head, "backward at the LM head (activations + logits gradient + gathered root)"),
+                  (moment_layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"),
+                  (moment_end, "optimizer step (all gradients + step buffers)"),
+                  (moment_reduce, f"end of backward (ZeRO-3's reduce: {reduce_what})"),
+                  (moment_tied, "end of backward (all gradients + the tied embedding's second gradient)"),
+                  (moment_fsdp_reduce, f"end of backward (FSDP2's reduce-scatter: {fsdp_reduce[1]})"),
+                  (moment_eval, f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"),
+                  (moment_warm, "compiling the 8-bit step before training (a scratch weight, gradient, moments, "
+                                "the autotuner's clones and the step's temporaries beside the weights)"))
+    peak, moment = max(candidates, key=lambda m: m[0])
     gpu = {
         "parameters": params,
         "gradients": (0.0 if grads_counted_in_buffer else grads),
@@ -692,6 +692,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
         model_state_bytes_per_param=ms_bpp, paper_bytes_per_param=None if paper is None else float(paper),
         deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes, micro_batch=micro, grad_accum=accum,
+        moments={label: value for value, label in candidates if value},
     )
 
 

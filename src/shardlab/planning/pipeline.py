@@ -52,7 +52,6 @@ from ..pipesim.schedules import device_orders
 from ..strategies.spec import find
 from .memory import (
     CUDA_CONTEXT_BYTES,
-    PROCESS_RSS_BYTES,
     Arch,
     GiB,
     StrategyPlan,
@@ -252,13 +251,9 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
         notes.append(f"the last stage (GPU {last % P}) keeps {M} x {pl}·b·s·V of logits ({kept / GiB:.2f} GiB) for schedule.step's "
                      "return value (this torch's schedule.step has no return_outputs to decline it), plus their "
                      "concatenation at the end of the step")
-    cpu_detail = {
-        "model built in fp32 on the CPU by every rank (load time)": 4.0 * arch.n_params * gpus_per_node,
-        "process (python, torch, CUDA libs)": float(PROCESS_RSS_BYTES * gpus_per_node),
-    }
-    return StrategyPlan(
+    return StrategyPlan(  # the host's figures are the planner's, as for every strategy
         strategy=find(engine="pipelining"), gpu=gpu, gpu_peak=float(worst["peak"]), peak_moment=worst["moment"],
-        cpu_per_node=sum(cpu_detail.values()), cpu_detail=cpu_detail, nvme_per_node=0.0,
+        cpu_per_node=0.0, cpu_detail={}, nvme_per_node=0.0,
         model_state_bytes_per_param=16.0 * n_w / arch.n_params, paper_bytes_per_param=None,
         deepspeed_gpu=None, deepspeed_cpu=None, notes=[where] + notes, stages=per_device,
     )

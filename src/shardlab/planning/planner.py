@@ -381,6 +381,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if s.engine == "pipelining":
         sp = pipeline_strategy_plan(arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device)
         sp.micro_batch, sp.grad_accum = micro, accum
+        sp.cpu_per_node, sp.cpu_detail, sp.nvme_per_node = _host_plan(strategy, arch, cfg, precision, accum, gpus_per_node,
+                                                                      nodes, False, device)
         return sp
     n = arch.n_params
     d = gpus_per_node * nodes
@@ -660,7 +662,26 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     }
     detail = {**temp, **persistent_temp, **at_head, **temp_step}
     notes += [f"{k}: {v / GiB:.2f} GiB" for k, v in detail.items() if v]
-    # CPU per node: the larger of the build moment and the training moment, per rank, times the ranks of a node
+    cpu_total, cpu_detail, nvme = _host_plan(strategy, arch, cfg, precision, accum, gpus_per_node, nodes, bf16_master, device)
+    ms_bpp = float(P + G + O) + 16.0 * sum(on_gpu) / n
+    paper = paper_bytes_per_param(strategy, d)
+    # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in
+    est = ds_est.get(strategy) or ({} if s.offload_params != "nvme" else ds_est.get(_ds_name(3, "cpu"), {}))
+    return StrategyPlan(
+        strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
+        cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
+        model_state_bytes_per_param=ms_bpp, paper_bytes_per_param=None if paper is None else float(paper),
+        deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes, micro_batch=micro, grad_accum=accum,
+        moments={label: value for value, label in candidates if value},
+    )
+
+
+def _host_plan(strategy: str, arch: Arch, cfg: RunConfig, precision: str, accum: int, gpus_per_node: int, nodes: int,
+               bf16_master: bool, device: str) -> tuple[float, dict[str, float], float]:
+    """(host bytes per node, its detail, NVMe bytes per node): the larger of the build moment and the training moment,
+    per rank, times the ranks of a node, and the process that launched them."""
+    s = spec(strategy)
+    n, d = arch.n_params, gpus_per_node * nodes
     states = host_states(strategy, arch, cfg, precision, d, accum, device)
     build_label, build = host_build(strategy, arch, precision, d, "bf16" if bf16_master else "fp32", device)
     nvme = 0.0
@@ -668,7 +689,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         nvme = float(NVME_BYTES_PER_PARAM * n / nodes)
         states["AIO pinned param swap buffers (approx.)"] = float(INFINITY_PARAM_BUFFERS)
     baseline = GPU_PROCESS_RSS_BYTES if device == "cuda" else PROCESS_RSS_BYTES
-    workers = compile_workers(cfg.compile) if device == "cuda" else 0
+    workers = compile_workers(cfg.compile and s.supports_compile) if device == "cuda" else 0
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
         states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
     if device == "cuda" and cfg.optimizer == "adamw8bit":
@@ -683,17 +704,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     if launcher:
         cpu_detail["the process that launched the ranks"] = float(launcher)
         cpu_total += launcher
-    ms_bpp = float(P + G + O) + 16.0 * sum(on_gpu) / n
-    paper = paper_bytes_per_param(strategy, d)
-    # ZeRO-Infinity: DeepSpeed's estimator has no NVMe variant; its CPU-offload figures stand in
-    est = ds_est.get(strategy) or ({} if s.offload_params != "nvme" else ds_est.get(_ds_name(3, "cpu"), {}))
-    return StrategyPlan(
-        strategy=strategy, gpu=gpu, gpu_peak=peak, peak_moment=moment,
-        cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
-        model_state_bytes_per_param=ms_bpp, paper_bytes_per_param=None if paper is None else float(paper),
-        deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=[where] + notes, micro_batch=micro, grad_accum=accum,
-        moments={label: value for value, label in candidates if value},
-    )
+    return cpu_total, cpu_detail, nvme
 
 
 def model_state_bytes_per_param(strategy: str, d: int, precision: str = "bf16") -> Fraction:

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..layout import LayoutError, ParallelLayout
 from ..pipesim.schedules import device_orders
-from ..strategies.spec import find
+from ..strategies.spec import find, spec
+from ..training.optim import autocasts
 from .memory import (
     CUDA_CONTEXT_BYTES,
     Arch,
@@ -106,7 +107,8 @@ def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: in
     schedule = cfg.strategy_options.pp_schedule
     bounds = pipeline_split(arch, cfg.seq_len, n_stages)
     b, s, h, vocab = micro, cfg.seq_len, arch.hidden, arch.vocab
-    mode = "fp32" if precision == "fp32" else "autocast"  # Stage.forward's autocast (fp16 is refused by the strategy)
+    # Stage.forward's autocast, as the strategy decides it (fp16 is refused by the strategy)
+    mode = "autocast" if autocasts(spec(find(engine="pipelining")), cfg, precision) else "fp32"
     act = activation_bytes(arch, micro, s, mode, device, checkpointing)
     r = 4  # fp32 residual stream: stage inputs, outputs and their gradients (fp32 under autocast too)
     pl = 4 if mode == "fp32" else 2  # the last stage's output: the logits, in the compute dtype

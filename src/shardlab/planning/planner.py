@@ -90,7 +90,7 @@ from .pipeline import PipelineNotApplicable, pipeline_strategy_plan
 from .host import GPU_PROCESS_RSS_BYTES, cpu_run_bytes, ds_group_params, host_build, host_states, launcher_bytes, zero3_optimizer_split
 from ..strategies.deepspeed_zero import (block_leaves, contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm, sized_buckets,
                                          zero3_leaf_classes)
-from ..training.optim import arithmetic, resolve_precision
+from ..training.optim import arithmetic, autocasts, resolve_precision
 from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
@@ -370,6 +370,21 @@ def eval_loss_bytes(mode: str, tokens: int, vocab: int, chunk_mib: int) -> float
     return float(logit * tokens * vocab + work * chunk * vocab)
 
 
+def _autocast_copies(arch: Arch, mode: str, kernel: str, checkpointing: bool) -> tuple[float, float]:
+    """Bytes of autocast's 16-bit weight copies (at the start of backward, and later in backward). Autocast casts each
+    fp32 weight its ops use once a forward and autograd saves the copy for backward: every weight but the head's where
+    the fused loss casts that one itself (liger: counted with the loss). bloom-7b1 ao_offload m32: +13.2 GiB measured.
+    A checkpointed block saves none: its copies live in autocast's cache, which empties when the forward's autocast
+    region ends, so backward holds the head's copy (and a recomputed block casts its own again: moment_layer)."""
+    if mode != "autocast":
+        return 0.0, 0.0
+    head = (arch.pipeline_parts or {}).get("head", 0)
+    copies = 2.0 * (arch.n_params - (head if kernel == "liger" else 0))
+    if not checkpointing or not arch.pipeline_parts:
+        return copies, copies
+    return copies, 0.0 if kernel == "liger" else 2.0 * head
+
+
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
                    gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]],
                    device: str = "cuda", eval_blocks: int | None = None) -> StrategyPlan:
@@ -412,10 +427,8 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         # gradients on the GPU until step(). Measured bloom-3b m8 x 8: 53.61 GiB, 35.91 planned without these and the
         # autocast copies below (benchmarks/results/*-h100-offload).
         grads = 4.0 * n
-    if s.engine == "ddp" and not bf16_master:
-        mode = "autocast" if mixed else "fp32"
-    else:  # the engine's 16-bit weights, or dp's bf16 master weights (no autocast: Strategy.autocast)
-        mode = "lp" if mixed else "fp32"
+    # autocast over fp32 weights as the run decides it; else the engine's 16-bit weights, or bf16 master weights
+    mode = "autocast" if autocasts(s, cfg, precision) else ("lp" if mixed else "fp32")
     kernel = resolve_loss_kernel(cfg.loss_kernel, device)
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile)
     temp: dict[str, float] = {}  # live at the start of backward
@@ -441,9 +454,10 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
         # quotient, freed before the next one.
         temp_step["AdamW per-tensor temporaries (CPU)"] = cpu_adamw_temp_bytes(arch.largest_layer_params / (
             d if s.engine == "fsdp2" else 1))
+    copies, copies_in_backward = _autocast_copies(arch, mode, kernel, checkpointing)
+    if copies:
+        temp["autocast 16-bit weight copies (saved for backward)"] = copies
     if s.engine == "ddp":
-        if mixed and not bf16_master:
-            temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
         if d > 1:
             persistent_temp["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
     elif s.engine == "fsdp2":
@@ -481,11 +495,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
             # one unit: its reduction runs once, at the end of backward, over the whole model: the fp32 (reduce_dtype)
             # input buffer beside the reduced output that becomes the sharded gradients (counted in `grads`)
             temp_step["fp32 reduce-scatter input of the whole model (one FSDP unit)"] = 4.0 * n
-    else:  # DeepSpeed; and torchao (ao_offload), which has no stage and is counted as stage 3 below, as before
-
-        if s.engine == "torchao" and mixed:  # fp32 weights under autocast, as dp (bloom-7b1 m32: +13.2 GiB measured)
-            temp["autocast 16-bit weight copies (saved for backward)"] = 2.0 * n
-
+    elif s.engine == "deepspeed":
         buckets = sized_buckets(opts, n, arch.hidden, s.offload_optimizer, d, s.offload_params is not None)  # what the engine gets
         rb, ab = buckets["reduce_bucket_size"], buckets["allgather_bucket_size"]
         if device == "cpu":  # torch.empty buckets count in host RSS only where written: at most the model's size
@@ -600,14 +610,15 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     # (0.5) and nothing else at the peak; bloom-3b 11.41 / 11.42 on 1 / 2 GPUs (benchmarks/results/*-h100-z3off-plan).
     moment_fb = static + g_fb + act.peak - act.recompute + sum(temp.values())
     # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers
-    moment_head = moment_fb - act.logits_peak + act.logits_grad + sum(at_head.values())
+    moment_head = moment_fb - act.logits_peak + act.logits_grad + sum(at_head.values()) - copies + copies_in_backward
     # a checkpointed layer's backward: its recomputed activations and its backward's temporaries (memory.layer_backward_bytes,
     # as the pipeline plan counts them); at most the logits' gradient is left of the loss (liger: its two gradients)
     moment_layer = 0.0
     if act.recompute:
         sbh = float(micro * cfg.seq_len * arch.hidden)
+        recast = 2.0 * arch.block_params if copies else 0.0  # the recomputed block's own autocast copies
         moment_layer = (static + g_fb + act.layers + act.embed_final + act.recompute + layer_backward_bytes(arch, mode) * sbh
-                        + act.logits_grad + sum(temp.values()))
+                        + act.logits_grad + sum(temp.values()) - copies + copies_in_backward + recast)
     moment_end = static + g_end + sum(temp_step.values())
     moment_reduce = static + reduce_held if reduce_held else 0.0  # the activations are gone by then
     moment_fsdp_reduce = static + g_end + fsdp_reduce[0] if fsdp_reduce[0] else 0.0

@@ -139,7 +139,7 @@ def test_zero3_on_one_rank_keeps_every_parameter_whole():
 
     cfg = RunConfig(model="gpt2-medium", strategy="zero3", micro_batch=8, precision="bf16")
     arch = planner._arch(cfg)
-    notes = {d: " ".join(planner._strategy_plan("zero3", arch, cfg, 8, 1, "bf16", d, 1, False, {}).notes) for d in (1, 2)}
+    notes = {d: " ".join(planner._strategy_plan("zero3", arch, cfg, 8, 1, "bf16", d, 1, False).notes) for d in (1, 2)}
     assert "ZeRO-3 gathered" not in notes[1] and "ZeRO-3 gathered" in notes[2]
 
 

@@ -60,7 +60,7 @@ def test_plan_model_states_in_bytes():
 def test_deepspeed_estimator_transcription_matches_deepspeed():
     ds12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     ds3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    from shardlab.planning.planner import _ds_zero2_formula, _ds_zero3_formula
+    from shardlab.strategies.memory.deepspeed_zero import ds_zero2_formula as _ds_zero2_formula, ds_zero3_formula as _ds_zero3_formula
 
     for n, ll, g, nodes in ((354_823_168, 51_463_168, 1, 1), (7_069_016_064, 1_027_604_480, 8, 2)):
         for off in (True, False):

@@ -12,17 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
-# a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
-CPU_ADAMW_TEMP_TENSORS = 2
-
-
-def cpu_adamw_temp_bytes(largest: float) -> float:
-    """Bytes of torch's single-tensor AdamW temporaries on a CPU (fp32) when the largest tensor it steps has
-    ``largest`` elements: a parameter (dp, fsdp shards, a pipeline stage) or DeepSpeed's flat fp32 partition."""
-    return CPU_ADAMW_TEMP_TENSORS * 4.0 * largest
-
-
 # The M_TRIM_THRESHOLD launch.distributed.reuse_freed_heap gives glibc on CPU runs: free memory at the top of the heap
 # goes back to the system only above it (so planning.host.heap_kept_bytes can bound what the heap keeps)
 HEAP_TRIM_BYTES = 2**31 - 1

@@ -96,7 +96,7 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     """Saved bytes of one decoder layer as (per s·b·h, per a·s²·b, per s·b).
 
     ``mode``: 'fp32' (everything fp32), 'lp' (weights and compute in 16-bit: DeepSpeed, FSDP2
-    mixed precision) or 'autocast' (torch autocast over fp32 weights: shardlab's dp in bf16/fp16).
+    mixed precision) or 'autocast' (torch autocast over fp32 weights, where the run autocasts: training.optim.autocasts).
     ``device``: 'cuda' (1-byte bool dropout masks, fused attention keeps no s² tensors) or 'cpu'
     (masks as wide as the tensor; SDPA with dropout falls back to the math path computed in fp32).
     Counts are per family, tensor by tensor (see the module docstring); the comments give the

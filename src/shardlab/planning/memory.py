@@ -257,7 +257,7 @@ def input_grad_backward_bytes(arch: Arch, mode: str) -> float:
 
 
 def _shared_bias_bytes(arch: Arch, mode: str) -> float:
-    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
+    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.compat.bloom_sdpa) passes
     SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
     layers and saved by each layer's attention for the backward (the same storage). Kept also under
     activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""

@@ -162,7 +162,7 @@ class DeepSpeedMemory(EngineMemory):
         # An eval forward after training replays the training trace, so it keeps the same gathered params (their next use
         # is the backward that does not come): bloom-3b zero3_offload's final eval held the embedding and the last blocks'
         # weights, 1.87 GiB, on one GPU (16.30 GiB measured, no initial eval). shardlab clears DeepSpeed's lru_cache'd
-        # release decisions when a new trace completes (strategies/zero3_release_cache.py), so the final eval holds these
+        # release decisions when a new trace completes (compat/zero3_release_cache.py), so the final eval holds these
         # params with or without the initial eval (CPU: tests/test_zero3_release_cache.py).
         h.eval_gathered = float(lo * gather)
         h.persistent["ZeRO-3 persistent small params (whole on every GPU)"] = float(lo * run.arch.persistent_params * (1 - 1 / d))
@@ -178,7 +178,7 @@ class DeepSpeedMemory(EngineMemory):
         model), and DeepSpeed's reduce_scatter_coalesced first flattens them into one more copy (torch.cat). gpt2 fp32,
         micro 1 x 256, one H200: 3.31 GiB measured, 2.81 planned without this, the 148 gradients and a 0.46 GiB flat copy
         alive at the peak (benchmarks/results/*-cpu-host-model/gpu-call1/z3-fp32-peak-snapshot.txt). One-rank ZeRO-3's
-        identity_reduce_scatter (strategies/zero3_one_rank.py) makes no copy: the gradients only."""
+        identity_reduce_scatter (compat/zero3_one_rank.py) makes no copy: the gradients only."""
         s, lo = run.spec, run.lo
         flat_copy = "identity_reduce_scatter" not in one_rank_shortcuts(run.opts, 3, run.world, s.offloads)
         held = float(lo * min(rb, run.n))

@@ -95,7 +95,7 @@ def pipeline_layout(cfg: "RunConfig", gpus_per_node: int, nodes: int, layers: in
         raise PipelineNotApplicable(err.message, err.hint) from None
 
 
-def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,  # noqa: C901 - per-engine memory branches, to move into the strategy's own memory model
+def pipeline_strategy_plan(arch: "Arch", cfg: "RunConfig", micro: int, accum: int, precision: str, gpus_per_node: int,
                            nodes: int, checkpointing: bool, device: str = "cuda") -> "StrategyPlan":
     parts = arch.pipeline_parts
     if parts is None:

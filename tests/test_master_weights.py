@@ -56,7 +56,7 @@ def test_the_optimizers_round_stochastically_into_bf16_weights():
 def _dp(cfg: RunConfig):
     arch = planner._arch(cfg)
     micro, accum, _ = cfg.resolve_batch(1)
-    return arch, planner._strategy_plan("dp", arch, cfg, micro, accum, "bf16", 1, 1, cfg.gradient_checkpointing, {})
+    return arch, planner._strategy_plan("dp", arch, cfg, micro, accum, "bf16", 1, 1, cfg.gradient_checkpointing)
 
 
 def test_plan_counts_bf16_weights_and_grads_without_autocast_copies():

@@ -61,7 +61,7 @@ def test_presets_and_hub_ids():
     assert set(models.PRESETS) == {
         "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
         "bloom-560m", "bloom-1b7", "bloom-3b", "bloom-7b1", "tiny-gpt2", "tiny-bloom",
-        "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "llama-2-7b", "llama-2-13b",
+        "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
         "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b", "tiny-llama",
     }  # fmt: skip
     assert models.resolve_preset("gpt2-medium").family == "gpt2"
@@ -72,6 +72,9 @@ def test_presets_and_hub_ids():
     assert (bloom.n_layer, bloom.hidden_size, bloom.n_head, bloom.vocab_size) == (24, 1024, 16, 250880)
     gpt2xl = models.build_hf_config(RunConfig(model="gpt2-xl"))
     assert (gpt2xl.n_layer, gpt2xl.n_embd, gpt2xl.n_head, gpt2xl.n_positions) == (48, 1600, 25, 1024)
+    seventy = models.build_hf_config(RunConfig(model="llama-2-70b"))  # Llama-2-70b-hf's config.json: GQA, 8 kv heads
+    assert (seventy.num_hidden_layers, seventy.hidden_size, seventy.intermediate_size, seventy.num_attention_heads,
+            seventy.num_key_value_heads, seventy.vocab_size) == (80, 8192, 28672, 64, 8, 32000)
 
 
 @pytest.mark.parametrize("name,cls", [("tiny-gpt2", GPT2LMHeadModel), ("tiny-bloom", BloomForCausalLM)])

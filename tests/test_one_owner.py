@@ -30,6 +30,7 @@ OWNERS = {
     "processes_per_node": "launch/distributed.py",
     "model_family": "layout.py",
     "activation_bytes": "planning/memory.py",
+    "autocasts": "training/optim.py",  # whether forward runs under autocast: the run's and the planner's one answer
     "transformer_blocks": "training/models.py",
 }
 

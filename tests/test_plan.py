@@ -14,6 +14,7 @@ import torch
 from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
+from shardlab.strategies.spec import names as strategy_names
 from shardlab.planning.planner import (
     GiB,
     activation_bytes,
@@ -60,7 +61,7 @@ def test_plan_model_states_in_bytes():
 def test_deepspeed_estimator_transcription_matches_deepspeed():
     ds12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     ds3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    from shardlab.planning.planner import _ds_zero2_formula, _ds_zero3_formula
+    from shardlab.strategies.memory.deepspeed_zero import ds_zero2_formula as _ds_zero2_formula, ds_zero3_formula as _ds_zero3_formula
 
     for n, ll, g, nodes in ((354_823_168, 51_463_168, 1, 1), (7_069_016_064, 1_027_604_480, 8, 2)):
         for off in (True, False):
@@ -540,3 +541,26 @@ def test_plan_shows_where_the_host_ram_goes():
     assert "zero2_offload" in table and "fp32 master partition" in table and "136.60" in table
     small = text(RunConfig(model="tiny-gpt2", seq_len=64, micro_batch=2), 80, 64)
     assert "Host memory per node" not in small
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_the_run_and_the_plan_take_autocast_from_one_owner(name):
+    """Whether forward runs under autocast is training.optim.autocasts' answer, for the run (Strategy.autocast) and the
+    plan (its activations' mode) alike: the planner once decided it by engine, and planned ao_offload, which runs under
+    autocast, as pure 16-bit (bloom-7b1 micro 16 on one H200: 118.1 GiB planned, 124.1 measured)."""
+    from types import SimpleNamespace
+
+    from shardlab.planning.planner import compute_mode
+    from shardlab.strategies.base import Strategy
+    from shardlab.strategies.spec import spec
+    from shardlab.training.optim import resolve_precision
+
+    for precision in ("bf16", "fp32"):
+        for master in ("fp32", "bf16"):
+            cfg = RunConfig(strategy=name, master_weights=master, precision=precision)
+            run = SimpleNamespace(spec=spec(name), cfg=cfg, precision=resolve_precision(precision, "cuda", True),
+                                  env=SimpleNamespace(device=torch.device("cpu")))
+            runs_autocast = isinstance(Strategy.autocast(run), torch.autocast)
+            assert (compute_mode(name, cfg, precision) == "autocast") == runs_autocast, (precision, master)
+    # dp, ao_offload and the pipeline's stages autocast over fp32 weights; DeepSpeed and FSDP2 cast the weights themselves
+    assert (compute_mode(name, RunConfig(strategy=name), "bf16") == "autocast") == spec(name).uses_autocast

@@ -15,16 +15,15 @@ import torch
 
 from shardlab.config import RunConfig, dump_config, load_config
 from shardlab.errors import UserError
-from shardlab.planning.pipeline import pipeline_strategy_plan
-from shardlab.planning.planner import _arch, plan
+from shardlab.planning.planner import _arch, _strategy_plan, plan
 
 PROBE = Path(__file__).with_name("pipeline_memory_probe.py")
 
 
 def pp_plan(cfg: RunConfig, gpus: int, device: str = "cuda"):
     micro, accum, _ = cfg.resolve_batch(1)
-    return pipeline_strategy_plan(_arch(cfg), cfg.model_copy(update={"gpus": gpus}), micro, accum, "fp32", gpus, 1,
-                                  cfg.gradient_checkpointing, device)
+    return _strategy_plan("pipeline", _arch(cfg), cfg.model_copy(update={"gpus": gpus}), micro, accum, "fp32", gpus, 1,
+                          cfg.gradient_checkpointing, device)
 
 
 @pytest.mark.parametrize("model,ranks,chunks", [("gpt2-medium", 2, 1), ("gpt2-medium", 4, 1), ("bloom-560m", 2, 1),
@@ -124,16 +123,16 @@ H200_PIPELINE_RUNS = [("1f1b", [(0, 18), (18, 36)], 23.27), ("gpipe", [(0, 18), 
 def test_bf16_peak_matches_the_h200_pipeline_runs(monkeypatch, schedule, split, measured):
     """Autocast inside each stage: 16-bit activations, and a 16-bit copy of the stage's weights per micro-batch in
     flight. Counted as fp32 (the plan before), these cells were 15-22% over."""
-    import shardlab.planning.pipeline as pp
+    import shardlab.strategies.memory.pipeline as pp
     import shardlab.strategies.pipeline as strategy
 
     monkeypatch.setattr(pp, "pipeline_split", lambda *a: split)
     monkeypatch.setattr(strategy, "step_keeps_outputs", lambda: True)
     cfg = RunConfig(model="gpt2-large", strategy="pipeline", seq_len=1024, micro_batch=4, global_batch=32, precision="bf16",
                     strategy_options={"pp_schedule": schedule})
-    sp = pipeline_strategy_plan(_arch(cfg), cfg, 4, 8, "bf16", len(split), 1, False)
+    sp = _strategy_plan("pipeline", _arch(cfg), cfg, 4, 8, "bf16", len(split), 1, False)
     assert sp.gpu_peak / 2**30 == pytest.approx(measured, rel=0.03)
-    fp32 = pipeline_strategy_plan(_arch(cfg), cfg, 4, 8, "fp32", len(split), 1, False)
+    fp32 = _strategy_plan("pipeline", _arch(cfg), cfg, 4, 8, "fp32", len(split), 1, False)
     assert fp32.gpu_peak > 1.15 * sp.gpu_peak
 
 
@@ -142,7 +141,7 @@ def test_zbv_plan_holds_activations_until_w(monkeypatch):
     middle ones; its activations stay until each W, and from an I to its W the weights' output gradients join them,
     so a plan without those (a full backward releasing at I) would be lower. Peaks within 1F1B's reach: the
     paper's claim is 1F1B's activation memory."""
-    import shardlab.planning.pipeline as pp
+    import shardlab.planning.planner as pp  # where the planner counts each layer's activations for the pipeline
 
     base = dict(model="gpt2-medium", seq_len=1024, micro_batch=2, grad_accum=8, strategy="pipeline", precision="bf16", gpus=2)
     zbv = plan(RunConfig(**base, strategy_options={"pp_schedule": "zbv"}), gpu_memory_gb=80, strategies=("pipeline",)).strategies["pipeline"]

@@ -90,7 +90,7 @@ def test_world_size_dependence_is_the_eval_batch():
     no_eval_1, no_eval_2 = _plan("bloom-7b1", 1, eval_blocks=0), _plan("bloom-7b1", 2, eval_blocks=0)
     assert no_eval_1.gpu_peak == pytest.approx(no_eval_2.gpu_peak, rel=0.01)  # ... training is the same on 1 and 2 GPUs
     # eval: 10 B a logit (bf16 logits, fp32 copy, fp32 log-softmax) on 6 rows, over the persistent buffers and the
-    # params the final eval keeps gathered (1.87 GiB, the training trace's: strategies/zero3_release_cache.py)
+    # params the final eval keeps gathered (1.87 GiB, the training trace's: compat/zero3_release_cache.py)
     assert one.gpu_peak == pytest.approx(10 * 6 * bsv + (0.05 + 1.87) * GiB, abs=0.06 * GiB)
     # unknown eval size: a full eval batch (8 rows), on any number of GPUs
     assert _plan("bloom-7b1", 2, eval_blocks=None).peak_moment.startswith("eval forward (8 rows")

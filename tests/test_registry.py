@@ -34,6 +34,7 @@ NOT_STRATEGY_NAMES = {
     ("cli/__init__.py", '"pipeline": cmd_pipeline'),  # the `shardlab pipeline` subcommand
     ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
     ("checkpoint/reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
+    ("compat/universal_checkpoint.py", '/ "zero"'),  # the same folder, rewritten there
     ("training/trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
 }
 

@@ -12,17 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# torch's single-tensor AdamW (the CPU path) holds two temporaries as large as the tensor it updates:
-# a 50M-parameter model of 16 MiB tensors peaked 32 MiB above its resident size during step().
-CPU_ADAMW_TEMP_TENSORS = 2
-
-
-def cpu_adamw_temp_bytes(largest: float) -> float:
-    """Bytes of torch's single-tensor AdamW temporaries on a CPU (fp32) when the largest tensor it steps has
-    ``largest`` elements: a parameter (dp, fsdp shards, a pipeline stage) or DeepSpeed's flat fp32 partition."""
-    return CPU_ADAMW_TEMP_TENSORS * 4.0 * largest
-
-
 # The M_TRIM_THRESHOLD launch.distributed.reuse_freed_heap gives glibc on CPU runs: free memory at the top of the heap
 # goes back to the system only above it (so planning.host.heap_kept_bytes can bound what the heap keeps)
 HEAP_TRIM_BYTES = 2**31 - 1
@@ -107,7 +96,7 @@ def _layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, floa
     """Saved bytes of one decoder layer as (per s·b·h, per a·s²·b, per s·b).
 
     ``mode``: 'fp32' (everything fp32), 'lp' (weights and compute in 16-bit: DeepSpeed, FSDP2
-    mixed precision) or 'autocast' (torch autocast over fp32 weights: shardlab's dp in bf16/fp16).
+    mixed precision) or 'autocast' (torch autocast over fp32 weights, where the run autocasts: training.optim.autocasts).
     ``device``: 'cuda' (1-byte bool dropout masks, fused attention keeps no s² tensors) or 'cpu'
     (masks as wide as the tensor; SDPA with dropout falls back to the math path computed in fp32).
     Counts are per family, tensor by tensor (see the module docstring); the comments give the
@@ -268,7 +257,7 @@ def input_grad_backward_bytes(arch: Arch, mode: str) -> float:
 
 
 def _shared_bias_bytes(arch: Arch, mode: str) -> float:
-    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.training.bloom_sdpa) passes
+    """Bytes per a·s²·b kept once per forward, not per layer: BLOOM's 'sdpa' (shardlab.compat.bloom_sdpa) passes
     SDPA one ALiBi + causal bias of shape (batch, heads, seq, seq) in the compute dtype, shared by all
     layers and saved by each layer's attention for the backward (the same storage). Kept also under
     activation checkpointing: the bias is memoised on the mask, which the checkpoints hold as an input."""
@@ -405,3 +394,5 @@ class StrategyPlan:
     grad_accum: int = 0
     notes: list[str] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
+    # every moment of a step the plan weighed (bytes per GPU; the largest is gpu_peak); a pipeline's are in ``stages``
+    moments: dict[str, float] = field(default_factory=dict)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..strategies.spec import spec
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB
 from .planner import Plan, limiting_memory
 
@@ -39,8 +38,8 @@ def render(p: Plan, console=None) -> None:
             g(sp.nvme_per_node) if sp.nvme_per_node else "-",
         )
     console.print(t)
-    pipe = next((sp for s, sp in p.strategies.items() if spec(s).engine == "pipelining"), None)
-    if pipe is not None and pipe.stages:
+    pipe = next((sp for sp in p.strategies.values() if sp.stages), None)  # a pipeline's GPUs, each planned apart
+    if pipe is not None:
         pt = Table(title=f"pipeline per GPU ({pipe.notes[0]})")
         for col in ("GPU", "stages", "blocks", "params", "in flight (peak)", "receive buffers", "logits kept", "peak", "at"):
             pt.add_column(col, justify="left" if col in ("blocks", "at", "stages") else "right")

@@ -186,7 +186,7 @@ class Strategy(ABC):
     def autocast(self):
         """Autocast context for forward passes (a no-op for engines that cast weights themselves, and for bf16
         master weights: every op then runs in bf16 as under DeepSpeed and FSDP2, with no fp32 layer-norm outputs)."""
-        if self.spec.uses_autocast and self.precision.is_mixed and not optim.bf16_master(self.cfg):
+        if optim.autocasts(self.spec, self.cfg, self.precision.name):
             return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
         return contextlib.nullcontext()
 

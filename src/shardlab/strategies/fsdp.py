@@ -21,7 +21,7 @@ from .torch_optim import TorchOptimizerStrategy
 # only when an FSDP engine is built or a checkpoint saved or loaded.
 
 
-# ---- what the engine keeps on the GPU (read by planning/planner.py) ------------------------------------------
+# ---- what the engine keeps on the GPU (read by its memory model, memory/fsdp.py) ------------------------------------
 
 
 def accumulated_grad_bytes_per_param(accum: int) -> float:
@@ -109,7 +109,7 @@ def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
             block.set_modules_to_backward_prefetch(behind)
 
 
-# ---- what the build keeps (read by planning/host.py) ----------------------------------------------------------------
+# ---- what the build keeps (read by its memory model, memory/fsdp.py) ------------------------------------------------
 
 
 def random_init_by_module(world_size: int, random_init: bool) -> bool:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..compat.stage_timer import time_stages
 from ..measure import metrics
-from ..training import attention_backend
+from ..training import attention_backend, optim
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
 from .base import summed
@@ -386,7 +386,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.stage_modules = []
         pp_stages = []
         for s in my_stages:
-            dtype = self.precision.dtype if self.precision.is_mixed else None
+            dtype = self.precision.dtype if optim.autocasts(self.spec, self.cfg, self.precision.name) else None
             module = Stage(model, *bounds[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=dtype,
                            sdpa_backend=self.cfg.sdpa_backend).to(env.device)
             self.stage_modules.append(module)

@@ -12,7 +12,7 @@ Where the specs are declared: one small module per strategy implementation under
 cannot sit at the top of the implementation files themselves: importing those imports torch (and
 DeepSpeed's), which ``shardlab --help`` and config validation must not pay. Listing the package,
 rather than naming its modules here, keeps "a new strategy = its implementation (+ its spec file,
-+ its planner model)" with no edit to this file; a new name served by an existing engine (as
++ its memory model under ``strategies/memory/``)" with no edit to this file; a new name served by an existing engine (as
 ``fsdp_offload`` is) is its spec file alone.
 """
 
@@ -49,6 +49,7 @@ class StrategySpec:
     engine: Engine
     help: str  # one line, for --help and listings
     impl: str  # "module:Class" of the implementation, relative to shardlab.strategies; imported lazily
+    memory: str  # "module:Class" of its memory model (strategies/memory/: what it holds, which the planner asks), lazily
     order: int  # position in config.STRATEGIES, --help and the planner's tables
     zero_stage: int | None = None  # DeepSpeed's zero_optimization.stage
     sharded: frozenset[State] = frozenset()  # model states split across data-parallel ranks

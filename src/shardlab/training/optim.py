@@ -178,6 +178,13 @@ def bf16_master(cfg: RunConfig) -> bool:
     return cfg.master_weights == "bf16"
 
 
+def autocasts(s: StrategySpec, cfg: RunConfig, precision: str) -> bool:
+    """Whether forward runs under torch.autocast: the one answer the run (Strategy.autocast, the pipeline's stages) and
+    the planner read. A 16-bit ``precision`` over fp32 weights does, except where the engine casts the weights itself
+    (``spec.uses_autocast`` False: DeepSpeed, FSDP2) and with bf16 master weights, where every op already runs in bf16."""
+    return s.uses_autocast and precision != "fp32" and not (bf16_master(cfg) and s.supports_bf16_master)
+
+
 def optimizer_class(cfg: RunConfig):
     """(class, extra kwargs) of the per-group optimizer the options ask for."""
     if cfg.optimizer == "adamw8bit":

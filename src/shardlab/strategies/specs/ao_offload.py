@@ -4,6 +4,7 @@ from ..spec import StrategySpec, register
 
 register(StrategySpec(
     name="ao_offload", engine="torchao", order=11, impl=".ao_offload:AOOffloadStrategy",
+    memory=".memory.ao_offload:AOOffloadMemory",
     help="torchao CPUOffloadOptimizer (one GPU): weights on the GPU, exact AdamW states and step on the CPU",
     offload_optimizer="cpu", single_process=True, compile_per_block=True,
     supports_8bit=False, supports_in_backward=False,  # the CPU step is torch's exact AdamW

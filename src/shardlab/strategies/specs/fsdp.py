@@ -3,7 +3,7 @@
 from ..spec import StrategySpec, register
 
 register(StrategySpec(
-    name="fsdp", engine="fsdp2", order=9, impl=".fsdp:FSDPStrategy",
+    name="fsdp", engine="fsdp2", order=9, impl=".fsdp:FSDPStrategy", memory=".memory.fsdp:FSDPMemory",
     help="PyTorch FSDP2 (fully_shard per block): parameters, gradients and optimizer states sharded",
     sharded=frozenset({"params", "grads", "optimizer"}), checkpoint_format="torch_dcp",
     uses_autocast=False,  # MixedPrecisionPolicy already computes in low precision

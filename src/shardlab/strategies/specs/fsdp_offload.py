@@ -5,6 +5,7 @@ from ..spec import StrategySpec, register
 
 register(StrategySpec(
     name="fsdp_offload", engine="fsdp2", order=10, impl=".fsdp:FSDPStrategy",
+    memory=".memory.fsdp:FSDPMemory",
     help="FSDP2 + CPUOffloadPolicy: sharded states kept on the CPU, optimizer step on the CPU",
     sharded=frozenset({"params", "grads", "optimizer"}), offload_params="cpu", offload_optimizer="cpu",
     checkpoint_format="torch_dcp", uses_autocast=False, supports_8bit=True, supports_in_backward=True,

@@ -4,6 +4,7 @@ from ..spec import StrategySpec, register
 
 register(StrategySpec(
     name="pipeline", engine="pipelining", order=12, impl=".pipeline:PipelineStrategy",
+    memory=".memory.pipeline:PipelineMemory",
     help="torch.distributed.pipelining (GPipe, 1F1B): each GPU holds a contiguous slice of blocks",
     checkpoint_format="torch_dcp", supports_compile=False,
     own_loss=True,  # transformers' loss on the last stage, applied per micro-batch by the schedule

@@ -1,7 +1,8 @@
 # shardlab developer entry points.
 #
 #   make demo       set up (once), then fine-tune SmolLM2-135M-Instruct on the offline CPython-docs corpus into runs/demo
-#   make test       set up for the tests (once), then run the fast tier, and the slow tier if it passed
+#   make test       set up for the tests (once), then lint, the fast tier, and the slow tier if it passed
+#   make lint       ruff (pyflakes, bugbear, complexity) and import-linter (package layers); pyproject.toml configures both
 #   make test-fast  the fast tier alone (unit tests and three single-rank trainings; a few minutes)
 #   make setup      install shardlab and its dependencies into the current Python (idempotent)
 #   make docs       build the docs site into site/ (MkDocs, warnings as errors; needs the test extras)
@@ -39,11 +40,12 @@ PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
 SLOW_PARALLEL ?= -n 2 --dist loadgroup
 FAST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: help setup setup-test demo test test-fast docs gpu-wheelhouse clean
+.PHONY: help setup setup-test demo lint test test-fast docs gpu-wheelhouse clean
 
 help:
 	@echo "make demo            fine-tune SmolLM2-135M-Instruct on the offline corpus (examples/demo-smollm2.yaml -> runs/demo)"
-	@echo "make test            run the test suite: the fast tier (pytest -m 'not slow'), then, if it passed, the slow tier"
+	@echo "make lint            ruff and import-linter over this checkout (a second or two; make test runs it first)"
+	@echo "make test            run the test suite: lint, the fast tier (pytest -m 'not slow'), then, if it passed, the slow tier"
 	@echo "make test-fast       run the fast tier alone"
 	@echo "make setup           install shardlab into $(PYTHON) (done once, automatically)"
 	@echo "make setup-test      also install what the tests need: pytest, libaio-dev, chromium, SLURM (done once by make test)"
@@ -114,11 +116,17 @@ demo: $(STAMP)
 	@echo "demo: run directory runs/demo (summary.json: initial_eval_loss -> final_eval_loss; samples.md; model/)"
 	@echo "demo: try it: $(PYTHON) -m shardlab generate runs/demo --prompt \"The with statement in Python\""
 
-test: $(TEST_STAMP)
+# Static checks first (a finding fails the run before any test starts): ruff, then the import contracts on this
+# checkout's src/ (PYTHONPATH first, so an editable install of another checkout is not the one checked).
+lint: $(TEST_STAMP)
+	$(PYTHON) -m ruff check .
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
+
+test: lint
 	$(PYTEST) -m "not slow" $(FAST_PARALLEL)
 	$(PYTEST) -m slow $(SLOW_PARALLEL)
 
-test-fast: $(TEST_STAMP)
+test-fast: lint
 	$(PYTEST) -m "not slow" $(FAST_PARALLEL)
 
 # The docs site: the pages under docs/, plus what tools/docs/hooks.py generates from the code and committed runs.

@@ -53,7 +53,7 @@ def saved_bytes(model, hidden: int, mode: str, compiled: bool) -> int:
     for _ in range(2):  # the first call compiles; count the second
         seen: dict[int, tuple[int, int]] = {}
 
-        def pack(t):
+        def pack(t, seen=seen):  # bound now: called within this iteration only
             seen[t.untyped_storage().data_ptr()] = (t.numel(), t.untyped_storage().nbytes())
             return t
 

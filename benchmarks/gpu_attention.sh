@@ -12,9 +12,7 @@ OUT="${OUT:-/tmp/out}"; R="$OUT/attn"; mkdir -p "$R"
 BUDGET_S="${BUDGET_S:-530}"; REPEATS="${REPEATS:-3}"; BARE_REPEATS="${BARE_REPEATS:-2}"; RUNS=/tmp/shardlab-attn-runs
 CELLS="${CELLS:-dp-compile,dp-compile-cudnn,dp,dp-cudnn}"; ONCE="${ONCE:-}"
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__)" | tee -a "$R/gpu.txt"
 left() { echo $(( BUDGET_S - SECONDS )); }

@@ -11,8 +11,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/logs" "$OUT/summaries"
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-500}"   # stop starting new runs after this (the call's limit is 600 s of command time)
 STEPS="${STEPS:-4}"
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 free -g | tee "$OUT/free.txt"
 nproc | tee "$OUT/nproc.txt"

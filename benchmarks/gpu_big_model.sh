@@ -2,7 +2,7 @@
 # Issue 14 on one H100 in two device calls of < 9 min each (the `big-model` bench suite, budgeted):
 #   bash benchmarks/gpu_big_model.sh 3b    bloom-3b: zero2_offload, fsdp_offload, ao_offload, zero2_offload+ZenFlow
 #   bash benchmarks/gpu_big_model.sh 7b    bloom-7b1: $EXACT_7B (default ao_offload) and dp + 8-bit AdamW in backward
-# (repo root, GPU machine, .whl carried: install_gpu_deps.sh installs torchao with the rest).
+# (repo root, GPU machine, .whl carried: gpu_env.sh installs it, torchao with the rest).
 # bloom-7b1 costs ~4-5 min per run (model build, pinned host buffers, 10 steps of 64 x 1024 tokens), so the 7b call
 # runs the two options that can reach the issue's goals; the 3b call compares every exact-AdamW offload engine.
 # EXACT_7B=zero2_offload also brings the suite's ZenFlow cell (a third 7b run: pass STEPS=6 to stay in time).
@@ -11,8 +11,7 @@
 set -uo pipefail
 PHASE="${1:-3b}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader; free -g | head -2; nproc
 BENCH=/tmp/big-model-$PHASE
 case "$PHASE" in

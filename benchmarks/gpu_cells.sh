@@ -9,10 +9,8 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 ROOT=/tmp/cells; mkdir -p "$ROOT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh >/dev/null || exit 1
-export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks/diag PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # multi-GPU hosts: never NVLink multicast
+source benchmarks/gpu_env.sh
+export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/diag
 if [[ "${PREBUILD_CPU_ADAM:-0}" == 1 ]]; then
   # DeepSpeed's cpu_adam takes minutes to JIT-build on a fresh machine: start it now, beside the first cell's model
   # build (torch's extension loader holds a lock file, so the cell that needs it waits for this build, not a second one).

@@ -6,9 +6,7 @@
 # Usage (repo root, on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_elastic_resume.sh
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-[[ -d /tmp/site ]] || bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh
 PRECISION="${PRECISION:-bf16}"; STEPS="${STEPS:-40}"; HALF=$((STEPS / 2))
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")  # honours CUDA_VISIBLE_DEVICES
 COMMON=(--model gpt2-medium --dataset offline --seq-len 1024 --global-batch 16 --micro-batch 8 --precision "$PRECISION"

@@ -5,7 +5,6 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source benchmarks/gpu_env.sh > "$OUT/env.txt" 2>&1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/final
 timeout -k 5 "${T7B:-140}" python3 -m shardlab train --model bloom-7b1 --strategy fsdp --gpus 2 --micro-batch 8 \
   --seq-len 1024 --precision bf16 --gradient-checkpointing --max-steps 6 --dataset synthetic --eval-split 0 --no-export \

@@ -13,9 +13,8 @@ OUT="${OUT:-/tmp/out}"; R="$OUT/ba"; mkdir -p "$R"
 BUDGET_S="${BUDGET_S:-500}"; REPEATS="${REPEATS:-3}"; STEPS="${STEPS:-20}"; BEFORE="${BEFORE:?set BEFORE}"
 VARIANTS="${VARIANTS:-after:dp before:fsdp after:fsdp}"; WARM="${WARM:-}"
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh >/dev/null 2>&1 || { echo "wheelhouse install FAILED"; exit 1; }
-BASE_PP=/tmp/site:$PWD/benchmarks
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 SHARDLAB_CACHE=/tmp/shardlab-cache
+source benchmarks/gpu_env.sh
+BASE_PP=/tmp/site:$PWD/benchmarks  # each run's PYTHONPATH: its tree's src/, then these (gpu_env.sh's, less this src/)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 PYTHONPATH=$PWD/src:$BASE_PP python3 -c "import torch, transformers; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__)" | tee -a "$R/gpu.txt"
 src_of() { [[ "$1" == before ]] && echo "$BEFORE/src" || echo "$PWD/src"; }

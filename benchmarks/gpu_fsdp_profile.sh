@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 15: profiled shardlab runs (--profile: 4 steady steps) of gpt2-medium seq 1024 bf16, eager micro 8 unless the
-# label says compile (micro 16), for the labels in $LABELS; traces gzipped into $OUT. Run from the repository root with
-# the wheelhouse installed (benchmarks/gpu_env.sh).
+# label says compile (micro 16), for the labels in $LABELS; traces gzipped into $OUT. Run from the repository root
+# (.whl carried).
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 LABELS="${LABELS:-dp fsdp}"
 declare -A EXTRA=(
   [dp]="--strategy dp --micro-batch 8"

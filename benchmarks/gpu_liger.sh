@@ -13,9 +13,7 @@ set -euo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/liger"; mkdir -p "$R"
 BUDGET_S="${BUDGET_S:-520}"; REPEATS="${REPEATS:-3}"; BARE_REPEATS="${BARE_REPEATS:-$REPEATS}"; RUNS=/tmp/shardlab-liger-runs
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 python3 -c "import torch, transformers, triton, liger_kernel, importlib.metadata as md; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'liger-kernel', md.version('liger-kernel'))" | tee -a "$R/gpu.txt"
 left() { echo $(( BUDGET_S - SECONDS )); }

@@ -16,8 +16,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/runs"
 TOK="${TOK:-$PWD/.smollm2-tokenizer}"
 [[ -f "$TOK/tokenizer.json" ]] || { echo "no tokenizer in $TOK: see the header of this script"; exit 1; }
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 STEPS="${STEPS:-15}"; MICRO="${MICRO:-4}"
 TOKENS=$(( (STEPS + 3) * MICRO * 1024 * 11 / 10 ))

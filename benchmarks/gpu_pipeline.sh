@@ -6,9 +6,7 @@
 # Two-GPU runs go two at a time on GPU pairs {0,1} and {2,3}; the four-GPU runs one after another.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 MODEL="${MODEL:-gpt2-large}"; STEPS="${STEPS:-12}"; RUNS=/tmp/pp-runs
 TOKENS=$(( (STEPS + 3) * 32 * 1024 * 11 / 10 ))

@@ -12,7 +12,6 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/gpu_env.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 benchmarks/diag/zbv_torch_orders.py || echo "WARNING: this torch's zbv differs from pipesim's (above)"
 MODEL="${MODEL:-gpt2-large}"; STEPS="${STEPS:-12}"; REPEATS="${REPEATS:-1}"; LIMIT="${LIMIT:-240}"
 SCHEDULES="${SCHEDULES:-1f1b gpipe interleaved-1f1b zbv}"

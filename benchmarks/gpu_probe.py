@@ -12,7 +12,7 @@ x = torch.randn(64, 4096, device=dev)
 def try_opt(name, make):
     try:
         opt = make()
-        for i in range(3):
+        for _ in range(3):
             t = time.perf_counter(); model(x).square().mean().backward(); opt.step(); opt.zero_grad(); torch.cuda.synchronize()
         print(name, "OK", f"{(time.perf_counter()-t)*1e3:.1f} ms/step")
     except Exception as e:

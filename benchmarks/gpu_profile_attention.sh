@@ -6,9 +6,7 @@
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh >/dev/null
-export PYTHONPATH=$PWD/src:/tmp/site:$PWD/benchmarks PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 run() {  # label micro extra...
   local label=$1 micro=$2; shift 2

@@ -4,8 +4,7 @@
 #   bash benchmarks/gpu_profile_dp.sh        (repo root, GPU machine, .whl carried)
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 RUN=/tmp/shardlab-prof
 python3 -m shardlab train --model gpt2-medium --seq-len 1024 --precision bf16 --strategy dp --micro-batch 8 \

@@ -17,9 +17,7 @@ BUDGET_S="${BUDGET_S:-530}"
 CELLS="${CELLS:-bloom-sdpa,bloom-eager,dp-compile,dp-compile-again,zero3,zero1,zero2,dp,fsdp-compile}"
 BARE="${BARE-compile-bf16}"
 exec > >(tee -a "$R/log.txt") 2>&1
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export SHARDLAB_CACHE=/tmp/shardlab-cache  # compiled graphs land in $SHARDLAB_CACHE/inductor (dp-compile-again reads them)
+source benchmarks/gpu_env.sh  # SHARDLAB_CACHE: compiled graphs land in $SHARDLAB_CACHE/inductor (dp-compile-again reads them)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)" | tee -a "$R/gpu.txt"
 left() { echo $(( BUDGET_S - SECONDS )); }

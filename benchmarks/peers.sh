@@ -6,9 +6,7 @@
 set -euo pipefail
 MODEL="${1:-gpt2-medium}"; STRATEGY="${2:-zero2}"; STEPS="${3:-40}"; shift $(( $# < 3 ? $# : 3 ))
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh
 P=/tmp/peers
 set +e
 python3 benchmarks/peers.py --model "$MODEL" --strategy "$STRATEGY" --steps "$STEPS" --out "$P" "$@" 2>&1 | tee "$OUT/peers.log"

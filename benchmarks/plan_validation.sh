@@ -6,7 +6,6 @@
 # Results: $OUT/plan_validation.md and .json (copy them to benchmarks/results/h100-plan-validation/).
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-bash benchmarks/install_gpu_deps.sh
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 benchmarks/plan_validation.py --out "$OUT" --runs /tmp/plan-runs "$@" 2>&1 | tee "$OUT/plan_validation.log"

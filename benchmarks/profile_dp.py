@@ -132,7 +132,7 @@ def compare(a_dir: str, b_dir: str, top: int) -> None:
     for d, name, da, db, ca, cb, dcpu in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
         print(f"{d:10.1f} {da:10.1f} {db:10.1f} {ca:8.1f} {cb:8.1f} {dcpu:9.1f}  {name[:90]}")
     print("\nper step: operators whose call count differs (B - A)")
-    for d, name, da, db, ca, cb, dcpu in sorted(rows, key=lambda r: -abs(r[5] - r[4]))[:top]:
+    for _, name, da, db, ca, cb, _ in sorted(rows, key=lambda r: -abs(r[5] - r[4]))[:top]:
         if ca != cb:
             print(f"{cb - ca:+8.1f} calls  {da:10.1f} -> {db:10.1f} us  {name[:90]}")
 

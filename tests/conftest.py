@@ -35,8 +35,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path

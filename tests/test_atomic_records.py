@@ -125,7 +125,7 @@ def test_resaving_best_renames_the_old_copy_before_deleting_it(tmp_path, monkeyp
     for k in range(len(seen)):
         calls = [0]
 
-        def dies(real):
+        def dies(real, calls=calls, k=k):  # this iteration's counter and limit, bound
             def call(*args, **kwargs):
                 calls[0] += 1
                 if calls[0] > k:

@@ -12,7 +12,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 

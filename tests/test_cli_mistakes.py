@@ -7,6 +7,7 @@ fresh working directory each, so "nothing written" means the directory is still 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -132,7 +133,9 @@ def test_pipeline_without_microbatches_trains(tmp_path, train_cli):
     run = train_cli(["--strategy", "pipeline", "--stages", "2", "--gpus", "2", "--micro-batch", "1", "--max-steps", "2",
                      "--seq-len", "16", "--no-export"], tmp_path / "run").check()
     assert "--microbatches not given: 4 micro-batches per step" in run.stdout
-    assert run.config["grad_accum"] == 4 and len(run.losses) >= 1
+    # both steps ran, each over 4 micro-batches (a run that stopped after one step, or logged none, passed `>= 1` rows)
+    assert run.config["grad_accum"] == 4 and run.summary["steps"] == 2 and run.summary["grad_accum"] == 4
+    assert [r["step"] for r in run.rows] == [2] and math.isfinite(run.losses[0])
 
 
 # ---- 11. pipeline simulate --schedule pipedream -------------------------------------------------------
@@ -348,7 +351,10 @@ def test_overwrite_replaces_the_old_run_and_leaves_none_of_its_files(tmp_path, t
     assert refused.returncode == 2 and "already holds a finished run" in refused.stderr
     run = train_cli(base + ["--no-export", "--overwrite", "--seed", "7"], out).check()
     assert "--overwrite: deleting the earlier run's files" in run.stdout
-    assert not (out / "model").exists() and run.config["seed"] == 7 and len(run.rows) == len(run.losses) >= 1
+    assert not (out / "model").exists() and run.config["seed"] == 7
+    # metrics.jsonl is the new run's alone: one row for its 2 steps (log every 10, and the last step), where rows left
+    # by the old run would come first (this asserted `>= 1` rows, which an appended file passed)
+    assert [r["step"] for r in run.rows] == [2] and run.summary["steps"] == 2
 
 
 def test_pipeline_options_given_to_another_strategy_are_named_as_unused(capsys):
@@ -457,16 +463,14 @@ def test_ctrl_c_ends_a_node_that_waits_for_the_others(sig, tmp_path):
             line = proc.stdout.readline()
             assert line, proc.stderr.read()[-2000:]
         time.sleep(1)
-        start = time.monotonic()
         if sig == "SIGINT":
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
         else:
             proc.send_signal(signal.SIGTERM)  # `kill PID` of the command the user started
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)  # a guard: still waiting for the rendezvous (600 s) raises here
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert time.monotonic() - start < 30  # not the rendezvous' 600 s
     assert proc.returncode == 128 + getattr(signal, sig)
     errors = [e for e in err.splitlines() if e.startswith("error: ")]
     assert errors == [f"error: stopped by {sig} while waiting for the other nodes to join (no worker had started)"]

@@ -424,7 +424,7 @@ def test_scheduler_drives_the_optimizer_lr():
     sched = scheduler(opt, cfg, total_steps=6)
     fn = lr_lambda(cfg, 6)
     seen = []
-    for step in range(6):
+    for _ in range(6):
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()

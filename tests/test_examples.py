@@ -9,6 +9,7 @@ the DeepSpeed JSON only, so it must touch neither the network nor any dataset.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -148,7 +149,11 @@ def test_quick_test_trains_for_real(tmp_path: Path):
     assert summary["model"] == "tiny-gpt2" and summary["strategy"] == "dp"
     assert summary["steps"] == 3
     assert summary["global_batch"] == summary["micro_batch"] * summary["grad_accum"] * summary["world_size"]
-    assert summary["final_train_loss"] is not None and summary["final_train_loss"] < 11.5  # ~ln(50257) at init
+    # It learned: the held-out loss (the same rows, before the first step and after the last) fell. At random init it
+    # is ~ln(50257) = 10.82, so a bound on the loss alone passes with no learning at all; 3 warm-up steps (lr 0, 2e-4,
+    # 4e-4) took it 10.72 -> 10.62 here; at lr 1e-9 (or with the updates lost) it stays at 10.72.
+    assert math.isfinite(summary["final_train_loss"])
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.05, (summary["initial_eval_loss"], summary["final_eval_loss"])
     for name in ("config.yaml", "env.json", "metrics.jsonl"):
         assert (out / name).is_file(), name
     assert (out / "model" / "config.json").is_file()

@@ -87,9 +87,13 @@ def test_the_zygote_falls_back_to_a_real_interpreter_for_another_environment(tmp
     assert proc.returncode == 0 and "usage" in proc.stdout.lower()
 
 
-def test_a_timed_out_command_is_killed_with_its_process_group(tmp_path):
+def test_a_timed_out_command_is_killed_with_its_process_group(tmp_path, monkeypatch):
+    """Killed, not waited for: the command ends by SIGKILL before its 1000 steps (this asserted a wall-clock bound, which
+    a loaded machine can break; a run left to finish ends with status 0 and a summary instead)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    start = time.monotonic()
+    started = []
+    popen = ZYGOTE.popen
+    monkeypatch.setattr(ZYGOTE, "popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
     try:  # a training that cannot finish in 0.5 s
         ZYGOTE.run(["train", "--model", "tiny-gpt2", "--dataset", "synthetic", "--max-steps", "1000",
                     "--output-dir", str(tmp_path / "run")], env=env, cwd=tmp_path, timeout=0.5)
@@ -97,7 +101,8 @@ def test_a_timed_out_command_is_killed_with_its_process_group(tmp_path):
         assert type(err).__name__ == "TimeoutExpired", err
     else:
         raise AssertionError("no TimeoutExpired")
-    assert time.monotonic() - start < 60
+    [proc] = started
+    assert proc.returncode == -9 and not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_a_forked_command_behaves_like_popen(tmp_path):

@@ -187,7 +187,7 @@ def test_launcher_trainer_strategy_planner_and_bench_agree(strategy, gpus, opts,
     # trainer, on every rank: its sampler's dp size and rank are the layout's
     for rank in range(gpus):
         env = DistEnv(rank=rank, world_size=gpus, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-        monkeypatch.setattr(trainer_mod, "init_distributed", lambda *a, **k: env)
+        monkeypatch.setattr(trainer_mod, "init_distributed", lambda *a, _env=env, **k: _env)
         t = trainer_mod.Trainer(cfg)
         assert (t.dp_size, t.dp_rank, (t.micro, t.accum, t.global_batch)) == (lay.dp_size, lay.dp_rank(rank), triple)
         assert t.layout["dp_size"] == lay.dp_size  # what checkpoints record

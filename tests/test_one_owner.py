@@ -98,9 +98,8 @@ def test_run_group_ends_the_whole_group_on_timeout(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
-    t0 = time.monotonic()
     run = run_group([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=None, env=None, timeout=2.0)
-    assert run.timed_out and run.code < 0 and time.monotonic() - t0 < 10
+    assert run.timed_out and run.code < 0  # ended by the timeout (a child left to finish would not be timed_out)
     grandchild = int(pid_file.read_text())
     stat = Path(f"/proc/{grandchild}/stat")
     for _ in range(50):  # killed with the group (a zombie until init reaps it counts as gone)

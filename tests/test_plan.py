@@ -285,10 +285,11 @@ def test_fsdp_plans_the_root_units_reduce_scatter_at_the_end_of_backward():
 
 def test_h100_foundation_errors(capsys):
     """Predicted vs measured peak allocated memory, gpt2-medium, seq 1024, micro 8, bf16, 1 x H100
-    (benchmarks/results/h100-foundation-run2/foundation.json). Nothing in planner.py is fitted to these;
-    this documents the current error. At the time of writing: dp -0.2%, zero2 +4.3%, zero3 +0.6%,
-    zero2_offload +4.7% (-0.9% since the fp32 accumulation buffer), fsdp +0.2% (-0.8% since the root is no longer
-    counted gathered during the loss' backward: fsdp.params_gathered_through_backward). dp --compile (micro 16, 23.7 GiB measured with the compiled loss) is NOT
+    (benchmarks/results/h100-foundation-run2/foundation.json). Nothing in planner.py is fitted to these; each is
+    within 5%: dp -0.2%, zero2 +4.8%, zero3 +0.1%, zero2_offload +0.2% (+4.7% before the fp32 accumulation buffer),
+    fsdp -0.3% (+0.2% while the root was counted gathered during the loss' backward:
+    fsdp.params_gathered_through_backward). A change that moves one past 5% fails here and must say why (the bound was
+    10%, which let any of them double its error unseen). dp --compile (micro 16, 23.7 GiB measured with the compiled loss) is NOT
     modelled: the eager prediction is ~40 GiB (+69%), since inductor recomputes instead of saving.
     Those runs computed the loss inside the model (what loss_kernel=hf still does), and fsdp resharded after forward
     (the default then; one rank now defaults to not resharding), and zero3 kept DeepSpeed's contiguous gradient bucket
@@ -301,7 +302,7 @@ def test_h100_foundation_errors(capsys):
         pred = p.strategies[s].gpu_peak / GiB
         err = pred / measured - 1
         rows.append(f"{s:14s} predicted {pred:6.2f} GiB  measured {measured:6.2f} GiB  error {err:+.1%}")
-        assert abs(err) < 0.10, rows[-1]
+        assert abs(err) < 0.05, rows[-1]
     with capsys.disabled():
         print("\n" + "\n".join(rows))
 

@@ -139,8 +139,9 @@ def test_bf16_peak_matches_the_h200_pipeline_runs(monkeypatch, schedule, split, 
 def test_zbv_plan_holds_activations_until_w(monkeypatch):
     """zbv on 2 GPUs: GPU 0 holds the first and the last stage (embedding, LM head, the tied weight once), GPU 1 the two
     middle ones; its activations stay until each W, and from an I to its W the weights' output gradients join them,
-    so a plan without those (a full backward releasing at I) would be lower. Peaks within 1F1B's reach: the
-    paper's claim is 1F1B's activation memory."""
+    so a plan without those (a full backward releasing at I) would be lower. The peak is 1F1B's within 5% (the paper's
+    claim is 1F1B's activation memory; planned 9.92 against 10.03 GiB): the band was 0.7x to 1.5x, which a zbv plan
+    holding one more micro-batch in flight (+3.1 GiB on GPU 1, 1.3x) passed."""
     import shardlab.planning.planner as pp  # where the planner counts each layer's activations for the pipeline
 
     base = dict(model="gpt2-medium", seq_len=1024, micro_batch=2, grad_accum=8, strategy="pipeline", precision="bf16", gpus=2)
@@ -149,7 +150,7 @@ def test_zbv_plan_holds_activations_until_w(monkeypatch):
     assert [st["stages"] for st in zbv.stages] == [[0, 3], [1, 2]]
     assert any("zbv: 2 stages per GPU in a V" in n for n in zbv.notes)
     assert [st["peak_in_flight"] for st in zbv.stages] == [4, 4]  # (micro-batch, chunk) pairs: 2 micro-batches' worth
-    assert 0.7 * one.gpu_peak < zbv.gpu_peak < 1.5 * one.gpu_peak
+    assert zbv.gpu_peak == pytest.approx(one.gpu_peak, rel=0.05)
     monkeypatch.setattr(pp, "weight_grad_input_bytes", lambda arch, mode: 0.0)
     without = plan(RunConfig(**base, strategy_options={"pp_schedule": "zbv"}), gpu_memory_gb=80, strategies=("pipeline",)).strategies["pipeline"]
     assert without.gpu_peak < zbv.gpu_peak

@@ -24,13 +24,16 @@ def _fits(cfg: RunConfig, gpu_gib: float) -> bool:
 
 
 def test_gpu_record_that_fits():
-    """The H100 foundation run's config: the record's prediction is the plan's, within 10% of what was measured."""
+    """The H100 foundation run's config: the record's prediction is the plan's (the same figure, rounded), within 5% of
+    what was measured (-0.2%; tests/test_plan.py::test_h100_foundation_errors holds every strategy of that run to 5%)."""
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", strategy="dp",
                     loss_kernel="hf")  # as measured: the loss inside the model
     rec = predict_run(cfg, "cuda", 1, gpu_memory=79.1, host_ram=128)
     assert set(PLAN_KEYS) <= set(rec) and rec["strategy"] == "dp" and rec["fits"] is True
     assert isinstance(rec["gpu_peak_gib"], float) and isinstance(rec["cpu_gib"], float)
-    assert rec["gpu_peak_gib"] == pytest.approx(MEASURED_H100["dp"], rel=0.10)
+    planned = plan(cfg, gpu_memory_gb=79.1, host_ram_gb=128, strategies=("dp",)).strategies["dp"]
+    assert rec["gpu_peak_gib"] == pytest.approx(planned.gpu_peak / GiB, abs=1e-3)  # the record is the plan's figure
+    assert rec["gpu_peak_gib"] == pytest.approx(MEASURED_H100["dp"], rel=0.05)
     assert rec["gpu_memory_gib"] == 79.1 and rec["micro_batch"] == 8 and rec["max_micro_batch"] > 8
     assert rec["compile_modelled"] is None and "error" not in rec
     assert warning_line(rec) is None

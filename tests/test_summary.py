@@ -102,7 +102,7 @@ def test_exactly_one_place_writes_summary_json():
             assigned = {t.id: ast.get_source_segment(text, a.value) or "" for a in ast.walk(node) if isinstance(a, ast.Assign)
                         for t in a.targets if isinstance(t, ast.Name)}
 
-            def about_summary(c: ast.Call) -> bool:  # the call, or the variable it writes through, names the summary file
+            def about_summary(c: ast.Call, text=text, assigned=assigned) -> bool:  # the call, or the variable it writes through, names the summary file
                 target = c.func.value if isinstance(c.func, ast.Attribute) else (c.args[0] if c.args else c)
                 where = (ast.get_source_segment(text, c) or "") + assigned.get(getattr(target, "id", ""), "")
                 return "summary" in where.lower() or "self.path(" in where

@@ -159,10 +159,27 @@ def test_two_rank_losses_match_dp(runs, strategy):
 
 @pytest.mark.slow
 def test_fsdp_explicit_prefetch_matches_dp(runs):
-    """fsdp_prefetch issues the next blocks' gathers early (forward) and the previous blocks' (backward): same losses."""
+    """fsdp_prefetch issues the next blocks' gathers early (forward) and the previous blocks' (backward): same losses.
+    What each block is told to prefetch is checked on stand-in blocks (the run's own FSDP2 units are in its workers):
+    the run's config echoing the option back, which this asserted before, held whatever set_prefetch did."""
+    from shardlab.strategies.fsdp import set_prefetch
+
+    class Block:
+        def __init__(self, i):
+            self.i, self.forward, self.backward = i, None, None
+
+        def set_modules_to_forward_prefetch(self, modules):
+            self.forward = [m.i for m in modules]
+
+        def set_modules_to_backward_prefetch(self, modules):
+            self.backward = [m.i for m in modules]
+
+    blocks = [Block(i) for i in range(4)]
+    set_prefetch(blocks, 2)
+    assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], None]  # the next two, in forward order
+    assert [b.backward for b in blocks] == [None, [0], [1, 0], [2, 1]]  # the two before, in backward order
     run = runs.get("fsdp-prefetch-2rank", train_args(strategy="fsdp", gpus=2, extra=["--set", "strategy_options.fsdp_prefetch=2"]))
     assert_same_losses(run, runs.strategy("dp", gpus=2))
-    assert run.config["strategy_options"]["fsdp_prefetch"] == 2
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def run(eval_first: bool) -> list[int]:
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         seen = []
         # fires when backward starts, before any module's backward hook
-        loss.register_hook(lambda grad: seen.append(gathered(engine.module)) or grad)
+        loss.register_hook(lambda grad, seen=seen: seen.append(gathered(engine.module)) or grad)
         engine.backward(loss)
         engine.step()
         counts.append(seen[0])

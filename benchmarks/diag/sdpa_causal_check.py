@@ -1,6 +1,5 @@
 """GPU check of training/sdpa_causal.py on the machine's transformers: is gpt2-medium switched to shardlab_sdpa, does
 SDPA get a mask under torch.compile, and what does its attention kernel cost per layer, eager vs compiled (micro 16)."""
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -239,10 +239,16 @@ def expand(suites: list[Suite], overrides: Overrides | None = None, left_out: li
                         explicit[ident] = label
                     part_cells.append((cell, {**point, **sets}))
             _check_footing(suite.name, part, set(axes), part_cells)
+    return _label_by_suite(cells, explicit)
+
+
+def _label_by_suite(cells: dict[str, Cell], explicit: dict[str, str]) -> list[Cell]:
+    """The cells (identity -> cell), labelled by what varies within their suite; a label two suites share gets the
+    suite's name appended."""
     out = list(cells.values())
     idents = list(cells)
     used: set[str] = set()
-    for suite in dict.fromkeys(c.suite for c in out):  # labels name what varies within a suite
+    for suite in dict.fromkeys(c.suite for c in out):
         mine = [(c, i) for c, i in zip(out, idents) if c.suite == suite]
         _label([c for c, _ in mine], explicit, [i for _, i in mine])
         for c, _ in mine:

@@ -208,7 +208,7 @@ def simulate(
     return tl
 
 
-def _run(tl: Timeline, orders: dict[int, list[Action]], t0: float, step: int) -> list[Event]:
+def _run(tl: Timeline, orders: dict[int, list[Action]], t0: float, step: int) -> list[Event]:  # noqa: C901 - one discrete-event loop; its dependency rules are closures over the timeline
     P, V, M = tl.stages, tl.chunks, tl.microbatches
     n_stages = P * V
     # naive: the one action per device carries the whole batch (M micro-batches' worth of work)

@@ -6,7 +6,6 @@ hyper-parameters always agree with the run; a user's own JSON is merged on top (
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +24,6 @@ from .deepspeed_json import adopt_user_json, merge_user_config, read_user_json  
 from .. import compat
 from ..compat import zero3_one_rank
 from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
-from ..training.optim import resolve_precision
 
 # Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
 # or a DeepSpeed checkpoint read.

@@ -503,7 +503,7 @@ def _device_type(cfg: RunConfig) -> str:
 # Models
 
 
-def build_model(
+def build_model(  # noqa: C901 - one branch per way a model is built (preset, hub, GGUF, meta, init); to split
     cfg: RunConfig, *, dtype: torch.dtype = torch.float32, device_type: str | None = None, meta: bool = False
 ) -> transformers.PreTrainedModel:
     """The causal LM for ``cfg`` on the CPU in ``dtype`` (presets: random init seeded by ``cfg.seed``).

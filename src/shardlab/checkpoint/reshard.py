@@ -37,6 +37,7 @@ import torch
 
 from ..errors import UserError
 from ..strategies.spec import lookup
+from ..training.adapters import layout as adapter_layout
 
 # Lazy imports below: deepspeed (seconds to import) loads only when a DeepSpeed checkpoint is resharded.
 
@@ -64,7 +65,7 @@ def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_ba
     """How a run is laid out; stored in every checkpoint's trainer_state.json."""
     return {"strategy": cfg.strategy, "world_size": world_size, "dp_size": dp_size, "micro_batch": micro,
             "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages,
-            "weight_decay": cfg.weight_decay}  # fmt: skip
+            "weight_decay": cfg.weight_decay, "adapter": adapter_layout(cfg)}  # fmt: skip
 
 
 def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -82,6 +83,13 @@ def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
             "the checkpoint was written by an older shardlab, whose optimizer state has two parameter groups even without weight decay",
             "resume it with the shardlab version that wrote it, or export the model (`shardlab export`) and fine-tune from it",
         )
+    # A checkpoint of adapters holds no base weights: the resume rebuilds them, and must rebuild the same ones, with the
+    # same adapters; a full checkpoint has no adapters to load, an adapter one no base to fine-tune fully.
+    if saved.get("adapter") != now.get("adapter"):
+        def what(a):
+            return "full fine-tuning" if not a else f"--peft {a['method']} (r {a['r']}, alpha {a['alpha']:g}, targets {a['target_modules']}, model {a['model']}, seed {a['seed']})"
+        raise UserError(f"the checkpoint was written by {what(saved.get('adapter'))}, this run is {what(now.get('adapter'))}",
+                        "resume with the --peft settings, --model and --seed it was written with")
     if "weight_decay" in saved and saved["weight_decay"] != now.get("weight_decay"):
         raise UserError(
             f"the checkpoint was written with weight decay {saved['weight_decay']}, this run uses {now['weight_decay']}",
@@ -104,6 +112,11 @@ def supported(src: str, dst: str) -> bool:
 def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
     check_kept_settings(saved, now)
     src, dst = saved["strategy"], now["strategy"]
+    if saved.get("adapter") and not loads_natively(saved, now):  # reshard.py converts whole models' states only
+        raise UserError(f"a {src} checkpoint of adapters written on {saved['world_size']} rank(s) cannot be resumed as {dst} "
+                        f"on {now['world_size']} rank(s)",
+                        f"resume it as {src} on {saved['world_size']} rank(s) (dp, fsdp: any number of ranks), or export it "
+                        "(`shardlab export`) and start from the exported adapter")
     if not loads_natively(saved, now) and not supported(src, dst):
         raise UserError(
             f"a {src} checkpoint written on {saved['world_size']} rank(s) cannot be resumed as {dst} on {now['world_size']} rank(s)",

@@ -568,13 +568,16 @@ class DeepSpeedStrategy(Strategy):
         return self.engine.get_lr()[0]
 
     def save_checkpoint(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=CKPT_TAG, save_latest=False)
+        # --peft: the adapters and their optimizer partitions only (the frozen base is rebuilt on resume)
+        self.engine.save_checkpoint(str(directory), tag=CKPT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.cfg.peft.method is not None)
 
     def load_checkpoint(self, directory: Path, tag: str = CKPT_TAG, universal: bool = False) -> None:
         """`universal`: `directory/tag` is a DeepSpeed universal checkpoint (any stage, any world size)."""
         self.engine._config.load_universal_checkpoint = universal  # read at load time only; no engine rebuild needed
         try:
-            path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+            path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                  load_module_strict=self.cfg.peft.method is None)
         finally:
             self.engine._config.load_universal_checkpoint = False
         if path is None:
@@ -604,11 +607,13 @@ class DeepSpeedStrategy(Strategy):
             self.engine.empty_partition_cache()
         self._evaluated = False
 
-    def full_state_dict(self):
+    def full_state_dict(self, trainable_only: bool = False):
         module = self.engine.module
         if STAGE[self.cfg.strategy] < 3:
             if not self.env.is_main:
                 return None
+            if trainable_only:
+                return {k: p.detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         import deepspeed
 
@@ -617,13 +622,15 @@ class DeepSpeedStrategy(Strategy):
         self.engine.empty_partition_cache()
         out: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
             # One parameter at a time keeps the gather's peak at the largest tensor, not the whole model.
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if self.env.is_main:
                     out[name] = param.detach().cpu().clone()
         if not self.env.is_main:
             return None
-        for name, buf in module.named_buffers():
+        for name, buf in module.named_buffers() if not trainable_only else ():
             out.setdefault(name, buf.detach().cpu().clone())
         return out
 

@@ -8,7 +8,9 @@ NVME_BYTES_PER_PARAM = 14
 
 # Shared by every DeepSpeed name: the engine casts the module itself (no autocast); --compile is DeepSpeed's own
 # engine.compile (DeepSpeedStrategy.setup).
-_DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", supports_compile=True, uses_autocast=False)
+_DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", supports_compile=True, uses_autocast=False,
+           # qlora: the engine casts the whole module to its dtype, and ZeRO-3 partitions 4-bit layers' packed bytes
+           adapters=frozenset({"lora"}))
 _SHARDED = {1: frozenset({"optimizer"}), 2: frozenset({"optimizer", "grads"}), 3: frozenset({"optimizer", "grads", "params"})}
 
 register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with ZeRO off: DDP's memory, DeepSpeed's engine",

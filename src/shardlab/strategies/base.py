@@ -140,7 +140,7 @@ class Strategy(ABC):
         if cfg.peft.method:
             from ..training import adapters
 
-            adapters.check(cfg, s.adapters, s.name, device_type)
+            adapters.check(cfg, s, device_type)
         attention_backend.check(cfg.sdpa_backend, device_type)
         if cfg.loss_kernel == "liger":
             from ..training.models import build_hf_config

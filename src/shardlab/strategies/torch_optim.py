@@ -103,6 +103,9 @@ class TorchOptimizerStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer, options=self._state_options())
+        if self.cfg.peft.method:  # torch drops frozen parameters by their first name only: a tied head stayed
+            trainable = {n for n, p in self.hf_model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return {"model": model_sd, "optimizer": optim_sd}
 
     def _state_options(self):

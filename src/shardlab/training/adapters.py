@@ -44,9 +44,10 @@ def _peft():
     return peft
 
 
-def check(cfg: RunConfig, adapters: frozenset[str], strategy: str, device_type: str) -> None:
-    """One-line refusals of --peft settings, before any worker starts (Strategy.check_options)."""
-    method = cfg.peft.method
+def check(cfg: RunConfig, spec, device_type: str) -> None:
+    """One-line refusals of --peft settings for the strategy of ``spec``, before any worker starts
+    (Strategy.check_options)."""
+    method, adapters, strategy = cfg.peft.method, spec.adapters, spec.name
     if method is None:
         return
     if method not in adapters:
@@ -67,6 +68,9 @@ def check(cfg: RunConfig, adapters: frozenset[str], strategy: str, device_type: 
     if cfg.master_weights == "bf16":
         raise UserError("--master-weights bf16 with --peft is not supported (the adapters keep fp32 weights)",
                         "drop --master-weights bf16")
+    if spec.zero_stage == 3 and cfg.strategy_options.zero3_block_leaves:
+        raise UserError("strategy_options.zero3_block_leaves with --peft is not supported (DeepSpeed left an adapter "
+                        "partitioned in backward)", "drop zero3_block_leaves: with --peft it is off")
     if cfg.compile and method == "qlora":
         raise UserError("--compile with --peft qlora is not supported (torch.compile does not trace bitsandbytes' "
                         "4-bit layers)", "drop --compile, or use --peft lora")
@@ -221,13 +225,21 @@ def describe(info: dict[str, Any]) -> str:
 
 
 def layout(cfg: RunConfig) -> dict[str, Any] | None:
-    """What a checkpoint of adapters only must be resumed with (reshard.layout): the adapter settings, and for a
-    random-init base the seed it is drawn from; None for full fine-tuning."""
+    """What a checkpoint of adapters only must be resumed (and exported) with, as it holds no base weights
+    (reshard.layout): the adapter settings and what rebuilds the same base: the model, the seed and, for a random-init
+    preset, the device type it is drawn on (a GPU's generator draws other numbers than the CPU's); for qlora the
+    compute dtype its weights were quantised from. None for full fine-tuning."""
     if cfg.peft.method is None:
         return None
+    from ..launch.distributed import pick_device_type
+    from .models import resolve_preset
+    from .optim import resolve_precision
+
     p = cfg.peft
+    device = pick_device_type(cfg.device)
     return {"method": p.method, "r": p.r, "alpha": p.alpha, "dropout": p.dropout, "target_modules": p.target_modules,
-            "model": cfg.model, "seed": cfg.seed}
+            "model": cfg.model, "seed": cfg.seed, "base_drawn_on": device if resolve_preset(cfg.model) else None,
+            "compute_dtype": resolve_precision(cfg.precision, device).name if p.method == "qlora" else None}
 
 
 # ---- QLoRA: the base model's linear layers in 4-bit NF4 -----------------------------------------------------------
@@ -330,34 +342,66 @@ def build_quantised(cfg: RunConfig, device: torch.device, compute_dtype: torch.d
     return model
 
 
-def dequantised(model: nn.Module) -> nn.Module:
-    """``model`` with every bitsandbytes 4-bit layer replaced by an nn.Linear holding its dequantised weights (fp32):
-    the values the run trained against, as a plain model that can be merged and saved."""
+def dequantised(model: nn.Module, skeleton: nn.Module) -> nn.Module:
+    """``model`` with every bitsandbytes 4-bit layer replaced by the layer ``skeleton`` (the same model unquantised, on
+    meta) has there, holding the dequantised weights in fp32 on the CPU: the values the run trained against, as a plain
+    transformers model that can be merged with its adapters and saved (GPT-2's Conv1D layers get their own layout
+    back)."""
+    from transformers.pytorch_utils import Conv1D
+
     bnb = bitsandbytes()
     for name, module in list(model.named_modules()):
         if isinstance(module, bnb.nn.Linear4bit):
-            w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
-            plain = nn.Linear(w.shape[1], w.shape[0], bias=module.bias is not None, device="meta")
-            plain.weight = nn.Parameter(w.cpu(), requires_grad=False)
+            w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
+            plain = type(skeleton.get_submodule(name))
+            layer = Conv1D(w.shape[0], w.shape[1]) if plain is Conv1D else nn.Linear(w.shape[1], w.shape[0], bias=module.bias is not None)
+            layer.weight = nn.Parameter(w.t().contiguous() if plain is Conv1D else w, requires_grad=False)
             if module.bias is not None:
-                plain.bias = nn.Parameter(module.bias.detach().float().cpu(), requires_grad=False)
-            _replace(model, name, plain)
-    if hasattr(model, "is_loaded_in_4bit"):
-        model.is_loaded_in_4bit = False
-    return model
+                layer.bias = nn.Parameter(module.bias.detach().float().cpu(), requires_grad=False)
+            _replace(model, name, layer)
+    model.is_loaded_in_4bit = False
+    return model.to("cpu")
+
+
+def rebuild_base(cfg: RunConfig, saved: dict[str, Any]) -> nn.Module:
+    """The base model an adapter was trained on, on the CPU in fp32, rebuilt from ``saved`` (``layout``'s record): a
+    preset drawn from its seed on the device type it was drawn on (one GPU of this machine for a run on GPUs); a qlora
+    base quantised to NF4 from its compute dtype as the run did, then dequantised (the weights the adapter learnt
+    against)."""
+    from .models import build_model, init_weights
+
+    cfg = cfg.model_copy(update={"model": saved["model"], "seed": saved["seed"]})
+    device = torch.device(saved.get("base_drawn_on") or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"the base of this adapter is {cfg.model} drawn from seed {cfg.seed} on a GPU (a random-init "
+                        "preset: a GPU's generator draws other numbers than the CPU's), and no GPU is visible here",
+                        "rebuild it where a GPU is visible, or use the adapter directory with that base")
+    if saved.get("method") == "qlora":
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[saved.get("compute_dtype") or "fp32"]
+        model = build_quantised(cfg, device, dtype)
+        return dequantised(model, build_model(cfg, meta=True))
+    if device.type == "cpu":
+        return build_model(cfg)
+    model = build_model(cfg, meta=True)  # as Strategy.materialise_on_device draws it on a GPU
+    model.to_empty(device=device)
+    model.tie_weights()
+    torch.manual_seed(cfg.seed)
+    init_weights(model)
+    return model.to("cpu")
 
 
 # ---- export -------------------------------------------------------------------------------------------------------
 
 
-def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], out: Path, cfg: RunConfig) -> None:
+def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], out: Path, cfg: RunConfig,
+                 saved: dict[str, Any] | None = None) -> None:
     """peft's adapter directory (adapter_config.json, adapter_model.safetensors) from ``state`` (the model's state dict,
-    or its adapter part), plus BASE_FILE: the base model and the seed that rebuild what the adapter was trained on."""
+    or its adapter part), plus BASE_FILE: what rebuilds the base the adapter was trained on (``layout``'s record:
+    ``saved``, or this process's run)."""
     adapter = {k: v.contiguous() for k, v in state.items() if ".lora_" in k}
     # save_embedding_layers: only adapters train (peft would otherwise look the base model up on the hub to decide)
     model.save_pretrained(out, state_dict=adapter, save_embedding_layers=False)
-    base = {"model": cfg.model, "seed": cfg.seed, "tokenizer": cfg.tokenizer, "trust_remote_code": cfg.trust_remote_code,
-            "method": cfg.peft.method}
+    base = {**(saved or layout(cfg)), "tokenizer": cfg.tokenizer, "trust_remote_code": cfg.trust_remote_code}
     (out / BASE_FILE).write_text(json.dumps(base, indent=1))
 
 
@@ -365,35 +409,35 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
-def base_config(adapter_dir: Path, device: str = "cpu") -> RunConfig:
-    """The RunConfig that rebuilds an exported adapter's base model (a preset from the run's seed)."""
+def base_record(adapter_dir: Path) -> dict[str, Any]:
+    """An exported adapter's BASE_FILE; for an adapter written by another tool, its base as peft recorded it."""
     info_file = adapter_dir / BASE_FILE
     if info_file.is_file():
         info = json.loads(info_file.read_text())
-    else:  # an adapter written by another tool: its base as peft recorded it
+    else:
         cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-        info = {"model": cfg.get("base_model_name_or_path"), "seed": 42}
+        info = {"model": cfg.get("base_model_name_or_path"), "seed": 42, "method": "lora"}
     if not info.get("model"):
         raise UserError(f"the adapter in {str(adapter_dir)!r} does not say which base model it adapts",
                         "set base_model_name_or_path in its adapter_config.json")
+    return info
+
+
+def base_config(adapter_dir: Path, device: str = "cpu") -> RunConfig:
+    """The RunConfig that rebuilds an exported adapter's base model (a preset from the run's seed)."""
+    info = base_record(adapter_dir)
     return RunConfig(model=info["model"], seed=int(info.get("seed", 42)), tokenizer=info.get("tokenizer"),
                      trust_remote_code=bool(info.get("trust_remote_code", False)), seq_len=1, device=device)
 
 
 def load_adapted(adapter_dir: Path, device: str = "cpu") -> nn.Module:
-    """The base model rebuilt by shardlab (a preset from its seed, a GGUF, a directory, a hub id) with the adapter
-    loaded by peft's ``PeftModel.from_pretrained``; a qlora adapter's base quantised to 4 bits again (the weights it
-    was trained against)."""
-    from .models import build_model
-
-    cfg = base_config(adapter_dir, device)
-    method = json.loads((adapter_dir / BASE_FILE).read_text()).get("method") if (adapter_dir / BASE_FILE).is_file() else "lora"
-    base = build_model(cfg, device_type=device)
-    if method == "qlora":
-        base = quantise(base, torch.float32 if device == "cpu" else torch.bfloat16, torch.device(device))
+    """The base model rebuilt by shardlab (``rebuild_base``: a preset from its seed, a GGUF, a directory, a hub id) with
+    the adapter loaded by peft's ``PeftModel.from_pretrained``, in fp32 on ``device``."""
+    base = rebuild_base(base_config(adapter_dir, device), base_record(adapter_dir))
     return _peft().PeftModel.from_pretrained(base, str(adapter_dir)).to(device)
 
 
 __all__ = ["ADAPTER", "BASE_FILE", "check", "lora_config", "is_adapted", "apply", "adapter_parameters", "initialise",
            "base_only", "base_name", "targets", "summary", "describe", "layout", "quantised_layers", "four_bit_linear",
-           "quantise", "build_quantised", "dequantised", "save_adapter", "is_adapter_dir", "base_config", "load_adapted"]
+           "quantise", "build_quantised", "dequantised", "rebuild_base", "save_adapter", "is_adapter_dir", "base_record",
+           "base_config", "load_adapted"]

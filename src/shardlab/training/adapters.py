@@ -37,6 +37,10 @@ PEFT_HINT = "pip install 'shardlab[adapters]' (peft, bitsandbytes)"
 
 
 def _peft():
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        bitsandbytes()  # peft imports it when installed: quietly first (see there)
     try:
         import peft
     except ImportError:
@@ -286,6 +290,7 @@ def quantise(model: nn.Module, compute_dtype: torch.dtype, device: torch.device)
         old = model.get_submodule(name)
         _replace(model, name, four_bit_linear(old.weight, old.bias, isinstance(old, Conv1D), compute_dtype, device))
         del old
+    model.requires_grad_(False)  # a frozen base, as build_quantised gives it
     model.is_loaded_in_4bit = True
     return model.to(device)
 

@@ -697,7 +697,7 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
         dtype_name = "mixed" + (" (linear layers 4-bit)" if "4-bit" in by_dtype else "")
     human = f"{_human_count(n_params)} params, {param_bytes / 2**30:.2f} GiB in {dtype_name}"
     if trainable != n_params:
-        human += f" ({_human_count(trainable)} trainable)"
+        human += " (frozen)" if trainable == 0 else f" ({_human_count(trainable)} trainable)"
     return {
         "n_params": n_params,
         "trainable": trainable,

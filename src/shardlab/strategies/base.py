@@ -110,9 +110,10 @@ class Strategy(ABC):
         model.to_empty(device=self.env.device)
         model.tie_weights()  # to_empty gives the tied head a tensor of its own (meta -> device is not an in-place move)
         torch.manual_seed(self.cfg.seed)
-        init_weights(model)
+        with adapters.base_only(model) as base:  # with --peft: the base's draws as without adapters, then theirs
+            init_weights(base)
         load_local_weights(model, self.cfg, lambda part: model.load_state_dict(part, strict=False))
-        adapters.initialise(model, self.cfg.seed)  # a skeleton with adapters: theirs, drawn as on a built model
+        adapters.initialise(model, self.cfg.seed)
         return model
 
     @abstractmethod

@@ -154,7 +154,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
         if random_init_by_module(self.env.world_size, resolve_preset(self.cfg.model) is not None):
             self._init_by_module(model, device)
         else:
-            init_weights(model)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
+            with adapters.base_only(model) as base:  # with --peft: the base's draws as without adapters (then theirs)
+                init_weights(base)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
         opts = StateDictOptions(full_state_dict=True, strict=False)  # each file holds part of the model
         load_local_weights(model, self.cfg, lambda part: set_model_state_dict(model, part, options=opts))
         adapters.initialise(model, self.cfg.seed)  # with --peft: the adapters' own draws, each rank keeping its slice

@@ -56,9 +56,9 @@ def check(cfg: RunConfig, spec, device_type: str) -> None:
         return
     if method not in adapters:
         fix = "use --strategy dp" if method == "qlora" else "use --strategy dp, a zero* strategy or fsdp"
-        why = {"pipeline": "its stages are cut from the model by module names, which peft's wrapping changes",
-               "ao_offload": "an adapter's optimizer states are a few MB: there is nothing worth offloading",
-               }.get(strategy, "not supported there yet")
+        why = {"pipelining": "its stages are cut from the model by module names, which peft's wrapping changes",
+               "torchao": "an adapter's optimizer states are a few MB: there is nothing worth offloading",
+               }.get(spec.engine, "not supported there yet")
         if method == "qlora" and "lora" in adapters:
             why = ("its engine would cast or shard the 4-bit layers' packed bytes and lose their quantisation "
                    "state")

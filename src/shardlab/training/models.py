@@ -44,7 +44,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from . import adapters, sdpa_causal
+from . import sdpa_causal
 from .bloom_sdpa import is_bloom, use_sdpa_attention
 from .init_by_module import initialising
 from ..cachedir import built_once, cache_root
@@ -619,10 +619,10 @@ def _tied_away(model: torch.nn.Module, key: str) -> bool:
 def init_weights(model: transformers.PreTrainedModel) -> None:
     """transformers' own initialisation of a model materialised from the meta device (``to_empty``),
     in place, on whatever its tensors are now (FSDP2's DTensor shards included). ``init_by_module`` draws the
-    same numbers one module at a time. A model with adapters draws its base model's numbers, as without them (the
-    walk sees the base modules only: adapters.base_only); the adapters get theirs from ``adapters.initialise``."""
-    with adapters.base_only(model) as base, initialising(base):
-        base.init_weights()
+    same numbers one module at a time. (A model with adapters: pass its adapters.base_only, so that the walk draws the
+    base model's numbers, as without adapters; the adapters get theirs from adapters.initialise.)"""
+    with initialising(model):
+        model.init_weights()
 
 
 def load_local_weights(model: torch.nn.Module, cfg: RunConfig, load: Callable[[dict[str, torch.Tensor]], None]) -> None:

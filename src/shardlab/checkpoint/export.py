@@ -179,7 +179,7 @@ def _export_adapter(ckpt: Path, cfg: RunConfig, out: Path, merge: bool, tokenize
     from ..training import adapters
 
     saved = (checkpoint.read_state(ckpt).get("layout") or {}).get("adapter") or adapters.layout(cfg)
-    cfg = cfg.model_copy(update={"model": saved["model"], "seed": saved["seed"]})
+    cfg = cfg.model_copy(update={"model": saved["model"], "seed": cfg.seed if saved.get("seed") is None else saved["seed"]})
     if not merge:  # names and shapes are all an adapter directory needs: no base weights are built
         model = adapters.apply(_meta_model(cfg), cfg)
         weights = adapter_weights(ckpt, cfg, model)

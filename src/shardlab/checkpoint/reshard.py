@@ -87,7 +87,10 @@ def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
     # same adapters; a full checkpoint has no adapters to load, an adapter one no base to fine-tune fully.
     if saved.get("adapter") != now.get("adapter"):
         def what(a):
-            return "full fine-tuning" if not a else f"--peft {a['method']} (r {a['r']}, alpha {a['alpha']:g}, targets {a['target_modules']}, model {a['model']}, seed {a['seed']})"
+            if not a:
+                return "full fine-tuning"
+            seed = "" if a.get("seed") is None else f", seed {a['seed']}"  # a pretrained base does not depend on it
+            return f"--peft {a['method']} (r {a['r']}, alpha {a['alpha']:g}, targets {a['target_modules']}, model {a['model']}{seed})"
         raise UserError(f"the checkpoint was written by {what(saved.get('adapter'))}, this run is {what(now.get('adapter'))}",
                         "resume with the --peft settings, --model and --seed it was written with")
     if "weight_decay" in saved and saved["weight_decay"] != now.get("weight_decay"):
@@ -115,8 +118,8 @@ def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
     if saved.get("adapter") and not loads_natively(saved, now):  # reshard.py converts whole models' states only
         raise UserError(f"a {src} checkpoint of adapters written on {saved['world_size']} rank(s) cannot be resumed as {dst} "
                         f"on {now['world_size']} rank(s)",
-                        f"resume it as {src} on {saved['world_size']} rank(s) (dp, fsdp: any number of ranks), or export it "
-                        "(`shardlab export`) and start from the exported adapter")
+                        f"resume it as {src} on {saved['world_size']} rank(s) (dp, fsdp: any number of ranks), or export its adapter "
+                        "(`shardlab export`)")
     if not loads_natively(saved, now) and not supported(src, dst):
         raise UserError(
             f"a {src} checkpoint written on {saved['world_size']} rank(s) cannot be resumed as {dst} on {now['world_size']} rank(s)",

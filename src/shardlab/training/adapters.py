@@ -242,8 +242,9 @@ def layout(cfg: RunConfig) -> dict[str, Any] | None:
 
     p = cfg.peft
     device = pick_device_type(cfg.device)
+    drawn = resolve_preset(cfg.model) is not None  # a pretrained base does not depend on the seed
     return {"method": p.method, "r": p.r, "alpha": p.alpha, "dropout": p.dropout, "target_modules": p.target_modules,
-            "model": cfg.model, "seed": cfg.seed, "base_drawn_on": device if resolve_preset(cfg.model) else None,
+            "model": cfg.model, "seed": cfg.seed if drawn else None, "base_drawn_on": device if drawn else None,
             "compute_dtype": resolve_precision(cfg.precision, device).name if p.method == "qlora" else None}
 
 
@@ -376,7 +377,7 @@ def rebuild_base(cfg: RunConfig, saved: dict[str, Any]) -> nn.Module:
     against)."""
     from .models import build_model, init_weights
 
-    cfg = cfg.model_copy(update={"model": saved["model"], "seed": saved["seed"]})
+    cfg = cfg.model_copy(update={"model": saved["model"], "seed": cfg.seed if saved.get("seed") is None else saved["seed"]})
     device = torch.device(saved.get("base_drawn_on") or "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"the base of this adapter is {cfg.model} drawn from seed {cfg.seed} on a GPU (a random-init "
@@ -432,7 +433,7 @@ def base_record(adapter_dir: Path) -> dict[str, Any]:
 def base_config(adapter_dir: Path, device: str = "cpu") -> RunConfig:
     """The RunConfig that rebuilds an exported adapter's base model (a preset from the run's seed)."""
     info = base_record(adapter_dir)
-    return RunConfig(model=info["model"], seed=int(info.get("seed", 42)), tokenizer=info.get("tokenizer"),
+    return RunConfig(model=info["model"], seed=42 if info.get("seed") is None else int(info["seed"]), tokenizer=info.get("tokenizer"),
                      trust_remote_code=bool(info.get("trust_remote_code", False)), seq_len=1, device=device)
 
 

@@ -67,12 +67,9 @@ def check(cfg: RunConfig, spec, device_type: str) -> None:
     _peft()
     if method == "qlora":
         bitsandbytes()
-    if cfg.optimizer_in_backward:
-        raise UserError("--optimizer-in-backward with --peft is not supported (it steps every parameter, frozen ones "
-                        "included)", "drop --optimizer-in-backward: an adapter's optimizer step is small anyway")
-    if cfg.master_weights == "bf16":
-        raise UserError("--master-weights bf16 with --peft is not supported (the adapters keep fp32 weights)",
-                        "drop --master-weights bf16")
+    if cfg.master_weights == "bf16":  # not tried with adapters: it would also make them bf16
+        raise UserError("--master-weights bf16 with --peft is not supported yet",
+                        "drop --master-weights bf16 (--peft qlora stores the frozen base in 4 bits instead)")
     if spec.zero_stage == 3 and cfg.strategy_options.zero3_block_leaves:
         raise UserError("strategy_options.zero3_block_leaves with --peft is not supported (DeepSpeed left an adapter "
                         "partitioned in backward)", "drop zero3_block_leaves: with --peft it is off")

@@ -33,4 +33,5 @@ register(StrategySpec(name="zero3_offload", order=7, zero_stage=3, sharded=_SHAR
                       checkpoint_format="deepspeed_zero", speed_rank=10, oom_next="infinity", **_DS))
 register(StrategySpec(name="infinity", order=8, zero_stage=3, sharded=_SHARDED[3], offload_params="nvme",
                       offload_optimizer="nvme", help="DeepSpeed ZeRO-Infinity: parameters and optimizer states on NVMe",
-                      checkpoint_format="deepspeed_nvme", speed_rank=11, oom_next="more GPUs", **_DS))
+                      checkpoint_format="deepspeed_nvme", speed_rank=11, oom_next="more GPUs",
+                      **{**_DS, "adapters": frozenset()}))  # adapters with the NVMe swap: not tried

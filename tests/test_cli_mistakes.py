@@ -407,6 +407,22 @@ def test_a_misspelt_strategy_is_named_with_the_one_meant(given, meant, tmp_path,
     assert_error(["train", "--strategy", given], tmp_path, capsys, monkeypatch, f"did you mean '{meant}'")
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--strategy", "pipeline", "--gpus", "2", "--peft", "lora"], ("--peft lora", "'pipeline'", "module names", "--strategy dp")),
+    (["--strategy", "fsdp", "--peft", "qlora"], ("--peft qlora", "'fsdp'", "4-bit", "--strategy dp")),
+    (["--peft", "lora", "--micro-batch", "auto"], ("--micro-batch auto", "does not model adapters", "--micro-batch N")),
+], ids=["pipeline", "qlora-fsdp", "auto-batch"])
+def test_what_adapters_cannot_run_with_is_one_line_before_any_worker(argv, words, tmp_path, capsys, monkeypatch):
+    assert_error(["train", "--device", "cpu", "--dataset", "synthetic", "--output-dir", "run", *argv], tmp_path, capsys,
+                 monkeypatch, *words)
+
+
+def test_plan_says_it_does_not_model_adapters_rather_than_a_wrong_figure(tmp_path, capsys, monkeypatch):
+    for extra in ([], ["--device", "cpu"]):
+        assert_error(["plan", "--peft", "lora", "--gpu-memory-gb", "80", *extra], tmp_path, capsys, monkeypatch,
+                     "the plan does not model adapters yet", "drop --peft")
+
+
 _NODES_ALONE = """
 import sys
 import shardlab.launch.launcher as launcher

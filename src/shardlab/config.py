@@ -135,6 +135,24 @@ class StrategyOptions(_Strict):
         description="interleaved-1f1b: model chunks (virtual stages) per rank (zbv always has 2)")
 
 
+class AdapterConfig(_Strict):
+    """Low-rank adapters through the peft library: small added matrices train, the base model's weights stay frozen
+    (training/adapters.py)."""
+
+    method: Literal["lora", "qlora"] | None = Field(None, json_schema_extra=cli("--peft"),
+        description="'lora': low-rank adapters (peft's LoraConfig) on the frozen base model; 'qlora': the same on a base "
+        "whose adapted linear layers are stored in 4-bit NF4 (bitsandbytes); not set: full fine-tuning")
+    r: int = Field(8, gt=0, json_schema_extra=cli("--lora-r"),
+        description="adapter rank: an adapted layer's weight W (out x in) gains the update B A, B out x r, A r x in")
+    alpha: float = Field(16.0, gt=0, json_schema_extra=cli("--lora-alpha"),
+        description="the update B A is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, json_schema_extra=cli("--lora-dropout"),
+        description="dropout on the adapters' input (--dropout sets the base model's)")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="the layers that get adapters: 'all-linear' (every linear layer but the output head, "
+        "peft's shorthand) or a list of module names, matched as name suffixes: [q_proj, v_proj], [c_attn]")
+
+
 class CurriculumStage(_Strict):
     name: str | None = Field(None, description="a name for the stage in logs (optional)")
     dataset: DatasetConfig
@@ -245,6 +263,7 @@ class RunConfig(_Strict):
     strategy: str = Field(DEFAULT_STRATEGY, json_schema_extra=cli("--strategy"),
         description="one of: " + ", ".join(STRATEGIES))
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
+    peft: AdapterConfig = Field(default_factory=AdapterConfig)
     deepspeed_config: str | None = Field(None, json_schema_extra=cli("--deepspeed-config"),
         description="your own DeepSpeed JSON, 'auto' values filled in (default: none, shardlab writes the whole JSON)")
     # where it runs

@@ -6,12 +6,18 @@ Runs in one process without GPUs or a process group: the shards are read offline
     zero1/2/3 (+ _offload)   DeepSpeed's zero_to_fp32: the ranks' fp32 master partitions, merged
     zero0                    the full module DeepSpeed stores in its model-states file
 The directory is written like the end-of-run export (checkpoint.save_hf: tmp dir, then rename).
+
+A --peft checkpoint holds the adapters only (and their optimizer states): it is exported as peft's adapter directory
+(no base weights are built), or with --merge as the base model, rebuilt as the run built it, with the adapters merged
+into its weights (peft's merge_and_unload).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -132,11 +138,66 @@ def _zero0_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state["module"].items()}
 
 
-def export_checkpoint(path: str | Path, out: str | Path, trusted: bool = False) -> Path:
+def adapter_weights(ckpt: Path, cfg: RunConfig, model) -> dict[str, torch.Tensor]:
+    """A --peft checkpoint's adapters, fp32, keyed by ``model``'s (the peft model's) parameter names."""
+    from ..training import adapters
+
+    strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
+    fmt = reshard.checkpoint_format(strategy)
+    names = {n: p for n, p in adapters.adapter_parameters(model)}
+    if fmt == reshard.TORCH_DCP:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        wanted = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in names.items()}}
+        dcp.load(wanted, checkpoint_id=str(ckpt / CKPT_DIR), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        found = wanted["model"]
+    elif fmt == reshard.ZERO:
+        found = _zero_weights(ckpt)
+    elif fmt == "deepspeed_stage0":
+        found = _zero0_weights(ckpt)
+    else:
+        raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its adapter at the end")
+    missing = sorted(set(names) - set(found))
+    if missing:
+        raise UserError(f"the checkpoint has no adapter weight {missing[0]!r}", "export with the config the checkpoint was written with")
+    return {n: found[n].reshape(p.shape).float() for n, p in names.items()}
+
+
+def _export_adapter(ckpt: Path, cfg: RunConfig, out: Path, merge: bool, tokenizer) -> Path:
+    """A --peft checkpoint as peft's adapter directory, or (``merge``) as the base model with the adapters merged in
+    (peft's merge_and_unload): a plain transformers model."""
+    from ..training import adapters
+
+    saved = (checkpoint.read_state(ckpt).get("layout") or {}).get("adapter") or adapters.layout(cfg)
+    cfg = cfg.model_copy(update={"model": saved["model"], "seed": cfg.seed if saved.get("seed") is None else saved["seed"]})
+    if not merge:  # names and shapes are all an adapter directory needs: no base weights are built
+        model = adapters.apply(_meta_model(cfg), cfg)
+        weights = adapter_weights(ckpt, cfg, model)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        adapters.save_adapter(model, weights, tmp, cfg, saved)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out
+    base = adapters.rebuild_base(cfg, saved)
+    model = adapters.apply(base, cfg)
+    weights = adapter_weights(ckpt, cfg, model)
+    with torch.no_grad():
+        for name, param in adapters.adapter_parameters(model):
+            param.copy_(weights[name])
+    merged = model.merge_and_unload()
+    return checkpoint.save_hf(merged, merged.state_dict(), tokenizer, out)
+
+
+def export_checkpoint(path: str | Path, out: str | Path, merge: bool = False, trusted: bool = False) -> Path:
     """The checkpoint as a Hugging Face model directory, with the run's tokenizer; a preset's offline tokenizer that
-    cannot load here (its package not installed) leaves the model alone, said in one line. A checkpoint shardlab did
-    not write for this user is screened first, or refused unless ``trusted`` (trust.py); its config's remote code
-    runs only when trusted."""
+    cannot load here (its package not installed) leaves the model alone, said in one line. A --peft checkpoint gives
+    peft's adapter directory, or with ``merge`` the model with its adapters merged in. A checkpoint shardlab did not
+    write for this user is screened first, or refused unless ``trusted`` (trust.py); its config's remote code runs only
+    when trusted."""
     from ..training.models import load_tokenizer, offline_tokenizer_problem
 
     ckpt = resolve_checkpoint(path)
@@ -144,15 +205,18 @@ def export_checkpoint(path: str | Path, out: str | Path, trusted: bool = False) 
     cfg = checkpoint_config(ckpt)
     if how == "screened" and cfg.trust_remote_code:  # a foreign config.yaml is not the user's consent to run code
         cfg = cfg.model_copy(update={"trust_remote_code": False})
-    weights = full_weights(ckpt, cfg)
-    model = _meta_model(cfg)
+    if merge and not cfg.peft.method:
+        raise UserError(f"--merge merges adapters, and {str(ckpt)!r} is a checkpoint of full fine-tuning", "drop --merge")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{str(out)!r} exists and is not empty", "pass a new directory")
     problem = offline_tokenizer_problem(cfg)
     tokenizer = load_tokenizer(cfg) if problem is None else None
     out.parent.mkdir(parents=True, exist_ok=True)
-    final = checkpoint.save_hf(model, weights, tokenizer, out)
+    if cfg.peft.method:
+        final = _export_adapter(ckpt, cfg, out, merge, tokenizer)
+    else:
+        final = checkpoint.save_hf(_meta_model(cfg), full_weights(ckpt, cfg), tokenizer, out)
     if problem is not None:
         print(f"[shardlab] exported the model without tokenizer files: {problem.message}", flush=True)
     return final

@@ -38,6 +38,7 @@ import torch
 from ..compat.universal_checkpoint import loadable_by_every_stage
 from ..errors import UserError
 from ..strategies.spec import lookup
+from ..training.adapters import layout as adapter_layout
 
 # Lazy imports below: deepspeed (seconds to import) loads only when a DeepSpeed checkpoint is resharded.
 
@@ -65,7 +66,7 @@ def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_ba
     """How a run is laid out; stored in every checkpoint's trainer_state.json."""
     return {"strategy": cfg.strategy, "world_size": world_size, "dp_size": dp_size, "micro_batch": micro,
             "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages,
-            "weight_decay": cfg.weight_decay}  # fmt: skip
+            "weight_decay": cfg.weight_decay, "adapter": adapter_layout(cfg)}  # fmt: skip
 
 
 def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -83,6 +84,16 @@ def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:
             "the checkpoint was written by an older shardlab, whose optimizer state has two parameter groups even without weight decay",
             "resume it with the shardlab version that wrote it, or export the model (`shardlab export`) and fine-tune from it",
         )
+    # A checkpoint of adapters holds no base weights: the resume rebuilds them, and must rebuild the same ones, with the
+    # same adapters; a full checkpoint has no adapters to load, an adapter one no base to fine-tune fully.
+    if saved.get("adapter") != now.get("adapter"):
+        def what(a):
+            if not a:
+                return "full fine-tuning"
+            seed = "" if a.get("seed") is None else f", seed {a['seed']}"  # a pretrained base does not depend on it
+            return f"--peft {a['method']} (r {a['r']}, alpha {a['alpha']:g}, targets {a['target_modules']}, model {a['model']}{seed})"
+        raise UserError(f"the checkpoint was written by {what(saved.get('adapter'))}, this run is {what(now.get('adapter'))}",
+                        "resume with the --peft settings, --model and --seed it was written with")
     if "weight_decay" in saved and saved["weight_decay"] != now.get("weight_decay"):
         raise UserError(
             f"the checkpoint was written with weight decay {saved['weight_decay']}, this run uses {now['weight_decay']}",
@@ -105,6 +116,11 @@ def supported(src: str, dst: str) -> bool:
 def check_pair(saved: dict[str, Any], now: dict[str, Any]) -> None:
     check_kept_settings(saved, now)
     src, dst = saved["strategy"], now["strategy"]
+    if saved.get("adapter") and not loads_natively(saved, now):  # reshard.py converts whole models' states only
+        raise UserError(f"a {src} checkpoint of adapters written on {saved['world_size']} rank(s) cannot be resumed as {dst} "
+                        f"on {now['world_size']} rank(s)",
+                        f"resume it as {src} on {saved['world_size']} rank(s) (dp, fsdp: any number of ranks), or export its adapter "
+                        "(`shardlab export`)")
     if not loads_natively(saved, now) and not supported(src, dst):
         raise UserError(
             f"a {src} checkpoint written on {saved['world_size']} rank(s) cannot be resumed as {dst} on {now['world_size']} rank(s)",

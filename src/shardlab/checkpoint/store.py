@@ -224,24 +224,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path) -> Path:
+def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path, cfg=None) -> Path:
     """Write a `from_pretrained`-loadable directory atomically (tmp dir, then rename); its tokenizer's files too unless
-    ``tokenizer`` is None (a run on synthetic data whose tokenizer is not installed: the model alone)."""
+    ``tokenizer`` is None (a run on synthetic data whose tokenizer is not installed: the model alone). A model with
+    adapters (--peft, ``cfg`` its run's config) is written as peft's adapter directory."""
+    from ..training import adapters
+
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.contiguous() for k, v in state.items()}
-    hf_model.save_pretrained(tmp, state_dict=state)
+    if adapters.is_adapted(hf_model):
+        adapters.save_adapter(hf_model, state, tmp, cfg)
+    else:
+        hf_model.save_pretrained(tmp, state_dict=state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     return replace_dir(tmp, final)
 
 
 def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:
-    """Collective: gather full weights and write a `from_pretrained`-loadable model directory."""
-    state = strategy.full_state_dict()
+    """Collective: gather full weights and write a `from_pretrained`-loadable model directory; with --peft, gather the
+    adapters only and write peft's adapter directory."""
+    adapted = strategy.cfg.peft.method is not None
+    state = strategy.full_state_dict(trainable_only=adapted)
     if not strategy.env.is_main:
         strategy.env.barrier()
         return None
-    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / EXPORT_DIR)
+    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / EXPORT_DIR, strategy.cfg)
     strategy.env.barrier()
     return final

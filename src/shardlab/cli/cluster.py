@@ -23,12 +23,15 @@ def add_cluster_parsers(sub, add_run_flags) -> None:
     sl.add_argument("--python", default=None, help="python on the compute nodes (default: this one; 'python' after --setup that activates an environment)")
     sl.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra sbatch option, e.g. --sbatch-arg=--qos=short (repeatable)")
     sl.add_argument("--submit", action="store_true", help="run sbatch (default: print the command)")
-    ex = sub.add_parser("export", help="write any checkpoint (any strategy) as a Hugging Face model + tokenizer")
+    ex = sub.add_parser("export", help="write any checkpoint (any strategy) as a Hugging Face model + tokenizer (--peft "
+                        "runs: peft's adapter directory, or the merged model with --merge)")
     ex.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints/step-N, or OUTPUT_DIR for its newest checkpoint")
     ex.add_argument("out", help="new directory for the model (from_pretrained loads it)")
     ex.add_argument("--trust-checkpoint", action="store_true",
                     help="read a checkpoint that shardlab did not write for this user even where its pickles hold more "
                          "than tensors and plain data (reading it may run its code)")
+    ex.add_argument("--merge", action="store_true", help="a --peft checkpoint: the base model with its adapters merged in "
+                    "(a plain transformers model) instead of peft's adapter directory")
 
 
 def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
@@ -54,5 +57,5 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from ..checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, trusted=args.trust_checkpoint)
+    out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, trusted=args.trust_checkpoint)
     print(f"[shardlab] exported {args.checkpoint} to {out}")

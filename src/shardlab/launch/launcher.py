@@ -40,7 +40,7 @@ from ..checkpoint.store import check_resume, check_trusted, find_resume_dir
 from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
 from ..planning.autobatch import check_auto, resolve_auto_micro_batch
-from ..planning.run_plan import check_host_ram, plan_for_run, write_record
+from ..planning.run_plan import PLAN_KEYS, check_host_ram, plan_for_run, write_record
 from .guards import publish_failure
 from .nodes import resolve_nodes, single_machine_note
 from .preemption import REQUEUE_EXIT, ForwardToWorkers
@@ -75,6 +75,9 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     except UserError as err:  # batch sizes a --deepspeed-config set: said as the JSON's
         raise explain_batch_error(cfg, err) from None
     if cfg.micro_batch == "auto":
+        if cfg.peft.method:  # its search starts from the plan, which would count the frozen weights' gradients and states
+            raise UserError("--micro-batch auto with --peft: the plan does not model adapters yet",
+                            "pass --micro-batch N (an adapter run fits at least the micro batch full fine-tuning does)")
         check_auto(cfg, dp_world)
     # optimizer options, offload settings: refused in one line by the strategy that cannot run them
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
@@ -223,9 +226,14 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
     if _rank_zero():  # the rank that writes summary.json
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
-        plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; recorded in summary.json
-        if not force:
-            check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
+        if cfg.peft.method:  # no figure rather than a wrong one (it would count the frozen weights' gradients and states)
+            plan = {**dict.fromkeys(PLAN_KEYS), "strategy": cfg.strategy, "device": device_type,
+                    "error": "the plan does not model adapters yet"}
+            print("[shardlab] no memory plan for this run: the plan does not model adapters (--peft) yet", flush=True)
+        else:
+            plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; in summary.json
+            if not force:
+                check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
 
         record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed
 

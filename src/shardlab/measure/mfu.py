@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 
@@ -105,6 +106,17 @@ def peak_tflops(device_name: str | None, precision: str, tf32_enabled: bool = Fa
 # FLOPs of the model
 
 
+def full_numel(p: Any) -> int:
+    """A parameter's element count as the model defines it: a ZeRO-3 partition's full size (ds_numel), a bitsandbytes
+    4-bit weight's unpacked shape (its quant_state), else its own numel."""
+    state = getattr(p, "quant_state", None)
+    if getattr(p, "ds_numel", 0):
+        return int(p.ds_numel)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return int(torch.Size(state.shape).numel())
+    return int(p.numel())
+
+
 def matmul_params(model: Any) -> int:
     """Parameters that take part in matmuls: all, minus embedding look-up tables not tied to the LM head."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -114,7 +126,7 @@ def matmul_params(model: Any) -> int:
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            total += int(getattr(p, "ds_numel", 0) or p.numel())
+            total += full_numel(p)
     counted: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding) and id(module.weight) not in counted:

@@ -229,6 +229,7 @@ class RunSummary(_Record):
     tokens_per_step: int | None = None
     n_params: int | None = None
     param_bytes: int | None = None
+    adapter: dict[str, Any] | None = None  # training/adapters.summary: --peft settings and trainable/total parameters
     final_train_loss: float | None = None
     final_eval_loss: float | None = None
     final_eval_ppl: float | None = None

@@ -23,6 +23,9 @@ FIELDS: dict[str, str] = {
     "tokens_per_step": "tokens per optimizer step over all ranks (padding included)",
     "n_params": "the model's parameter count",
     "param_bytes": "bytes of the model's parameters as built",
+    "adapter": "`--peft` runs: the method (lora, qlora), r, alpha, dropout, target_modules as given, the layer names that "
+               "got adapters (adapted_layers), how the base weights were kept (base_weights), and trainable_params of "
+               "total_params (the base's and the adapters'), trainable_fraction; null without --peft",
     "final_train_loss": "the training loss of the last optimizer step",
     "final_eval_loss": "held-out loss after the last step (null without an eval split)",
     "final_eval_ppl": "exp(final_eval_loss)",

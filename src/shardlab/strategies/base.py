@@ -91,6 +91,10 @@ class Strategy(ABC):
         completes the prompts with the model before training, on the CPU), the ordinary build on the CPU."""
         from ..training.models import build_model, meta_loadable
 
+        if self.cfg.peft.method == "qlora":  # 4-bit from the start: a 70B architecture never exists in 16 bits
+            from ..training import adapters
+
+            return adapters.build_quantised(self.cfg, self.env.device, self.precision.dtype)
         if self.env.device.type == "cuda" and not self.cfg.samples and meta_loadable(self.cfg):
             return build_model(self.cfg, dtype=dtype, meta=True)
         return build_model(self.cfg, dtype=dtype)
@@ -100,13 +104,16 @@ class Strategy(ABC):
         there, then a local directory's files copied in one at a time. A model already built is returned as is."""
         if not any(p.is_meta for p in model.parameters()):
             return model
+        from ..training import adapters
         from ..training.models import init_weights, load_local_weights
 
         model.to_empty(device=self.env.device)
         model.tie_weights()  # to_empty gives the tied head a tensor of its own (meta -> device is not an in-place move)
         torch.manual_seed(self.cfg.seed)
-        init_weights(model)
+        with adapters.base_only(model) as base:  # with --peft: the base's draws as without adapters, then theirs
+            init_weights(base)
         load_local_weights(model, self.cfg, lambda part: model.load_state_dict(part, strict=False))
+        adapters.initialise(model, self.cfg.seed)
         return model
 
     @abstractmethod
@@ -131,6 +138,10 @@ class Strategy(ABC):
         if opts.zenflow and not s.supports_zenflow:
             raise UserError(f"--zenflow needs strategy zero1_offload or zero2_offload, not {cfg.strategy!r}", "use --strategy zero2_offload")
         optim.check_optimizer_options(cfg, s, world, accum, device_type)
+        if cfg.peft.method:
+            from ..training import adapters
+
+            adapters.check(cfg, s, device_type)
         attention_backend.check(cfg.sdpa_backend, device_type)
         if cfg.loss_kernel == "liger":
             from ..training.models import build_hf_config
@@ -254,8 +265,9 @@ class Strategy(ABC):
         """Restore what save_checkpoint wrote. Collective."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full, unsharded weights on CPU for export: the dict on rank 0, None elsewhere. Collective."""
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded weights on CPU for export: the dict on rank 0, None elsewhere. Collective.
+        ``trainable_only``: the parameters that train (a run's adapters), without gathering the frozen base."""
 
     def memory_note(self) -> str:
         """One line on where this strategy keeps parameters, gradients and optimizer states."""

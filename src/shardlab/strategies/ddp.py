@@ -45,9 +45,11 @@ class DDPStrategy(TorchOptimizerStrategy):
             return ddp.no_sync()  # skip the all-reduce until the accumulation window closes
         return contextlib.nullcontext()
 
-    def full_state_dict(self):
+    def full_state_dict(self, trainable_only: bool = False):
         if not self.env.is_main:
             return None
+        if trainable_only:
+            return {k: p.detach().cpu() for k, p in self.hf_model.named_parameters() if p.requires_grad}
         return {k: v.detach().cpu() for k, v in self.hf_model.state_dict().items()}
 
     def memory_note(self) -> str:

@@ -148,6 +148,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         on several ranks), then a local directory's files loaded one at a time into them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        from ..training import adapters
         from ..training.models import init_weights, load_local_weights, resolve_preset
 
         model.to_empty(device=device)
@@ -155,9 +156,11 @@ class FSDPStrategy(TorchOptimizerStrategy):
         if random_init_by_module(self.env.world_size, resolve_preset(self.cfg.model) is not None):
             self._init_by_module(model, device)
         else:
-            init_weights(model)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
+            with adapters.base_only(model) as base:  # with --peft: the base's draws as without adapters (then theirs)
+                init_weights(base)  # also fills buffers that are not in checkpoints (e.g. rotary inv_freq)
         opts = StateDictOptions(full_state_dict=True, strict=False)  # each file holds part of the model
         load_local_weights(model, self.cfg, lambda part: set_model_state_dict(model, part, options=opts))
+        adapters.initialise(model, self.cfg.seed)  # with --peft: the adapters' own draws, each rank keeping its slice
 
     def _init_by_module(self, model: nn.Module, device: torch.device) -> None:
         """transformers' initialisation walked over an unsharded meta skeleton, one module's full tensors at a time on
@@ -167,20 +170,22 @@ class FSDPStrategy(TorchOptimizerStrategy):
         13.7 s, 10.6 of them in set_model_state_dict; 9.9 s without it)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        from ..training import adapters
         from ..training.init_by_module import init_by_module
         from ..training.models import build_model
 
         def load(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
             with torch.no_grad():
                 for name, value in params.items():
-                    param = model.get_parameter(name)
+                    param = base.get_parameter(name)
                     if isinstance(param, DTensor):
                         value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
                     param.copy_(value)
                 for name, value in buffers.items():  # FSDP2 shards no buffers; non-persistent ones are in no state dict
-                    model.get_buffer(name).copy_(value)
+                    base.get_buffer(name).copy_(value)
 
-        init_by_module(build_model(self.cfg, meta=True), device, load)
+        with adapters.base_only(model) as base:  # the skeleton names the base model's tensors (a model with adapters too)
+            init_by_module(build_model(self.cfg, meta=True), device, load)
 
     @classmethod
     def cpu_optimizer(cls, cfg) -> bool:
@@ -236,10 +241,11 @@ class FSDPStrategy(TorchOptimizerStrategy):
         self.hf_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
 
-    def full_state_dict(self):
+    def full_state_dict(self, trainable_only: bool = False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(self.hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        sd = get_model_state_dict(self.hf_model, options=options)
         return sd if self.env.is_main else None
 
     def memory_note(self) -> str:

@@ -659,8 +659,9 @@ class PipelineStrategy(TorchOptimizerStrategy):
                        optim_state_dict={"state": {n: request["optimizer"]["state"][state_keys[n]] for n in optim_sd["state"]},
                                          "param_groups": groups})  # fmt: skip
 
-    def full_state_dict(self):
-        """Each rank contributes the original-name weights it owns; rank 0 assembles them."""
+    def full_state_dict(self, trainable_only: bool = False):
+        """Each rank contributes the original-name weights it owns; rank 0 assembles them (a pipeline trains no
+        adapters: ``trainable_only`` changes nothing)."""
         mine = {
             name: p.detach().cpu()
             for name, p in self.full_model.named_parameters(remove_duplicate=False)

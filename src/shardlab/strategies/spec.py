@@ -65,6 +65,8 @@ class StrategySpec:
     supports_in_backward: bool = False  # --optimizer-in-backward
     supports_bf16_master: bool = False  # --master-weights bf16 (optim.check_optimizer_options)
     supports_zenflow: bool = False  # DeepSpeed ZenFlow (needs a CPU optimizer with GPU-resident params)
+    # --peft methods it trains (training/adapters.py); a method missing here is refused before any process starts
+    adapters: frozenset[str] = frozenset()
     single_process: bool = False  # runs on one process only (the planner leaves it out of multi-GPU plans)
     # Rank in the planner's speed order (lower = faster); None: not ranked (its speed is not comparable).
     speed_rank: int | None = None

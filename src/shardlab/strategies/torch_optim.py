@@ -103,8 +103,20 @@ class TorchOptimizerStrategy(Strategy):
         check_checkpointable(self.cfg)  # again here: a preemption signal can ask for a checkpoint too
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.hf_model, self.optimizer, options=self._state_options())
+        if self.cfg.peft.method:  # torch drops frozen parameters by their first name only: a tied head stayed
+            trainable = {n for n, p in self.hf_model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return {"model": model_sd, "optimizer": optim_sd}
+
+    def _state_options(self):
+        """With --peft a checkpoint holds the adapters and their optimizer states only: the frozen base is rebuilt from
+        its source on resume (the layout records the seed and settings that rebuild it), so it is not written again,
+        and a 4-bit base, which DCP cannot store, never reaches it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        adapted = self.cfg.peft.method is not None
+        return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted)
 
     def save_checkpoint(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -120,7 +132,8 @@ class TorchOptimizerStrategy(Strategy):
 
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.hf_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=self._state_options())
 
     def load_checkpoint(self, directory: Path) -> None:
         if not (directory / CKPT_DIR).is_dir():

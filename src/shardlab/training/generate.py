@@ -72,10 +72,9 @@ def model_dir(name: str) -> str:
         return name
     if not path.is_dir():
         return name  # a file: shardlab.training.models says whether it can load it
-    if (path / EXPORT_DIR / "config.json").is_file():
-        return str(path / EXPORT_DIR)
-    if (path / "config.json").is_file():
-        return str(path)
+    for candidate in (path / EXPORT_DIR, path):  # a model (config.json) or a --peft run's adapter (adapter_config.json)
+        if (candidate / "config.json").is_file() or (candidate / "adapter_config.json").is_file():
+            return str(candidate)
     if (path / "summary.json").is_file() or (path / "config.yaml").is_file():
         if find_resume_dir("auto", path) is None:  # nothing `shardlab export` could read either
             raise UserError(f"run directory {name!r} has no exported model ({EXPORT_DIR}/) and no checkpoint: it ran with "
@@ -88,10 +87,17 @@ def model_dir(name: str) -> str:
 
 
 def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
-    """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, preset or hub id."""
-    from .models import build_model, load_tokenizer
+    """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, adapter directory
+    (its base model rebuilt, the adapter loaded by peft), preset or hub id."""
+    from . import adapters
+    from .models import TOKENIZER_FILES, build_model, load_tokenizer
 
     source = model_dir(name)
+    if adapters.is_adapter_dir(Path(source)):
+        base = adapters.base_config(Path(source), device)
+        own = any((Path(source) / f).is_file() for f in TOKENIZER_FILES)  # the run saved its tokenizer beside the adapter
+        tok = load_tokenizer(base.model_copy(update={"tokenizer": tokenizer or (source if own else base.tokenizer)}))
+        return adapters.load_adapted(Path(source), device), tok, source
     # seq_len 1: the only length to check is the prompt's plus the new tokens, which `main` checks
     cfg = RunConfig(model=source, tokenizer=tokenizer, seq_len=1, device=device)
     try:

@@ -50,6 +50,7 @@ from ..compat.bloom_sdpa import is_bloom, use_sdpa_attention
 from ..compat.gguf import drop_quantizer
 from .init_by_module import initialising
 from ..cachedir import built_once, cache_root
+from ..measure.mfu import full_numel
 from ..config import RunConfig
 from ..errors import UserError
 from .presets import (EOT, EOT_ID, GPT2_BPE, GPT2_VOCAB, PRESETS, SMOLLM2_GGUF, TOKENIZER_PACKAGE, Preset, preset_list,
@@ -590,7 +591,7 @@ def meta_loadable(cfg: RunConfig) -> bool:
     kind, obj = _classify(cfg.model)
     if kind == "preset":
         return True
-    if kind != "dir" or not _weight_files(obj):
+    if kind != "dir" or not _weight_files(obj) or cfg.peft.method:  # (a directory's names are not an adapted model's)
         return False
     from safetensors import safe_open
 
@@ -616,7 +617,8 @@ def _tied_away(model: torch.nn.Module, key: str) -> bool:
 def init_weights(model: transformers.PreTrainedModel) -> None:
     """transformers' own initialisation of a model materialised from the meta device (``to_empty``),
     in place, on whatever its tensors are now (FSDP2's DTensor shards included). ``init_by_module`` draws the
-    same numbers one module at a time."""
+    same numbers one module at a time. (A model with adapters: pass its adapters.base_only, so that the walk draws the
+    base model's numbers, as without adapters; the adapters get theirs from adapters.initialise.)"""
     with initialising(model):
         model.init_weights()
 
@@ -672,26 +674,28 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
     """Parameter counts (tied weights once; DeepSpeed ZeRO-3 partitions by their full size) and bytes."""
     seen: set[int] = set()
     n_params = trainable = param_bytes = 0
-    by_dtype: Counter[torch.dtype] = Counter()
+    by_dtype: Counter[torch.dtype | str] = Counter()
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        numel = int(getattr(p, "ds_numel", 0) or p.numel())
+        numel = full_numel(p)
         n_params += numel
         if p.requires_grad:
             trainable += numel
-        param_bytes += numel * p.element_size()
-        by_dtype[p.dtype] += numel
+        # bytes as stored: a 4-bit weight's packed bytes, a ZeRO-3 partition's full size
+        param_bytes += (p.numel() if hasattr(p, "quant_state") else numel) * p.element_size()
+        by_dtype["4-bit" if hasattr(p, "quant_state") else p.dtype] += numel
     if not by_dtype:
         dtype_name = "none"
     elif len(by_dtype) == 1:
-        dtype_name = _DTYPE_SHORT.get(next(iter(by_dtype)), str(next(iter(by_dtype))).replace("torch.", ""))
+        only = next(iter(by_dtype))
+        dtype_name = _DTYPE_SHORT.get(only, str(only).replace("torch.", ""))
     else:
-        dtype_name = "mixed"
+        dtype_name = "mixed" + (" (linear layers 4-bit)" if "4-bit" in by_dtype else "")
     human = f"{_human_count(n_params)} params, {param_bytes / 2**30:.2f} GiB in {dtype_name}"
     if trainable != n_params:
-        human += f" ({_human_count(trainable)} trainable)"
+        human += " (frozen)" if trainable == 0 else f" ({_human_count(trainable)} trainable)"
     return {
         "n_params": n_params,
         "trainable": trainable,

@@ -42,7 +42,7 @@ from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards, pin
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
-from . import compiling, head_padding, optim, pinned, warm_8bit
+from . import adapters, compiling, head_padding, optim, pinned, warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
@@ -184,6 +184,7 @@ class Trainer:
         self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)
         self.pinned_released: dict[str, float] = {}  # GiB of cached pinned host memory given back, by moment
         self.warm_8bit: dict[str, Any] | None = None  # training/warm_8bit.py: what compiling the 8-bit step beforehand did
+        self.adapter: dict[str, Any] | None = None  # --peft: the adapters' settings and parameter counts (adapters.summary)
 
     # ---- setup ------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -315,6 +316,10 @@ class Trainer:
         info = model_summary(model)
         info.update(mfu.model_flops(model, cfg.seq_len))  # FLOPs per token, for the MFU in the summary
         log0(env, f"model {cfg.model}: {info.get('human', info)}; weights: {describe_weights(cfg)}")
+        if cfg.peft.method:  # on the model as built, before the engine wraps it: the engine then sees the frozen weights
+            model = adapters.apply(model, cfg)
+            self.adapter = adapters.summary(model, cfg)
+            log0(env, adapters.describe(self.adapter))
         self.startup.mark("model_build")
         strategy.setup(model, total_steps)
         self._release_pinned("engine set-up")  # what set-up pinned and freed (training/pinned.py)
@@ -618,7 +623,7 @@ class Trainer:
             "model": cfg.model, "strategy": cfg.strategy, "precision": self.precision.name, "device_type": env.device.type,
             "world_size": env.world_size, "micro_batch": self.micro, "grad_accum": self.accum, "global_batch": self.global_batch,
             "seq_len": cfg.seq_len, "steps": global_step, "tokens_per_step": tokens_per_step,
-            "n_params": model_info.get("n_params"), "param_bytes": model_info.get("param_bytes"),
+            "n_params": model_info.get("n_params"), "param_bytes": model_info.get("param_bytes"), "adapter": self.adapter,
             "final_train_loss": self.step_losses[-1] if self.step_losses else None,
             "final_eval_loss": last_eval.get("eval_loss"), "final_eval_ppl": last_eval.get("eval_ppl"),
             "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
@@ -711,6 +716,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                 "time_to_first_step_s", "compile_time_s", "total_time_s"):
         if summary.get(key) is not None:
             table.add_row(key, fmt(summary[key]))
+    adapter = summary.get("adapter")
+    if adapter:
+        table.add_row(f"trainable parameters ({adapter['method']} r {adapter['r']})",
+                      f"{adapter['trainable_params']:,} of {adapter['total_params']:,} ({adapter['trainable_fraction']:.2%})")
     if summary.get("mfu") is not None:
         table.add_row("MFU (useful tokens)", f"{summary['mfu']:.1%} of {summary['peak_tflops_per_device']:,.0f} TFLOP/s ({summary['peak_math_mode']})")
     elif summary.get("mfu_note"):

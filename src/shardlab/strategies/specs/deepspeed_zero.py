@@ -9,7 +9,9 @@ NVME_BYTES_PER_PARAM = 14
 # Shared by every DeepSpeed name: the engine casts the module itself (no autocast); --compile is DeepSpeed's own
 # engine.compile (DeepSpeedStrategy.setup).
 _DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", memory=".memory.deepspeed_zero:DeepSpeedMemory",
-           supports_compile=True, uses_autocast=False)
+           supports_compile=True, uses_autocast=False,
+           # qlora: the engine casts the whole module to its dtype, and ZeRO-3 partitions 4-bit layers' packed bytes
+           adapters=frozenset({"lora"}))
 _SHARDED = {1: frozenset({"optimizer"}), 2: frozenset({"optimizer", "grads"}), 3: frozenset({"optimizer", "grads", "params"})}
 
 register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with ZeRO off: DDP's memory, DeepSpeed's engine",
@@ -32,4 +34,5 @@ register(StrategySpec(name="zero3_offload", order=7, zero_stage=3, sharded=_SHAR
                       checkpoint_format="deepspeed_zero", speed_rank=10, oom_next="infinity", **_DS))
 register(StrategySpec(name="infinity", order=8, zero_stage=3, sharded=_SHARDED[3], offload_params="nvme",
                       offload_optimizer="nvme", help="DeepSpeed ZeRO-Infinity: parameters and optimizer states on NVMe",
-                      checkpoint_format="deepspeed_nvme", speed_rank=11, oom_next="more GPUs", **_DS))
+                      checkpoint_format="deepspeed_nvme", speed_rank=11, oom_next="more GPUs",
+                      **{**_DS, "adapters": frozenset()}))  # adapters with the NVMe swap: not tried

@@ -7,5 +7,7 @@ register(StrategySpec(
     help="PyTorch FSDP2 (fully_shard per block): parameters, gradients and optimizer states sharded",
     sharded=frozenset({"params", "grads", "optimizer"}), checkpoint_format="torch_dcp",
     uses_autocast=False,  # MixedPrecisionPolicy already computes in low precision
-    supports_8bit=True, supports_in_backward=True, speed_rank=4, speed_measured=True, pin_measured=True, oom_next="fsdp_offload",
+    supports_8bit=True, supports_in_backward=True,
+    adapters=frozenset({"lora"}),  # qlora: FSDP2 shards a 4-bit layer's packed bytes and loses its quantisation state
+    speed_rank=4, speed_measured=True, pin_measured=True, oom_next="fsdp_offload",
 ))

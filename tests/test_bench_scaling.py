@@ -225,3 +225,16 @@ def test_gpu_runs_show_mfu_and_the_planned_gpu_peak_beside_the_measured_one(scal
         assert (r["predicted_gib"], r["measured_gib"].median) == (11.0 + r["gpus"], 10.0 + r["gpus"])
         assert r["error_pct"] == pytest.approx(1 / (10.0 + r["gpus"]) * 100)
     assert "weak_scaling_efficiency" in {p.name for p in plots}
+
+
+def test_adapters_suite_puts_lora_and_qlora_beside_full_fine_tuning_at_one_batch():
+    """`--suite adapters`: full fine-tuning (fsdp, zero3) and LoRA / QLoRA (dp) of one model at the same micro-batch,
+    sequence, precision and steps, so the report compares them on equal footing."""
+    cells = plan_cells(["adapters"], Overrides(base={"device": "cpu"}))
+    by_label = {c.label: c.config for c in cells}
+    assert set(by_label) == {"fsdp", "zero3", "lora", "qlora"}
+    methods = {label: (cfg.get("peft") or {}).get("method") for label, cfg in by_label.items()}
+    assert methods == {"fsdp": None, "zero3": None, "lora": "lora", "qlora": "qlora"}
+    assert by_label["lora"]["strategy"] == by_label["qlora"]["strategy"] == "dp"  # qlora trains under dp only
+    footing = {(c["model"], c["micro_batch"], c["seq_len"], c["precision"], c["max_steps"]) for c in by_label.values()}
+    assert footing == {("llama-2-7b", 4, 1024, "bf16", 20)}

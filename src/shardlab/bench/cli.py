@@ -28,7 +28,7 @@ def add_bench_parser(sub) -> None:
                                      "run directory under --output-dir; failing cells are recorded and the matrix goes on.")
     b.add_argument("--suite", action="append", default=[], metavar="NAME|FILE",
                    help="built-in suite (quick, strategies, pin-memory, offload, weak-scaling, strong-scaling, scaling, "
-                        "big-model) or a suite YAML; repeat to run several into one bench (shared cells run once). Default: quick")
+                        "big-model, adapters) or a suite YAML; repeat to run several into one bench (shared cells run once). Default: quick")
     b.add_argument("--output-dir", "-o", default=None, help="bench directory (default: runs/bench-SUITE)")
     b.add_argument("--repeats", type=int, default=None, help="runs per cell (medians and min-max in the report)")
     b.add_argument("--models", type=_csv_list(str), default=None, help="models axis, e.g. gpt2-medium,bloom-560m")

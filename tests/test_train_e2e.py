@@ -264,12 +264,14 @@ def test_tiny_bloom_trains(runs):
 def test_a_patch_switched_off_is_said_once_and_the_run_records_it(runs, train_cli, tmp_path, monkeypatch):
     """SHARDLAB_PATCHES=-bloom_sdpa: one line says so, BLOOM trains with transformers' eager attention, and summary.json
     lists the patch as off, with why. The losses are the patched run's (tests/test_compat.py checks them closely)."""
+    # The shared patched run first: a registry run trained under this test's environment would be the unpatched one
+    # for every later asker (test_tiny_bloom_trains).
+    patched = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"])).check()
     monkeypatch.setenv("SHARDLAB_PATCHES", "-bloom_sdpa")
     run = train_cli(train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"]), tmp_path / "run").check()
     assert [line for line in run.stdout.splitlines() if "patch bloom_sdpa off" in line] == [
         "[shardlab] patch bloom_sdpa off: turned off by SHARDLAB_PATCHES; instead transformers' eager BLOOM attention"]
     assert run.summary["patches"] == [] and run.summary["patches_off"] == {"bloom_sdpa": "turned off by SHARDLAB_PATCHES"}
-    patched = runs.get("bloom", train_args(model="tiny-bloom", steps=10, strategy="dp", extra=["--eval-every", "5"])).check()
     for a, b in zip(run.rows, patched.rows, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
 

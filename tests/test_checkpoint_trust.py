@@ -57,6 +57,19 @@ def test_a_checkpoint_sealed_here_loads_as_it_is_and_not_once_a_pickle_changed(t
     assert not trust.sealed_here(ckpt)
 
 
+def test_a_node_seals_the_part_of_a_checkpoint_it_holds(tmp_path, own_key):
+    """Nodes without a shared disk each keep their own ranks' DCP files under one metadata: node 0 seals (and later
+    screens) what it holds, a file that lives on another node is none to unpickle here. Two nodes on one machine with
+    two output directories failed their first save when the seal opened rank 1's file."""
+    ckpt = dcp_checkpoint(tmp_path / "ckpt")
+    full = trust.pickle_digest(ckpt)
+    data = sorted((ckpt / "torch_dcp").glob("*.distcp"))
+    assert data
+    for f in data:
+        f.unlink()  # as on node 0 when the metadata indexes another node's file
+    assert trust.seal(ckpt) and trust.sealed_here(ckpt) and trust.pickle_digest(ckpt) != full
+
+
 def test_another_users_clean_checkpoint_is_screened_and_loads(tmp_path, own_key, monkeypatch):
     ckpt = dcp_checkpoint(tmp_path / "ckpt")
     torch.save({"scheduler": {"last_epoch": 2}}, ckpt / "torch_extra.pt")

@@ -215,6 +215,8 @@ def _dcp_bytes_items(path: Path, raw: bytes) -> Iterator[tuple[str, bytes]]:
         file = (root / rel).resolve()
         if not file.is_relative_to(root):
             raise Unscreenable(f"a DCP item outside its folder ({rel})")
+        if not file.is_file():  # another node's file (nodes without a shared disk each keep their own): none to unpickle
+            continue
         with open(file, "rb") as f:
             f.seek(offset)
             yield f"{rel}@{offset}", f.read(length)

@@ -277,9 +277,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from ..planning.render import render
 
     cfg = config_from_args(args)
-    if cfg.peft.method:  # no figures rather than wrong ones: the planner counts gradients and states for every weight
-        raise UserError(f"--peft {cfg.peft.method}: the plan does not model adapters yet",
-                        "drop --peft to plan full fine-tuning of this model (an adapter run needs less memory than it)")
+    if cfg.peft.method and cfg.device == "cpu":
+        raise UserError(f"--peft {cfg.peft.method} --device cpu: the CPU plan does not model adapters yet",
+                        "plan it for GPUs (--gpu-memory-gb), or drop --peft")
     if cfg.device == "cpu":  # a run on this machine's CPU: its host memory is the one figure (planning/cpu_plan.py)
         from ..launch.distributed import processes_per_node
         from ..launch.launcher import preflight

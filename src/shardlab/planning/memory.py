@@ -81,6 +81,12 @@ class Arch:
     random_init: bool = True
     # The decoder-block class ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
     leaf_classes: tuple[str, ...] = ()
+    # Every linear layer but the output head (name, in, out, index of its decoder block or -1): what peft's
+    # 'all-linear' adapts and QLoRA quantises (planning/adapters.py)
+    linears: tuple[tuple[str, int, int, int], ...] = ()
+    # The fp32 weights autocast casts and saves for backward (None: every parameter); an adapter run's frozen base
+    # changes it (planning/adapters.autocast_params)
+    autocast_weight_params: int | None = None
 
     @property
     def largest_param(self) -> int:

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -86,6 +86,7 @@ from .memory import (
     weight_grad_input_bytes,
 )
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
+from . import adapters as adapter_memory
 from .host import cpu_run_bytes, host_plan
 from .step import eight_bit_state_bytes, eight_bit_warmup_bytes, eval_loss_bytes, step_plan
 from ..strategies.deepspeed_zero import sized_buckets, zero3_leaf_classes
@@ -175,7 +176,25 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         kv_heads=kv_heads, ffn=ffn, vocab=int(c.vocab_size), attn_impl=attn_impl,
         attn_dropout=float(drops[0]), resid_dropout=float(drops[1]), embd_dropout=float(drops[2]),
         pipeline_parts=_pipeline_parts(model), param_sizes=tuple(sizes), leaf_classes=tuple(zero3_leaf_classes(model)),
+        linears=_linears(model, blocks),
     )
+
+
+def _linears(model: Any, blocks: list[Any]) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, in, out, block index or -1) of every linear layer but the head, as QLoRA quantises them
+    (training.adapters.quantised_layers: peft's 'all-linear' is the same set)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from ..training.adapters import quantised_layers
+
+    where = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
+    out = []
+    for name in quantised_layers(model):
+        m = model.get_submodule(name)
+        rows, cols = m.weight.shape
+        i, o = (rows, cols) if isinstance(m, Conv1D) else (cols, rows)
+        out.append((name, int(i), int(o), where.get(id(m), -1)))
+    return tuple(out)
 
 
 def _planned_attn(cfg: RunConfig, hf_config: Any) -> str:
@@ -236,6 +255,22 @@ def _layers(arch: Arch, act: Activations, mode: str, device: str, micro: int, se
                       embed=embed_bytes(arch, mode, device) * sbh, final=final_bytes(arch, mode, device) * sbh)
 
 
+def _adapted(s: Any, arch: Arch, cfg: RunConfig, act: Activations, mode: str, micro: int) -> tuple[Arch, Activations, str, Any]:
+    """An adapter run's architecture, activations and compute mode (planning/adapters.py), or NotApplicable where the
+    strategy does not train the method (training.adapters.check refuses it there)."""
+    p = cfg.peft
+    if p.method not in s.adapters:
+        raise NotApplicable(f"--peft {p.method} does not run under {s.name}", "use --strategy dp")
+    ad = adapter_memory.count_adapters(arch, p.method, p.r, p.target_modules)
+    new_mode = adapter_memory.compute_mode(mode, ad)
+    arch = replace(arch, autocast_weight_params=adapter_memory.autocast_params(arch, ad, new_mode))
+    if new_mode != mode:
+        act = activation_bytes(arch, micro, cfg.seq_len, new_mode, "cuda", cfg.gradient_checkpointing,
+                               resolve_loss_kernel(cfg.loss_kernel, "cuda"))
+    act = adapter_memory.activations(act, arch, ad, new_mode, micro, cfg.seq_len, p.dropout, cfg.gradient_checkpointing)
+    return arch, act, new_mode, ad
+
+
 def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: int, precision: str,
                    gpus_per_node: int, nodes: int, checkpointing: bool, device: str = "cuda",
                    eval_blocks: int | None = None) -> StrategyPlan:
@@ -248,13 +283,18 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     mode = compute_mode(strategy, cfg, precision)
     kernel = "hf" if s.own_loss else resolve_loss_kernel(cfg.loss_kernel, device)
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile and s.supports_compile)
+    ad = None
+    if cfg.peft.method:  # a frozen base and trainable adapters (planning/adapters.py)
+        arch, act, mode, ad = _adapted(s, arch, cfg, act, mode, micro)
     run = Run(s, arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device, autocast=mode == "autocast",
               layers=_layers(arch, act, mode, device, micro, cfg.seq_len))
     gpu = model.per_gpu(run)
     if gpu is None:  # every rank runs the same step: its moments, composed here from what the engine holds
         eval_rows = eval_batch_per_rank(cfg, strategy, micro, accum, run.world, eval_blocks)
-        gpu = step_plan(run, model.held(run), model, act, mode, kernel, eval_rows)
-    cpu_total, cpu_detail, nvme = host_plan(run, model)
+        held = model.held(run) if ad is None else adapter_memory.held(run, model, ad)
+        gpu = step_plan(run, held, model, act, mode, kernel, eval_rows)
+    # an adapter run's host buffers are the engine's for the adapters (offloaded optimizer states)
+    cpu_total, cpu_detail, nvme = host_plan(run if ad is None else replace(run, arch=adapter_memory.trainable_arch(arch, ad)), model)
     paper, est = model.paper_bytes_per_param(s, run.world), model.estimate(run) or {}
     return StrategyPlan(
         strategy=strategy, gpu={**gpu.parts, "overhead (not in allocated)": float(CUDA_CONTEXT_BYTES)}, gpu_peak=gpu.peak,
@@ -300,6 +340,8 @@ class Plan:
     # flags to add, and its prediction. None when something exact fits or the run already asks for such options.
     recommended_flags: str | None = None
     recommended_plan: StrategyPlan | None = None
+    # A full fine-tuning plan's adapter rows ("lora (dp)", "qlora (dp)"): the same run with --peft, beside it
+    adapters: dict[str, StrategyPlan] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -423,6 +465,10 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
                 plan_notes)
     rec, reason, nxt = _recommend(out, arch, cfg, gpus_per_node)
     flags, option = None, None
+    adapter_rows = _adapter_rows(arch, cfg, (micro, accum), precision, gpus_per_node, budget, max_search) if not strategies else {}
+    if rec is None and any(sp.fits for sp in adapter_rows.values()):
+        fit = [name for name, sp in adapter_rows.items() if sp.fits]
+        reason = f"{reason}; only an adapter fits: {', '.join(fit)} (--peft trains adapters on a frozen base, not the model)"
     if rec is None and not strategies:
         found = _beyond_exact(arch, cfg, precision, gpus_per_node, budget, max_search)
         if found is not None:
@@ -436,7 +482,7 @@ def plan(cfg: RunConfig, *, gpu_memory_gb: float | None = None, host_ram_gb: flo
         gpus_per_node=gpus_per_node, nodes=cfg.nodes, gpu_memory=budget.gpu, gpu_memory_source=source,
         host_ram=budget.host, nvme_free=budget.nvme, strategies=out, recommendation=rec, reason=reason, next_option=nxt,
         compile=cfg.compile, compile_modelled=compile_modelled, notes=plan_notes, micro_auto=auto_cfg is not None,
-        recommended_flags=flags, recommended_plan=option,
+        recommended_flags=flags, recommended_plan=option, adapters=adapter_rows,
     )
 
 
@@ -533,6 +579,26 @@ def _rows(arch: Arch, cfg: RunConfig, auto_cfg: RunConfig | None, batch: tuple[i
             sp.notes.append(user_json)
         sp.max_micro_batch = _largest_micro(s, arch, cfg, s_accum, precision, gpus_per_node, budget, max_search)
         out[s] = sp
+    return out
+
+
+def _adapter_rows(arch: Arch, cfg: RunConfig, batch: tuple[int, int], precision: str, gpus_per_node: int, budget: _Budget,
+                  max_search: int) -> dict[str, StrategyPlan]:
+    """For a full fine-tuning plan: LoRA and QLoRA (peft's defaults) on the first strategy in speed order that trains
+    each, at the plan's batch, with whether they fit."""
+    if cfg.peft.method:
+        return {}
+    out = {}
+    for method in ("lora", "qlora"):
+        c = cfg.model_copy(update={"peft": cfg.peft.model_copy(update={"method": method})})
+        s = next((s for s in speed_order() if method in spec(s).adapters), None)
+        if s is None:
+            continue
+        sp = _strategy_plan(s, arch, c, *batch, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing)
+        sp.fits, sp.why = budget.fits(sp)
+        sp.headroom = _usable(budget.gpu) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
+        sp.max_micro_batch = _largest_micro(s, arch, c, batch[1], precision, gpus_per_node, budget, max_search)
+        out[f"{method} ({s})"] = sp
     return out
 
 

@@ -29,7 +29,7 @@ def render(p: Plan, console=None) -> None:
     for col in ("strategy", *(("micro x accum",) if own else ()), "params", "grads", "optim", "activ.", "logits", "temp", "step buf",
                 "peak", "fits", "headroom", "max micro", "CPU/node", "NVMe"):
         t.add_column(col, justify="right" if col != "strategy" else "left")
-    for s, sp in p.strategies.items():
+    for s, sp in [*p.strategies.items(), *p.adapters.items()]:  # the adapter rows last: they train adapters only
         t.add_row(
             s, *((f"{sp.micro_batch} x {sp.grad_accum}",) if own else ()),
             g(sp.gpu["parameters"]), g(sp.gpu["gradients"]), g(sp.gpu["optimizer"]), g(sp.gpu["activations"]),

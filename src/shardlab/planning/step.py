@@ -56,7 +56,8 @@ def autocast_copies(arch: Arch, mode: str, kernel: str, checkpointing: bool) -> 
     if mode != "autocast":
         return 0.0, 0.0
     head = (arch.pipeline_parts or {}).get("head", 0)
-    copies = 2.0 * (arch.n_params - (head if kernel == "liger" else 0))
+    weights = arch.n_params if arch.autocast_weight_params is None else arch.autocast_weight_params
+    copies = 2.0 * (weights - (head if kernel == "liger" else 0))
     if not checkpointing or not arch.pipeline_parts:
         return copies, copies
     return copies, 0.0 if kernel == "liger" else 2.0 * head

@@ -233,6 +233,25 @@ def test_qlora_stores_the_base_in_4_bits_on_the_cpu_and_trains_the_adapters(one_
     assert set(map(id, st.optimizer.state)) == {id(p) for p in st.hf_model.parameters() if p.requires_grad}
 
 
+def test_qlora_under_bf16_keeps_the_unquantised_base_in_bf16():
+    """The embedding, head and norms of a qlora base are frozen too: built (and quantised to) bf16, no fp32 copy."""
+    import bitsandbytes as bnb
+
+    from shardlab.training import adapters
+    from shardlab.training.models import build_model
+
+    cfg = lora_cfg(method="qlora")
+    model = adapters.build_quantised(cfg, torch.device("cpu"), torch.bfloat16)
+    rest = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "quant_state")]
+    assert rest and all(p.dtype == torch.bfloat16 and not p.requires_grad for _, p in rest)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    plain = adapters.quantise(build_model(cfg), torch.bfloat16, torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for n, p in plain.named_parameters() if not hasattr(p, "quant_state"))
+    layers = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for n in layers:  # the same packed bytes either way
+        assert torch.equal(model.get_submodule(n).weight.data.view(torch.uint8), plain.get_submodule(n).weight.data.view(torch.uint8))
+
+
 # ---- the trainer: what a run says, records and exports --------------------------------------------------------------
 
 

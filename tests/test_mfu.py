@@ -142,3 +142,41 @@ def test_flop_counter_agrees_with_the_formula(name):
     not_matmul = flops["matmul_params"] - weights  # biases and norm gains
     assert 0 < not_matmul < 0.002 * flops["matmul_params"]
     assert flops["flops_per_token"] * tokens == sum(by_op.values()) + 6 * not_matmul * tokens
+
+
+def test_a_frozen_base_counts_4_flops_per_weight_and_its_adapters_6():
+    """--peft lora: the frozen base gets no weight gradients, so the oracle counts 4 FLOPs per base weight and token
+    (forward, input gradient) and 6 per adapter weight; ``model_flops`` says so in ``flops_counted``. Exact but for the
+    first block's q/k/v projections (base and lora_A), whose input (a frozen embedding, normed by a frozen gain) needs
+    no gradient: autograd skips their input gradient, under 1/L of the base's share, which the formula keeps."""
+    import peft
+
+    batch, seq_len = 2, 16
+    tokens = batch * seq_len
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(build_hf_config(RunConfig(model="tiny-llama")), attn_implementation="eager")
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+        ids = torch.zeros(batch, seq_len, dtype=torch.long)
+        mask = torch.ones_like(ids)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+    linear = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    frozen = sum(m.weight.numel() for m in linear if not m.weight.requires_grad)
+    trainable = sum(m.weight.numel() for m in linear if m.weight.requires_grad)
+    first = model.get_base_model().model.layers[0].self_attn
+    no_input_grad = sum(getattr(first, n).base_layer.weight.numel() + getattr(first, n).lora_A["default"].weight.numel()
+                        for n in ("q_proj", "k_proj", "v_proj"))
+    assert trainable and by_op["aten.mm"] == (4 * frozen + 6 * trainable - 2 * no_input_grad) * tokens
+
+    flops = mfu.model_flops(model, seq_len)
+    layers, width = mfu.attention_width(model.config)
+    assert flops["flops_counted"] == mfu.ADAPTER_COUNT == "4 x frozen + 6 x trainable params per token + attention"
+    assert flops["trainable_matmul_params"] == trainable
+    norms = flops["matmul_params"] - frozen - trainable  # the frozen norm gains, which no matmul uses
+    assert flops["flops_per_token"] == 4 * (frozen + norms) + 6 * trainable + 12 * layers * width * seq_len
+    assert mfu.model_flops(meta_model("tiny-llama"), seq_len)["flops_counted"] == mfu.FULL_COUNT  # every weight trained
+    out = mfu.summary_fields({"precision": "bf16", "device_type": "cpu"}, flops, None)
+    assert out["flops_counted"] == mfu.ADAPTER_COUNT and out["flops_formula"].startswith("4N_frozen + 6N_trainable")

@@ -119,21 +119,29 @@ def full_numel(p: Any) -> int:
 
 def matmul_params(model: Any) -> int:
     """Parameters that take part in matmuls: all, minus embedding look-up tables not tied to the LM head."""
+    return sum(matmul_split(model))
+
+
+def matmul_split(model: Any) -> tuple[int, int]:
+    """(frozen, trainable) matmul parameters (``matmul_params`` split by requires_grad): a --peft run's frozen base and
+    its adapters, which cost different FLOPs per token (``flops_per_token``)."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_weight = getattr(out_emb, "weight", None)
-    seen: set[int] = set()
-    total = lookup = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += full_numel(p)
-    counted: set[int] = set()
+    lookups: set[int] = set()
     for module in model.modules():
-        if isinstance(module, nn.Embedding) and id(module.weight) not in counted:
-            counted.add(id(module.weight))
-            if module.weight is not out_weight:
-                lookup += int(getattr(module.weight, "ds_numel", 0) or module.weight.numel())
-    return total - lookup
+        if isinstance(module, nn.Embedding) and module.weight is not out_weight:
+            lookups.add(id(module.weight))
+    seen: set[int] = set()
+    frozen = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen or id(p) in lookups:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += full_numel(p)
+        else:
+            frozen += full_numel(p)
+    return frozen, trainable
 
 
 def attention_width(hf_config: Any) -> tuple[int, int]:
@@ -145,16 +153,30 @@ def attention_width(hf_config: Any) -> tuple[int, int]:
     return int(layers), int(heads * head_dim)
 
 
-def flops_per_token(n_matmul_params: int, layers: int, attn_width: int, seq_len: int) -> int:
-    """PaLM appendix B: 6N + 12 L (H Q) T, training FLOPs per token."""
-    return 6 * n_matmul_params + 12 * layers * attn_width * seq_len
+def flops_per_token(n_matmul_params: int, layers: int, attn_width: int, seq_len: int, frozen_params: int = 0) -> int:
+    """PaLM appendix B: 6N + 12 L (H Q) T, training FLOPs per token. ``frozen_params`` more matmul parameters that get
+    no weight gradient (a --peft run's base): 4 each, the forward's 2 and the input gradient's 2 that backward still
+    needs to reach the adapters below them (the first layer's input gradient, which nothing needs, is counted too:
+    under 1/L of the base's share). Attention keeps its full forward and backward: it has no weights to skip."""
+    return 6 * n_matmul_params + 4 * frozen_params + 12 * layers * attn_width * seq_len
 
 
-def model_flops(model: Any, seq_len: int) -> dict[str, int]:
-    """What a run needs to compute its MFU later: N (matmul parameters) and FLOPs per token."""
-    n = matmul_params(model)
+FULL_COUNT = "6 x params per token + attention"
+ADAPTER_COUNT = "4 x frozen + 6 x trainable params per token + attention"
+
+
+def model_flops(model: Any, seq_len: int) -> dict[str, Any]:
+    """What a run needs to compute its MFU later: N (matmul parameters), FLOPs per token and which FLOPs they count
+    (``flops_counted``). A model with frozen weights (--peft) counts them at 4 FLOPs per token, not 6."""
+    frozen, trainable = matmul_split(model)
     layers, width = attention_width(model.config)
-    return {"matmul_params": n, "flops_per_token": flops_per_token(n, layers, width, seq_len)}
+    out: dict[str, Any] = {"matmul_params": frozen + trainable}
+    if frozen:
+        out.update(trainable_matmul_params=trainable, flops_counted=ADAPTER_COUNT,
+                   flops_per_token=flops_per_token(trainable, layers, width, seq_len, frozen_params=frozen))
+    else:
+        out.update(flops_counted=FULL_COUNT, flops_per_token=flops_per_token(trainable, layers, width, seq_len))
+    return out
 
 
 def mfu(tokens_per_s: float | None, flops_per_tok: int | None, device_name: str | None, precision: str,
@@ -176,7 +198,10 @@ def summary_fields(summary: dict[str, Any], model_info: dict[str, Any], device_n
     name = device_name if summary.get("device_type") == "cuda" else None
     out: dict[str, Any] = {
         "flops_per_token": fpt,
-        "flops_formula": "6N + 12*L*H*Q*T (PaLM appendix B); N excludes embedding look-ups",
+        "flops_formula": ("4N_frozen + 6N_trainable + 12*L*H*Q*T (PaLM appendix B, no weight gradients for frozen "
+                          "weights); N excludes embedding look-ups" if model_info.get("flops_counted") == ADAPTER_COUNT
+                          else "6N + 12*L*H*Q*T (PaLM appendix B); N excludes embedding look-ups"),
+        "flops_counted": model_info.get("flops_counted") or FULL_COUNT,
         "model_tflops_per_s": (summary["useful_tokens_per_s"] * fpt / 1e12) if fpt and summary.get("useful_tokens_per_s") else None,
         "device_name": name or summary.get("device_type"),
         "peak_tflops_per_device": peak_tflops(name, precision, tf32_enabled) if entry else None,
@@ -190,5 +215,5 @@ def summary_fields(summary: dict[str, Any], model_info: dict[str, Any], device_n
     return out
 
 
-__all__ = ["DevicePeak", "GPU_PEAKS", "find_peak", "math_mode", "peak_tflops", "matmul_params", "attention_width",
-           "flops_per_token", "model_flops", "mfu", "summary_fields"]
+__all__ = ["DevicePeak", "GPU_PEAKS", "find_peak", "math_mode", "peak_tflops", "matmul_params", "matmul_split", "attention_width",
+           "flops_per_token", "FULL_COUNT", "ADAPTER_COUNT", "model_flops", "mfu", "summary_fields"]

@@ -281,6 +281,7 @@ class RunSummary(_Record):
     # MFU (mfu.summary_fields) and the projected epoch (metrics.run_stats)
     flops_per_token: int | None = None
     flops_formula: str | None = None
+    flops_counted: str | None = None
     model_tflops_per_s: float | None = None
     device_name: str | None = None
     peak_tflops_per_device: float | None = None

@@ -85,6 +85,8 @@ FIELDS: dict[str, str] = {
     # MFU and the projected epoch
     "flops_per_token": "model FLOPs per trained token: 6N + 12*L*H*Q*T (PaLM appendix B)",
     "flops_formula": "the formula flops_per_token used, in words",
+    "flops_counted": "which FLOPs flops_per_token counts: '6 x params per token + attention', or with --peft '4 x frozen + 6 x "
+                     "trainable params per token + attention' (a frozen weight gets no weight gradient)",
     "model_tflops_per_s": "useful_tokens_per_s x flops_per_token, in TFLOP/s over all devices",
     "device_name": "the GPU's name (or cpu), used to look up its dense peak",
     "peak_tflops_per_device": "the device's dense peak TFLOP/s for the precision in use (null when unknown: no MFU then)",

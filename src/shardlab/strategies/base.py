@@ -79,7 +79,15 @@ class Strategy(ABC):
     def build_model(self) -> nn.Module:
         """The model ``setup`` receives. Default: the whole model in fp32 (what dp keeps: autocast over fp32
         weights), on the GPU when it can be (``build_on_device``); engines that keep less override it."""
-        return self.build_on_device(torch.float32)
+        return self.build_on_device(self.base_dtype(torch.float32))
+
+    def base_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the model is built in where an engine would keep ``dtype`` master weights: with ``--peft lora`` under a
+        16-bit precision the compute dtype, as a frozen weight gets no update that an fp32 master would keep (7B: 13 GB
+        less than fp32); peft then keeps the adapters, the only trained weights, in fp32 (autocast_adapter_dtype)."""
+        if self.cfg.peft.method == "lora" and self.precision.is_mixed:
+            return self.precision.dtype
+        return dtype
 
     def build_on_device(self, dtype: torch.dtype) -> nn.Module:
         """The whole model in ``dtype``. On a GPU, for a preset or a local checkpoint whose names match

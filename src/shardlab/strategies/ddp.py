@@ -25,7 +25,7 @@ class DDPStrategy(TorchOptimizerStrategy):
         GPU, see ``build_on_device``: a 13B model never passes through host memory)."""
         from ..training import optim
 
-        return self.build_on_device(torch.bfloat16 if optim.bf16_master(self.cfg) else torch.float32)
+        return self.build_on_device(self.base_dtype(torch.bfloat16 if optim.bf16_master(self.cfg) else torch.float32))
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         self.hf_model = self.materialise_on_device(model).to(self.env.device)
@@ -53,6 +53,9 @@ class DDPStrategy(TorchOptimizerStrategy):
         return {k: v.detach().cpu() for k, v in self.hf_model.state_dict().items()}
 
     def memory_note(self) -> str:
+        if self.base_dtype(torch.float32) != torch.float32:
+            return (f"frozen {self.precision.name} base weights, fp32 adapters with their gradients and AdamW states on every "
+                    "GPU (2 B/base param + 16 B/adapter param + activations)")
         if self.cfg.master_weights == "bf16":
             return "bf16 parameters and gradients, 8-bit AdamW states on every GPU (2 + 2 + 2 B/param + activations)"
         return "full fp32 parameters, gradients and AdamW states on every GPU (16 B/param + activations)"

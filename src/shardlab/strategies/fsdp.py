@@ -139,8 +139,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
         directories whose keys match): no rank ever holds the whole fp32 model. Else the ordinary build."""
         from ..training.models import build_model, meta_loadable
 
-        if meta_loadable(self.cfg):
-            return build_model(self.cfg, meta=True)
+        if meta_loadable(self.cfg):  # (with --peft lora under bf16/fp16 a frozen base in that dtype: base_dtype)
+            return build_model(self.cfg, dtype=self.base_dtype(torch.float32), meta=True)
         return super().build_model()
 
     def _materialise(self, model: nn.Module, device: torch.device) -> None:
@@ -206,7 +206,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(self.cfg, self.env.world_size)}
-        if self.precision.is_mixed:
+        if self.precision.is_mixed:  # (--peft lora: a bf16 frozen base and fp32 adapters in one unit is fine, as FSDP2
+            # wants one dtype among a unit's trainable parameters only, and gathers every parameter in param_dtype)
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         if self.cpu_optimizer(self.cfg):
             # Pinning needs an accelerator; on a CPU-only run the "offload" is a no-op move anyway.

@@ -320,6 +320,8 @@ class Trainer:
             model = adapters.apply(model, cfg)
             self.adapter = adapters.summary(model, cfg)
             log0(env, adapters.describe(self.adapter))
+            info.update(mfu.model_flops(model, cfg.seq_len))  # the frozen base has no weight gradients: 4, not 6
+            log0(env, f"MFU counts {info['flops_per_token']:,} FLOPs per token: {info['flops_counted']}")
         self.startup.mark("model_build")
         strategy.setup(model, total_steps)
         self._release_pinned("engine set-up")  # what set-up pinned and freed (training/pinned.py)
@@ -721,7 +723,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row(f"trainable parameters ({adapter['method']} r {adapter['r']})",
                       f"{adapter['trainable_params']:,} of {adapter['total_params']:,} ({adapter['trainable_fraction']:.2%})")
     if summary.get("mfu") is not None:
-        table.add_row("MFU (useful tokens)", f"{summary['mfu']:.1%} of {summary['peak_tflops_per_device']:,.0f} TFLOP/s ({summary['peak_math_mode']})")
+        table.add_row("MFU (useful tokens)", f"{summary['mfu']:.1%} of {summary['peak_tflops_per_device']:,.0f} TFLOP/s ({summary['peak_math_mode']}); "
+                      f"counts {summary.get('flops_counted') or mfu.FULL_COUNT}")
     elif summary.get("mfu_note"):
         table.add_row("MFU", summary["mfu_note"].removeprefix("MFU not reported: "))
     if summary.get("model_tflops_per_s") is not None:

@@ -10,8 +10,11 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 R=/tmp/adapters; mkdir -p "$R"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/gpu_env.sh
+# One GPU for every run, the peer included: on a machine with more, transformers.Trainer started without a launcher
+# wraps the model in nn.DataParallel over all of them, and shardlab would start one rank per GPU.
+export CUDA_VISIBLE_DEVICES="${GPU:-0}"
 MODEL="${MODEL:-llama-2-7b}"; MICRO="${MICRO:-8}"; STEPS="${STEPS:-20}"; ROUNDS="${ROUNDS:-2}"; BIG="${BIG-llama-2-70b}"
-COMMON=(--seq-len 1024 --precision bf16 --dataset synthetic --eval-split 0 --no-export --log-every 5)
+COMMON=(--gpus 1 --seq-len 1024 --precision bf16 --dataset synthetic --eval-split 0 --no-export --log-every 5)
 train() {  # label, limit, flags...
   local label=$1 limit=$2; shift 2
   echo "=== $label: shardlab train $* ${COMMON[*]}"

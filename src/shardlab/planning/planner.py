@@ -89,6 +89,7 @@ from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that
 from .host import cpu_run_bytes, host_plan
 from .step import eight_bit_state_bytes, eight_bit_warmup_bytes, eval_loss_bytes, step_plan
 from ..strategies.deepspeed_zero import sized_buckets, zero3_leaf_classes
+from ..training.compiling import scope
 from ..training.optim import arithmetic, autocasts, resolve_precision
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
@@ -247,7 +248,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     model = memory_model(s)
     mode = compute_mode(strategy, cfg, precision)
     kernel = "hf" if s.own_loss else resolve_loss_kernel(cfg.loss_kernel, device)
-    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile and s.supports_compile)
+    compiled = cfg.compile and s.supports_compile
+    per_block = s.graph_breaks_per_block or scope(cfg, strategy=strategy) == "blocks"  # one compiled graph per block
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled, per_block)
     run = Run(s, arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device, autocast=mode == "autocast",
               layers=_layers(arch, act, mode, device, micro, cfg.seq_len))
     gpu = model.per_gpu(run)

@@ -286,6 +286,26 @@ def test_zero2_reduce_buckets_are_made_by_backward_not_before_it(model, gpus, me
     assert moment(sp, "backward at the LM head") - moment(without, "backward at the LM head") == pytest.approx(buckets)
 
 
+@pytest.mark.parametrize("gpus, measured", [(2, 40.62), (1, 36.01)])
+def test_dp_gradients_are_views_of_ddps_buckets(gpus, measured):
+    """dp on several ranks wraps the model with DDP(gradient_as_bucket_view=True): its buckets (the gradients' dtype,
+    allocated with the wrapper) hold the gradients, so the optimizer step sees no second copy beside them. The peak is
+    the start of backward, before any gradient exists, with or without bucket views (the same tensors are alive then):
+    llama-3.2-1b micro 8 on H200s (benchmarks/results/2026-11-28-h200x2-scaling, call 5, run with
+    gradient_as_bucket_view=False) 40.62 GiB on two GPUs, 36.01 on one (no DDP); planned 40.55 and 35.95 before and
+    now. On two GPUs the optimizer step was planned 23.02 GiB (buckets and gradients), now 18.42: not measured."""
+    cfg = RunConfig(model="llama-3.2-1b", seq_len=1024, micro_batch=8, precision="bf16", gpus=gpus,
+                    dataset={"source": "synthetic", "eval_split": 0.0})
+    sp = plan(cfg, gpu_memory_gb=139, strategies=("dp",)).strategies["dp"]
+    assert sp.gpu_peak / GiB == pytest.approx(measured, rel=0.05) and sp.peak_moment.startswith("start of backward")
+    n = 1_235_814_400
+    step = next(v for k, v in sp.moments.items() if k.startswith("optimizer step"))
+    assert step == pytest.approx((4 + 8 + 4) * n)  # fp32 weights, AdamW m and v, and the gradients: a bucket or not
+    bf16 = plan(cfg.model_copy(update={"master_weights": "bf16", "optimizer": "adamw8bit"}), gpu_memory_gb=139,
+                strategies=("dp",)).strategies["dp"]
+    assert bf16.gpu["temporary"] == pytest.approx(2 * n if gpus > 1 else 0.0)  # bf16 gradients, bf16 buckets: all it has
+
+
 def test_fsdp_plans_the_root_units_reduce_scatter_at_the_end_of_backward():
     """FSDP2 on several ranks reduces its last unit, the root (embeddings and tied head), once the activations are gone:
     beside every sharded gradient, the root's unsharded 16-bit gradients and the fp32 reduce-scatter input they are

@@ -50,12 +50,16 @@ def test_plan_model_states_in_bytes():
     cfg = RunConfig(model="gpt2-medium", seq_len=256, micro_batch=1, precision="bf16", gpus=4)
     p = plan(cfg, gpu_memory_gb=80)
     n = p.n_params
-    for s, per_param in (("zero1", 4 + 12 / 4), ("zero2", 2 + 14 / 4), ("dp", 16), ("fsdp", 16 / 4)):
+    for s, per_param in (("zero1", 4 + 12 / 4), ("zero2", 2 + 14 / 4), ("fsdp", 16 / 4)):
         sp = p.strategies[s]
         assert sp.gpu["parameters"] + sp.gpu["gradients"] + sp.gpu["optimizer"] == pytest.approx(n * per_param)
         assert sp.model_state_bytes_per_param == pytest.approx(per_param)
-    # ZeRO-3's gradient partition lives in a persistent flat buffer, shown under 'temporary'
+    # ZeRO-3's gradient partition lives in a persistent flat buffer, dp's gradients in DDP's buckets (views of them):
+    # both shown under 'temporary'
     assert p.strategies["zero3"].model_state_bytes_per_param == pytest.approx(16 / 4)
+    dp = p.strategies["dp"]
+    assert dp.model_state_bytes_per_param == 16 and dp.gpu["gradients"] == 0
+    assert dp.gpu["parameters"] + dp.gpu["optimizer"] == pytest.approx(n * (4 + 8))
 
 
 def test_deepspeed_estimator_transcription_matches_deepspeed():

@@ -1,9 +1,12 @@
 """Bytes that autograd saves per decoder layer, eager and under torch.compile, counted on the CPU.
 
-`python benchmarks/compiled_activations.py FAMILY MODE DROPOUT [--hidden H --heads A --kv-heads K --ffn F]` prints one
-JSON line: per layer, in units of s*b*h bytes, for eager and compiled stacks of 2 and 4 layers (the difference over two
-layers is one layer; the rest is outside the layers). MODE: fp32 (fp32 weights), autocast (fp32 weights under bf16
-autocast), lp (bf16 weights). Parameters and their autocast copies are left out (the planner counts them apart).
+`python benchmarks/compiled_activations.py FAMILY MODE DROPOUT [--hidden H --heads A --kv-heads K --ffn F --graphs G]`
+prints one JSON line: per layer, in units of s*b*h bytes, for eager and compiled stacks of 2 and 4 layers (the
+difference over two layers is one layer; the rest is outside the layers). MODE: fp32 (fp32 weights), autocast (fp32
+weights under bf16 autocast), lp (bf16 weights). Parameters and their autocast copies are left out (the planner counts
+them apart). GRAPHS: model (one graph of the whole stack, the default), blocks (each block compiled in place, as
+compile_scope blocks does), fsdp (FSDP2's fully_shard per block and on the model, one gloo rank, the model compiled
+whole, as strategies/fsdp.py does).
 planning/memory.py::_compiled_layer_bytes is fitted to these counts; tests/test_plan_compiled.py checks it on a shape
 the fit never saw. BLOOM runs with shardlab's SDPA attention (compat/bloom_sdpa.py), as `shardlab train` builds it.
 """
@@ -12,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import transformers
 
 from shardlab.compat.bloom_sdpa import use_sdpa_attention
+from shardlab.training.models import transformer_blocks
 
 BATCH, SEQ = 3, 96
 
@@ -43,13 +48,38 @@ def build(config, mode: str):
     return model.train()
 
 
-def saved_bytes(model, hidden: int, mode: str, compiled: bool) -> int:
+def _shard(model) -> None:
+    """FSDP2 on one CPU rank (gloo), bf16 compute where the weights are bf16: every block, then the whole model (the
+    root), as strategies/fsdp.py shards it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=next(model.parameters()).dtype)
+    for block in transformer_blocks(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def saved_bytes(model, hidden: int, mode: str, compiled: bool, graphs: str = "model") -> int:
     body = model.get_decoder()
-    fn = lambda x: body(inputs_embeds=x).last_hidden_state  # noqa: E731
-    if compiled:
-        fn = torch.compile(fn)
-    numels = {p.numel() for p in model.parameters()}
+    numels = {p.numel() for p in model.parameters()}  # before sharding: FSDP2's unsharded copies have these sizes
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    fn = lambda x: body(inputs_embeds=x, use_cache=False).last_hidden_state  # noqa: E731  (no KV cache, as in training)
+    if compiled:  # a fresh compile each time: runs in one process share code objects, and dynamo's recompile limit
+        torch._dynamo.reset()
+    if compiled and graphs == "fsdp":  # the whole model compiled, as strategies/fsdp.py does: its head is counted outside
+        _shard(model)
+        whole = torch.compile(model)
+        fn = lambda x: whole(inputs_embeds=x, use_cache=False).logits  # noqa: E731
+    elif compiled and graphs == "blocks":
+        for block in transformer_blocks(model):
+            block.compile()
+    elif compiled:
+        fn = torch.compile(fn)
     for _ in range(2):  # the first call compiles; count the second
         seen: dict[int, tuple[int, int]] = {}
 
@@ -67,16 +97,18 @@ def saved_bytes(model, hidden: int, mode: str, compiled: bool) -> int:
 
 
 def per_layer(family: str, mode: str, dropout: float, hidden: int = 192, heads: int = 4, kv_heads: int = 2,
-              ffn: int = 512, layers: tuple[int, int] = (2, 4)) -> dict:
+              ffn: int = 512, layers: tuple[int, int] = (2, 4), graphs: str = "model") -> dict:
     """Per layer = the difference of two stacks over their difference in layers; outside = the rest. Stacks of 1 and 2
     layers give the same counts as 2 and 4 (llama autocast at the test's shape: 44.125 compiled, 66.125 eager sbh) in
     ~15% less compile time."""
     sbh = BATCH * SEQ * hidden
     small, big = layers
     out = {"family": family, "mode": mode, "dropout": dropout, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-           "ffn": ffn, "batch": BATCH, "seq": SEQ, "torch": torch.__version__, "transformers": transformers.__version__}
+           "ffn": ffn, "batch": BATCH, "seq": SEQ, "graphs": graphs, "torch": torch.__version__,
+           "transformers": transformers.__version__}
     for compiled in (False, True):
-        at_small, at_big = (saved_bytes(build(hf_config(family, n, dropout, hidden, heads, kv_heads, ffn), mode), hidden, mode, compiled)
+        at_small, at_big = (saved_bytes(build(hf_config(family, n, dropout, hidden, heads, kv_heads, ffn), mode), hidden, mode, compiled,
+                                        graphs)
                             for n in (small, big))
         per = (at_big - at_small) / (big - small)
         out["compiled" if compiled else "eager"] = {"per_layer_sbh": per / sbh, "outside_sbh": (at_small - small * per) / sbh}
@@ -92,8 +124,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--graphs", choices=("model", "blocks", "fsdp"), default="model")
     a = ap.parse_args()
-    print(json.dumps(per_layer(a.family, a.mode, a.dropout, a.hidden, a.heads, a.kv_heads, a.ffn)), flush=True)
+    print(json.dumps(per_layer(a.family, a.mode, a.dropout, a.hidden, a.heads, a.kv_heads, a.ffn, graphs=a.graphs)), flush=True)
 
 
 if __name__ == "__main__":

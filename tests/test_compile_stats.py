@@ -112,6 +112,6 @@ def test_runs_without_compile_get_no_pool_of_inductor_workers_and_the_plan_count
     base = dict(model="gpt2", seq_len=128, micro_batch=2, precision="bf16")
     eager = planner.plan(RunConfig(**base), gpu_memory_gb=80, host_ram_gb=100, strategies=("dp",)).strategies["dp"]
     compiled = planner.plan(RunConfig(**base, compile=True), gpu_memory_gb=80, host_ram_gb=100, strategies=("dp",)).strategies["dp"]
-    pool = compile_stats.compile_workers(True) * compile_stats.COMPILE_WORKER_RSS_BYTES
+    pool = compile_stats.compile_pool_bytes(compile_stats.compile_workers(True))
     assert not any("inductor" in k for k in eager.cpu_detail)
     assert compiled.cpu_per_node - eager.cpu_per_node == pytest.approx(pool, abs=1) or pool == 0

@@ -25,8 +25,8 @@ from ..cachedir import cache_root
 
 # Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures.
 
-__all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "COMPILE_WORKER_RSS_BYTES",
-           "INPROCESS_COMPILE_RSS_BYTES", "CompileClock",
+__all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "compile_pool_bytes",
+           "COMPILE_WORKER_RSS_BYTES", "COMPILE_POOL_RSS_BYTES", "INPROCESS_COMPILE_RSS_BYTES", "CompileClock",
            "process_start_time", "mark_start", "START_ENV"]
 
 # Wall-clock time (time.time()) at which the user's command started; the launcher sets it for its workers.
@@ -50,9 +50,16 @@ def use_persistent_cache(sdpa_backend: str = "auto") -> Path:
     return path
 
 
-# Resident memory of one inductor compile worker (a Python with torch imported): H100 runs, process
-# tree minus the rank with 16 workers, 7.8-8.4 GiB (benchmarks/results/*-h100-big-model/).
-COMPILE_WORKER_RSS_BYTES = int(0.5 * 2**30)
+# Resident memory of inductor's compile pool, per training process: a fixed part (the process that owns the pool,
+# started first, and what the workers grow by as they compile) and one part per worker (a Python with torch imported).
+# A pool of N workers measured (process tree minus the ranks and the launcher, GiB): N = 16 on an H100 host, 7.22 and
+# 7.63 (benchmarks/results/*-h100-big-model, calls 2-3); N = 32 on a 32-core 2 x H200 host, 13.56 (llama-3.2-1b, one
+# GPU), 12.92 (the same, two), 13.42 (bloom-7b1) and 13.38 (llama-2-13b) per rank (*-h200x2-scaling, calls 5-6).
+# Per worker 0.37: the tree's jump as the 16 workers start (5.81-5.98 GiB), which the two pool sizes' difference agrees
+# with (0.37 GiB a worker); the owner process 0.40 at its start; the fixed 1.55 is fitted (the owner and the growth).
+# A flat 0.5 per worker, fitted to the H100 pools alone, put the H200 nodes 15-20% high.
+COMPILE_WORKER_RSS_BYTES = int(0.37 * 2**30)
+COMPILE_POOL_RSS_BYTES = int(1.55 * 2**30)
 # What compiling in the training process adds to its own resident memory (dynamo, inductor, Triton and the compiled
 # kernels): 8-bit AdamW runs on one H100, rank RSS minus the pinned copies the first step gave back, 2.20-2.23 GiB
 # against the 1.93 of an eager process (planning/host.GPU_PROCESS_RSS_BYTES): 13B 4.70 - 2.5, bloom-7b1 10.22 - 8.0 and
@@ -64,7 +71,7 @@ COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 
 def limit_compile_workers(compile_model: bool) -> None:
     """Without ``--compile`` a run compiles only small graphs (the loss kernel, torchao's optimizer step), yet inductor
-    starts a pool of min(32, cores) worker processes for them, ~0.5 GiB of host memory each: 8 GiB on a 16-core node,
+    starts a pool of min(32, cores) worker processes for them, ~0.4 GiB of host memory each: 7.2-7.6 GiB on a 16-core node,
     which pushed bloom-7b1 zero3_offload over the 125 GiB host it was planned to fit (OOM-killed at 128.2 GiB in its
     first step). Those runs compile in-process instead (TORCHINDUCTOR_COMPILE_THREADS=1; set here before anything
     compiles, inherited by the workers). A value the user set is kept; ``--compile`` runs keep the pool, whose
@@ -89,6 +96,11 @@ def compile_workers(compile_model: bool, cpus: int | None = None) -> int:
     else:
         threads = min(32, cpus or os.cpu_count() or 1)
     return threads if threads > 1 else 0
+
+
+def compile_pool_bytes(workers: int) -> float:
+    """Host bytes of a pool of ``workers`` inductor compile workers (none: nothing)."""
+    return float(COMPILE_POOL_RSS_BYTES + workers * COMPILE_WORKER_RSS_BYTES) if workers else 0.0
 
 
 def process_start_time() -> float:

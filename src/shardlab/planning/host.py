@@ -7,7 +7,7 @@ run's whole host figure is ``cpu_run_bytes``. Every constant names the measureme
 
 from __future__ import annotations
 
-from ..measure.compile_stats import COMPILE_WORKER_RSS_BYTES, INPROCESS_COMPILE_RSS_BYTES, compile_workers
+from ..measure.compile_stats import INPROCESS_COMPILE_RSS_BYTES, compile_pool_bytes, compile_workers
 from ..strategies.memory import EngineMemory, Run, memory_model
 from ..strategies.spec import spec
 from .memory import HEAP_TRIM_BYTES, PROCESS_RSS_BYTES, GiB, StrategyPlan
@@ -33,7 +33,7 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
     baseline = GPU_PROCESS_RSS_BYTES if run.device == "cuda" else PROCESS_RSS_BYTES
     workers = compile_workers(cfg.compile and run.spec.supports_compile) if run.device == "cuda" else 0
     if workers:  # inductor's pool for --compile runs (measure/compile_stats.py), sized from this machine's cores
-        states[f"inductor compile workers ({workers} processes)"] = float(workers * COMPILE_WORKER_RSS_BYTES)
+        states[f"inductor compile workers ({workers} processes)"] = compile_pool_bytes(workers)
     if run.device == "cuda" and cfg.optimizer == "adamw8bit":
         # torchao compiles its step in this process (no worker pool: compile_stats.limit_compile_workers); inductor's
         # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (training/warm_8bit.py)

@@ -181,33 +181,43 @@ def compiled_layers_modelled(arch: Arch) -> bool:
     return arch.family in COMPILED_FAMILIES
 
 
-def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, float, float]:
+def _compiled_layer_bytes(arch: Arch, mode: str, device: str, per_block: bool = False) -> tuple[float, float, float]:
     """Saved bytes of one decoder layer under ``--compile``, as ``_layer_bytes`` counts them for eager runs.
 
     Inductor's min-cut partitioner (torch._functorch.partitioners) saves what the backward's matmuls need (their
     16-bit inputs, attention's q, k, v and output) and recomputes the cheap pointwise chains from them (GELU's
     polynomial, the norms' normalisation, RoPE, SiLU), so the 4h-wide intermediates that eager autograd keeps
-    are gone. Counted from the saved tensors of compiled 2- and 4-layer stacks (benchmarks/compiled_activations.py,
-    torch 2.13 on CPU: benchmarks/results/*-cpu-compiled-activations/), per family as ``c_r`` tensors of
-    the residual width (r: fp32 under autocast) and ``c_p`` of the compute dtype (p), s·b·h elements each:
-    GPT-2 2 r + (8 + 2f) p, Llama 2 r + (4 + 2kv + 3f) p, BLOOM 2 r + (8 + 2f) p, f = ffn/hidden,
-    kv = kv_heads/heads. Dropout keeps 1-byte bool masks (compiled on any device); fused attention keeps its
-    log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and a bool mask.
-    On CUDA, GPT-2's layers save two 16-bit tensors per s·b·h fewer than these CPU traces: the blocks alive at the
-    peak of gpt2-medium micro 16 on an H100 (benchmarks/diag/peak_snapshot.py, benchmarks/results/*-h100-speed/call2)
-    were 4.2 B/sbh per layer under the count with dp (autocast) and 3.9 with fsdp (bf16 parameters, no autocast),
-    i.e. 2 p in both; the peaks were planned +6.0% before. Not traced on CUDA for Llama and BLOOM (their CPU count
-    stays, the safe side). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py traces
-    a shape the fit never saw."""
+    are gone. Counted from the saved tensors of compiled stacks (benchmarks/compiled_activations.py, torch 2.13 on
+    CPU: benchmarks/results/*-cpu-compiled-activations/), per family as ``c_r`` tensors of the residual width (r: fp32
+    under autocast) and ``c_p`` of the compute dtype (p), s·b·h elements each: GPT-2 and BLOOM 2 r + (6 + 2f) p, Llama
+    2 r + (4 + 2kv + 3f) p, f = ffn/hidden, kv = kv_heads/heads. Dropout keeps 1-byte bool masks (compiled on any
+    device); fused attention keeps its log-sum-exp, and on CPU with attention dropout the math path's fp32 scores and
+    a bool mask. BLOOM's BloomGelu is a custom autograd Function the partitioner cannot recompute through: its
+    compiled layers keep what eager ones do (2 r + 14 p, as ``_layer_bytes``).
+
+    GPT-2's and BLOOM's first traces kept transformers' KV cache on (its default use_cache), whose copies of k and v
+    the attention then saved: 2 p more than training, which runs without the cache. The blocks alive at the peak of
+    gpt2-medium micro 16 on an H100 showed it first (benchmarks/diag/peak_snapshot.py, *-h100-speed/call2: 4.2 and 3.9
+    B/sbh per layer under the cached count, dp and fsdp); traced again without the cache (*-cpu-compiled-no-cache),
+    both families keep 2 p fewer, on any device.
+
+    BLOOM's attention bias (compat/bloom_sdpa.py: ALiBi + mask, batch x heads x seq², compute dtype) is built once per
+    forward and shared by the layers in eager runs and in one whole-model graph. With one graph per block
+    (``per_block``: compile scope 'blocks', or FSDP2, whose hooks break even a whole-model compile at each block:
+    StrategySpec.graph_breaks_per_block) each block builds its own and saves it for backward, and none is shared:
+    traced on this CPU with FSDP2 on one gloo rank and the model compiled whole, as strategies/fsdp.py runs it, 44.4
+    s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). bloom-7b1 fsdp --compile micro 8, no
+    checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured, planned 83.13 with
+    the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same way: 101.94 GiB
+    measured, 101.90 planned). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
+    traces a shape the fit never saw."""
     if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
         return _layer_bytes(arch, mode, device)
     p = 4 if mode == "fp32" else 2
     r = 2 if mode == "lp" else 4
     f = arch.ffn / arch.hidden
     kv = arch.kv_heads / arch.heads
-    c_p = 4 + 2 * kv + 3 * f if arch.family == "llama" else 8 + 2 * f
-    if arch.family == "gpt2" and device == "cuda":
-        c_p -= 2  # CUDA (torch 2.11, H100): two 16-bit tensors fewer than the CPU trace, see the docstring
+    c_p = 4 + 2 * kv + 3 * f if arch.family == "llama" else 6 + 2 * f
     per_sbh = 2 * r + c_p * p
     if arch.resid_dropout > 0:
         per_sbh += 2  # 1-byte bool masks of the two residual dropouts
@@ -220,6 +230,8 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str) -> tuple[float, fl
         per_sb += 4 * arch.heads  # fp32 log-sum-exp per row and head
     else:  # eager attention inside the graph: the softmax output (fp32 under autocast) and a bool dropout mask
         per_as2b = (4 if mode != "lp" else p) + (1.0 if arch.attn_dropout > 0 else 0.0)
+    if per_block:  # BLOOM's SDPA bias, built and saved by each block's graph (see the docstring)
+        per_as2b += _shared_bias_bytes(arch, mode)
     return per_sbh, per_as2b, per_sb
 
 
@@ -340,11 +352,16 @@ def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float
 
 
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
-                     loss_kernel: str = "hf", compiled: bool = False) -> Activations:
+                     loss_kernel: str = "hf", compiled: bool = False, per_block: bool = False) -> Activations:
     """Activation memory of one micro-batch; ``compiled``: the decoder layers as torch.compile saves them
-    (``_compiled_layer_bytes``), the embedding, final norm and loss as counted for eager runs."""
+    (``_compiled_layer_bytes``; ``per_block``: one graph per block), the embedding, final norm and loss as counted for
+    eager runs."""
     b, s, h, a = micro, seq, arch.hidden, arch.heads
-    per_sbh, per_as2b, per_sb = (_compiled_layer_bytes if compiled else _layer_bytes)(arch, mode, device)
+    per_block = compiled and per_block and compiled_layers_modelled(arch)
+    if compiled:
+        per_sbh, per_as2b, per_sb = _compiled_layer_bytes(arch, mode, device, per_block)
+    else:
+        per_sbh, per_as2b, per_sb = _layer_bytes(arch, mode, device)
     one_layer = per_sbh * s * b * h + per_as2b * a * s * s * b + per_sb * s * b
     r = 2 if mode == "lp" else 4
     if checkpointing:  # HF checkpoints each decoder layer (non-reentrant): only its input is kept
@@ -365,7 +382,7 @@ def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = 
         logits_saved, logits_peak = 4.0 * bsv, 12.0 * bsv
     return Activations(
         layers=layers,
-        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h + _shared_bias_bytes(arch, mode) * a * s * s * b,
+        embed_final=_embed_final_bytes(arch, mode, device) * s * b * h + (0 if per_block else _shared_bias_bytes(arch, mode)) * a * s * s * b,
         logits_saved=logits_saved,
         logits_peak=logits_peak,
         recompute=recompute,

@@ -90,6 +90,7 @@ from . import adapters as adapter_memory
 from .host import cpu_run_bytes, host_plan
 from .step import eight_bit_state_bytes, eight_bit_warmup_bytes, eval_loss_bytes, step_plan
 from ..strategies.deepspeed_zero import sized_buckets, zero3_leaf_classes
+from ..training.compiling import scope
 from ..training.optim import arithmetic, autocasts, resolve_precision
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
@@ -282,7 +283,9 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     model = memory_model(s)
     mode = compute_mode(strategy, cfg, precision)
     kernel = "hf" if s.own_loss else resolve_loss_kernel(cfg.loss_kernel, device)
-    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled=cfg.compile and s.supports_compile)
+    compiled = cfg.compile and s.supports_compile
+    per_block = s.graph_breaks_per_block or scope(cfg, strategy=strategy) == "blocks"  # one compiled graph per block
+    act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled, per_block)
     ad = None
     if cfg.peft.method:  # a frozen base and trainable adapters (planning/adapters.py)
         arch, act, mode, ad = _adapted(s, arch, cfg, act, mode, micro)

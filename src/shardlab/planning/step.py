@@ -91,15 +91,17 @@ def _moments(run: Run, held: Held, model: EngineMemory, act: Activations, mode: 
     # (after the loss' and the head's backward have freed the logits). Counting both at once put bloom-7b1 zero3_offload
     # (micro 8, checkpointing) at 13.14 GiB where 12.25 was measured on 2 GPUs (benchmarks/results/*-h100-z3off-plan).
     fb = static + g_fb + act.peak - act.recompute + sum(backward.values())
-    # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers
-    head = fb - act.logits_peak + act.logits_grad + sum(held.at_head.values()) - copies + copies_later
+    # a moment later: the loss' backward has left only the logits' gradient, and what the head's backward gathers; the
+    # first gradient hook has run by then (the head's weight, or the final norm's where the head is tied)
+    hooked = sum(held.from_first_grad.values())
+    head = fb - act.logits_peak + act.logits_grad + sum(held.at_head.values()) + hooked - copies + copies_later
     out = [(fb, "start of backward (activations + loss gradients)"),
            (head, "backward at the LM head (activations + logits gradient + gathered root)")]
     if act.recompute:  # a checkpointed layer's recomputation and its backward's temporaries; of the loss, its gradient
         recast = 2.0 * arch.block_params if copies else 0.0  # the recomputed block's own autocast copies
         layer = (static + g_fb + act.layers + act.embed_final + act.recompute
                  + layer_backward_bytes(arch, mode) * float(run.micro * cfg.seq_len * arch.hidden)
-                 + act.logits_grad + sum(backward.values()) - copies + copies_later + recast)
+                 + act.logits_grad + sum(backward.values()) + hooked - copies + copies_later + recast)
         out.append((layer, "backward of a checkpointed layer (its recomputation + backward temporaries)"))
     out.append((static + held.grads + sum(held.step.values()), "optimizer step (all gradients + step buffers)"))
     out += [(static + extra, what) for extra, what in held.after_backward]  # the activations are gone by then
@@ -129,10 +131,11 @@ def step_plan(run: Run, held: Held, model: EngineMemory, act: Activations, mode:
         "optimizer": held.optimizer,
         "activations": act.layers + act.embed_final + act.recompute,
         "logits (loss)": act.logits_peak,
-        "temporary": sum(backward.values()) + sum(held.persistent.values()) + sum(held.at_head.values()),
+        "temporary": (sum(backward.values()) + sum(held.persistent.values()) + sum(held.at_head.values())
+                      + sum(held.from_first_grad.values())),
         "step buffers": sum(held.step.values()),
     }
-    detail = {**backward, **held.persistent, **held.at_head, **held.step}
+    detail = {**backward, **held.persistent, **held.at_head, **held.from_first_grad, **held.step}
     notes = [held.where] + held.notes + [f"{k}: {v / 2**30:.2f} GiB" for k, v in detail.items() if v]
     return PerGpu(peak, moment, parts, held.states_per_param, notes, moments={what: b for b, what in moments if b})
 

@@ -33,6 +33,9 @@ class DDPStrategy(TorchOptimizerStrategy):
         whole_graph = self.cfg.compile and not compiling.compile_blocks(self.hf_model, self.cfg)
         if self.env.is_distributed:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient beside the buckets.
+            # zero_grad(set_to_none=True) drops the views; backward then makes each gradient afresh, DDP copies it into
+            # its bucket and points .grad back at the bucket, so only one parameter's fresh gradient exists at a time.
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids, gradient_as_bucket_view=True)
         if whole_graph:  # outside DDP, so its bucketed all-reduce hooks stay eager
             wrapped = compiling.compile_module(wrapped, self.cfg)

@@ -32,14 +32,15 @@ from ..strategies.spec import spec
 from .models import transformer_blocks
 
 
-def scope(cfg, model: nn.Module | None = None) -> str:
-    """'model' or 'blocks': what --compile compiles in this run. Under 'auto', 'blocks' for the strategies whose spec
-    says they act per block or per gradient in hooks (``compile_per_block``) and with the optimizer in backward.
-    Given the model, a model without repeated blocks is 'model': it falls back to one whole graph."""
+def scope(cfg, model: nn.Module | None = None, strategy: str | None = None) -> str:
+    """'model' or 'blocks': what --compile compiles in this run (under ``strategy``, else the run's). Under 'auto',
+    'blocks' for the strategies whose spec says they act per block or per gradient in hooks (``compile_per_block``)
+    and with the optimizer in backward. Given the model, a model without repeated blocks is 'model': it falls back to
+    one whole graph."""
     if cfg.compile_scope != "auto":
         chosen = cfg.compile_scope
     else:
-        chosen = "blocks" if spec(cfg.strategy).compile_per_block or cfg.optimizer_in_backward else "model"
+        chosen = "blocks" if spec(strategy or cfg.strategy).compile_per_block or cfg.optimizer_in_backward else "model"
     if chosen == "blocks" and model is not None and not transformer_blocks(model):
         return "model"
     return chosen

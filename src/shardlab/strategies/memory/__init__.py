@@ -146,6 +146,9 @@ class Held:
     persistent: dict[str, float] = field(default_factory=dict)  # allocated once, alive throughout
     backward: dict[str, float] = field(default_factory=dict)  # alive at the start of backward, beside the activations
     at_head: dict[str, float] = field(default_factory=dict)  # besides those, once the loss' gradient reaches the head
+    # made by backward's first gradient hook and kept to backward's end: the head's moment and every later one in
+    # backward, not the start of backward
+    from_first_grad: dict[str, float] = field(default_factory=dict)
     step: dict[str, float] = field(default_factory=dict)  # alive at the optimizer step
     grads_in_backward: float = 0.0  # gradients alive from the start of backward (kept while accumulating)
     # more moments, once the activations are gone: (bytes beside the parameters, optimizer and persistent buffers, what)

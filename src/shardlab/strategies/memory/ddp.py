@@ -1,5 +1,6 @@
 """What `dp` (strategies/ddp.py: torch DDP, everything replicated) holds: fp32 weights, gradients and AdamW states on
-every GPU (bf16 weights and gradients with ``--master-weights bf16``), and DDP's gradient buckets across ranks."""
+every GPU (bf16 weights and gradients with ``--master-weights bf16``); across ranks DDP's gradient buckets, of which
+the gradients are views (gradient_as_bucket_view=True)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,22 @@ class DDPMemory(EngineMemory):
             # kernels are for accelerators): each parameter's sqrt(v) and its quotient, freed before the next one.
             h.step["AdamW per-tensor temporaries (CPU)"] = cpu_adamw_temp_bytes(run.arch.largest_layer_params)
         if run.world > 1:
-            h.persistent["DDP gradient buckets (gradient_as_bucket_view=False)"] = 4.0 * n
+            # DDP's buckets (allocated with the wrapper, in the gradients' dtype) hold the gradients as views
+            # (gradient_as_bucket_view=True): none beside them at the step. Backward makes each gradient afresh after
+            # zero_grad(set_to_none=True) and DDP swaps it for its bucket view at once; while accumulating (no_sync)
+            # the micro-batches' gradients are separate tensors until the last one's backward copies them in.
+            h.persistent["DDP gradient buckets (the gradients are views of them)"] = grads
+            h.grads = 0.0
         parts = run.arch.pipeline_parts or {}
         if parts.get("tied") and grads:
             # A tied head (GPT-2, BLOOM): the embedding's backward, the last of backward, makes a whole vocab x hidden
             # gradient that autograd then adds into the head's, beside every other gradient of the model. gpt2 fp32,
             # micro 1 x 256, one H100 (peak snapshots, benchmarks/results/*-h100-zero3-one-rank/call5): 2.06 GiB
-            # measured, 1.88 planned without it.
-            h.after_backward.append((grads + grads / n * parts["vocab_x_hidden"], TIED))
+            # measured, 1.88 planned without it. On several ranks the others are bucket views by then: beside the
+            # buckets only the head's contribution (and, accumulating, the tied weight's accumulated gradient).
+            tied = grads / n * parts["vocab_x_hidden"]
+            alive = grads if run.world == 1 else tied * (2 if run.accum > 1 else 1)
+            h.after_backward.append((alive + tied, TIED))
         return h
 
     def build(self, run: Run) -> tuple[str, float]:

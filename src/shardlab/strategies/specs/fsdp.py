@@ -5,7 +5,7 @@ from ..spec import StrategySpec, register
 register(StrategySpec(
     name="fsdp", engine="fsdp2", order=9, impl=".fsdp:FSDPStrategy", memory=".memory.fsdp:FSDPMemory",
     help="PyTorch FSDP2 (fully_shard per block): parameters, gradients and optimizer states sharded",
-    sharded=frozenset({"params", "grads", "optimizer"}), checkpoint_format="torch_dcp",
+    sharded=frozenset({"params", "grads", "optimizer"}), checkpoint_format="torch_dcp", graph_breaks_per_block=True,
     uses_autocast=False,  # MixedPrecisionPolicy already computes in low precision
     supports_8bit=True, supports_in_backward=True,
     adapters=frozenset({"lora"}),  # qlora: FSDP2 shards a 4-bit layer's packed bytes and loses its quantisation state

@@ -278,7 +278,7 @@ def eval_split(run):
 
 def test_a_lora_run_says_and_records_its_adapters_and_exports_them(runs, trainer_eval_loss, tmp_path, capsys):
     """One `shardlab train --peft lora` run: the log names the adapters and the trainable/total counts, summary.json
-    records them, the plan is absent (it does not model adapters yet), checkpoints hold the adapters only; model/ is
+    records them, the plan is absent (the CPU plan does not model adapters yet), checkpoints hold the adapters only; model/ is
     peft's adapter directory, and it, `shardlab export` and `export --merge` (from_pretrained) all reproduce the run's
     final eval loss, and `generate` completes from both."""
     from peft import PeftModel
@@ -295,7 +295,7 @@ def test_a_lora_run_says_and_records_its_adapters_and_exports_them(runs, trainer
     a = run.summary["adapter"]
     assert (a["method"], a["r"], a["alpha"], a["target_modules"], a["adapted_layers"]) == ("lora", 8, 16.0, "all-linear", ["c_attn", "c_fc", "c_proj"])
     assert (a["trainable_params"], a["total_params"]) == (16_384, 3_398_464) and run.summary["n_params"] == 3_382_080
-    assert run.summary["plan"]["error"] == "the plan does not model adapters yet"
+    assert run.summary["plan"]["error"] == "the CPU plan does not model adapters yet"
     ckpt = run.out / "checkpoints" / "step-0000010"
     assert sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) < 1_000_000  # tiny-gpt2 itself: 13.5 MB
 

@@ -226,10 +226,10 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
     if _rank_zero():  # the rank that writes summary.json
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
-        if cfg.peft.method:  # no figure rather than a wrong one (it would count the frozen weights' gradients and states)
+        if cfg.peft.method and device_type != "cuda":  # the CPU plan counts no adapters: no figure rather than a wrong one
             plan = {**dict.fromkeys(PLAN_KEYS), "strategy": cfg.strategy, "device": device_type,
-                    "error": "the plan does not model adapters yet"}
-            print("[shardlab] no memory plan for this run: the plan does not model adapters (--peft) yet", flush=True)
+                    "error": "the CPU plan does not model adapters yet"}
+            print("[shardlab] no memory plan for this run: the CPU plan does not model adapters (--peft) yet", flush=True)
         else:
             plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; in summary.json
             if not force:

@@ -57,3 +57,26 @@ def test_hf_trainer_deepspeed_peer_runs_on_cpu(tmp_path):
     assert 0 < row["non_pad_fraction"] < 0.5
     assert row["train_rows"] == sum(1 for _ in (out / "wikitext_style.txt").open())  # one sample per line, blank lines too
     assert "| hf-padded | transformers.Trainer + DeepSpeed ZeRO-2 |" in (out / "peers.md").read_text()
+
+
+@pytest.mark.slow  # a transformers.Trainer + peft run
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers.Trainer needs accelerate (pip install accelerate)")
+def test_the_lora_peer_trains_the_adapters_shardlab_trains(tmp_path):
+    """benchmarks/peer_lora.py (HF Trainer + peft) on tiny-llama: the same adapters as `--peft lora` (r 8 on every
+    linear layer of the blocks: shardlab's count), its steps timed after the warm-up, and the loss it reports finite."""
+    from shardlab.config import load_config
+    from shardlab.training import adapters
+    from shardlab.training.models import build_model
+
+    out = tmp_path / "peer-lora.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer_lora.py"), "--model", "tiny-llama", "--device", "cpu",
+                           "--precision", "fp32", "--micro", "2", "--seq", "32", "--steps", "5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    row = json.loads(out.read_text())
+    cfg = load_config(None, {"model": "tiny-llama", "device": "cpu", "peft.method": "lora"})
+    ours = adapters.apply(build_model(cfg), cfg)
+    trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert (row["trainable_params"], row["total_params"]) == (trainable, sum(p.numel() for p in ours.parameters()))
+    assert row["steps"] == 5 and row["timed_steps"] == 2 and row["tokens_per_s"] == pytest.approx(2 * 32 / row["step_time_median_s"])
+    assert row["train_loss"] == row["train_loss"] and row["train_loss"] > 0  # finite

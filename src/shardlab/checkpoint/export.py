@@ -61,18 +61,22 @@ def _meta_model(cfg: RunConfig):
 
 def full_weights(ckpt: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Every weight of the model, full and fp32, keyed by the model's state_dict names."""
-    strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
     model = _meta_model(cfg)
+    return _complete(_stored_weights(ckpt, cfg, {k: v.shape for k, v in model.state_dict().items()}, "model"), model)
+
+
+def _stored_weights(ckpt: Path, cfg: RunConfig, shapes: dict[str, torch.Size], what: str) -> dict[str, torch.Tensor]:
+    """The weights ``ckpt`` stores, fp32, read in the format its strategy wrote (``shapes``: the names and shapes a
+    DCP checkpoint is read into); ``what`` names the export the run itself would have written instead."""
+    strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
     fmt = reshard.checkpoint_format(strategy)
     if fmt == reshard.TORCH_DCP:
-        found = _dcp_weights(ckpt, model)
-    elif fmt == reshard.ZERO:
-        found = _zero_weights(ckpt)
-    elif fmt == "deepspeed_stage0":
-        found = _zero0_weights(ckpt)
-    else:
-        raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its model at the end")
-    return _complete(found, model)
+        return _dcp_weights(ckpt, shapes)
+    if fmt == reshard.ZERO:
+        return _zero_weights(ckpt)
+    if fmt == "deepspeed_stage0":
+        return _zero0_weights(ckpt)
+    raise UserError(f"export of {strategy} checkpoints is not supported", f"set `export: true` so the run exports its {what} at the end")
 
 
 def _complete(found: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
@@ -95,11 +99,11 @@ def _complete(found: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _dcp_weights(ckpt: Path, model) -> dict[str, torch.Tensor]:
+def _dcp_weights(ckpt: Path, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    wanted = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}}
+    wanted = {"model": {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}}
     # tied names may be stored once: load what is there, _complete fills the rest
     dcp.load(wanted, checkpoint_id=str(ckpt / CKPT_DIR), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     stored = _dcp_keys(ckpt / CKPT_DIR)
@@ -142,22 +146,8 @@ def adapter_weights(ckpt: Path, cfg: RunConfig, model) -> dict[str, torch.Tensor
     """A --peft checkpoint's adapters, fp32, keyed by ``model``'s (the peft model's) parameter names."""
     from ..training import adapters
 
-    strategy = (checkpoint.read_state(ckpt).get("layout") or {}).get("strategy", cfg.strategy)
-    fmt = reshard.checkpoint_format(strategy)
     names = {n: p for n, p in adapters.adapter_parameters(model)}
-    if fmt == reshard.TORCH_DCP:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        wanted = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in names.items()}}
-        dcp.load(wanted, checkpoint_id=str(ckpt / CKPT_DIR), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        found = wanted["model"]
-    elif fmt == reshard.ZERO:
-        found = _zero_weights(ckpt)
-    elif fmt == "deepspeed_stage0":
-        found = _zero0_weights(ckpt)
-    else:
-        raise UserError(f"export of {strategy} checkpoints is not supported", "set `export: true` so the run exports its adapter at the end")
+    found = _stored_weights(ckpt, cfg, {n: p.shape for n, p in names.items()}, "adapter")
     missing = sorted(set(names) - set(found))
     if missing:
         raise UserError(f"the checkpoint has no adapter weight {missing[0]!r}", "export with the config the checkpoint was written with")

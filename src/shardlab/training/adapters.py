@@ -80,23 +80,11 @@ def check(cfg: RunConfig, spec, device_type: str) -> None:
 
 def bitsandbytes():
     """bitsandbytes, or a one-line error naming the extra that installs it."""
-    import logging
-    import warnings
+    from .optim import quiet_import
 
     # bitsandbytes 0.50 logs that it could not load optional CPU kernels from the `kernels` hub package on CPU
     # machines; its own torch fallback runs instead (what the CPU tests train with), so the line is noise.
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import bitsandbytes
-    except ImportError:
-        raise UserError("--peft qlora needs bitsandbytes, which is not installed", BNB_HINT) from None
-    finally:
-        log.setLevel(level)
-    return bitsandbytes
+    return quiet_import("bitsandbytes", ("bitsandbytes",), "--peft qlora needs bitsandbytes, which is not installed", BNB_HINT)
 
 
 def lora_config(cfg: RunConfig):

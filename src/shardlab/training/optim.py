@@ -94,24 +94,32 @@ def adamw(model: nn.Module, cfg: RunConfig, device_type: str, cpu_fused: bool = 
 TORCHAO_HINT = "pip install 'shardlab[offload]' (torchao)"
 
 
-def torchao_optim():
-    """torchao.optim, or a one-line error naming the extra that installs it (imported here: it is optional)."""
-    # torchao logs a warning per optional CUDA kernel library its wheel cannot load here (none of them
-    # is used by torchao.optim) and torch warns about one of its enums: noise in every run's log.
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
+def quiet_import(module: str, loggers: tuple[str, ...], missing: str, hint: str):
+    """``import module`` with the named loggers at ERROR and warnings off while it imports (optional libraries that
+    log what they could not load here), or a one-line error: ``missing`` and the ``hint`` that installs it."""
+    import importlib
+
+    quieted = [logging.getLogger(name) for name in loggers]
+    levels = [lg.level for lg in quieted]
+    for lg in quieted:
         lg.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torchao.optim
+            return importlib.import_module(module)
     except ImportError:
-        raise UserError("this option needs torchao, which is not installed", TORCHAO_HINT) from None
+        raise UserError(missing, hint) from None
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(quieted, levels):
             lg.setLevel(level)
-    return torchao.optim
+
+
+def torchao_optim():
+    """torchao.optim, or a one-line error naming the extra that installs it (imported here: it is optional)."""
+    # torchao logs a warning per optional CUDA kernel library its wheel cannot load here (none of them
+    # is used by torchao.optim) and torch warns about one of its enums: noise in every run's log.
+    return quiet_import("torchao.optim", ("torchao", "torch.utils._pytree"), "this option needs torchao, which is not installed",
+                        TORCHAO_HINT)
 
 
 def arithmetic(cfg: RunConfig) -> str:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..strategies.memory import EngineMemory, Held, Run
-from .memory import Activations, Arch
+from .memory import Activations, Arch, frozen_layer_bytes
 
 # bitsandbytes' NF4 with compress_statistics (the QLoRA recipe, training/adapters.four_bit_linear): 4 bits a weight,
 # one absmax per 64 weights quantised to 8 bits, and one fp32 scale per 256 of those absmaxes.
@@ -78,15 +78,16 @@ def count_adapters(arch: Arch, method: str, r: int, targets: str | list[str]) ->
 def base_bytes(run: Run, ad: AdapterCounts) -> float:
     """The frozen base's bytes, whole (before any sharding)."""
     n = run.arch.n_params
-    if ad.method == "qlora":  # the rest stays fp32, as build_quantised keeps it
-        return NF4_BYTES_PER_PARAM * ad.quantised + 4.0 * (n - ad.quantised)
+    if ad.method == "qlora":  # the rest in the compute dtype, as build_quantised keeps it
+        return NF4_BYTES_PER_PARAM * ad.quantised + run.lo * (n - ad.quantised)
     return float((run.lo if LORA_BASE_IN_COMPUTE_DTYPE else 4) * n)
 
 
 def compute_mode(mode: str, ad: AdapterCounts) -> str:
-    """A 16-bit LoRA base in the compute dtype computes as a 16-bit model (its residual stream and norms in bf16):
-    the 'lp' activations, whether or not autocast is on for the fp32 adapters."""
-    if mode == "autocast" and ad.method == "lora" and LORA_BASE_IN_COMPUTE_DTYPE:
+    """A 16-bit base (LoRA's in the compute dtype; QLoRA's 4-bit layers and the rest in the compute dtype) computes as
+    a 16-bit model (its residual stream and norms in bf16): the 'lp' activations, whether or not autocast is on for
+    the fp32 adapters."""
+    if mode == "autocast" and (ad.method == "qlora" or LORA_BASE_IN_COMPUTE_DTYPE):
         return "lp"
     return mode
 
@@ -130,16 +131,28 @@ def held(run: Run, model: EngineMemory, ad: AdapterCounts) -> Held:
 
 
 def activations(act: Activations, arch: Arch, ad: AdapterCounts, mode: str, micro: int, seq: int, dropout: float,
-                checkpointing: bool) -> Activations:
-    """``act`` plus each adapted layer's own saved inputs: A·x (r wide) for B, and for A its input where it is a new
-    tensor: the dropout's output and mask, or autocast's 16-bit cast of an fp32 input (a 16-bit input is the very
-    tensor the base layer saved)."""
+                checkpointing: bool, autocast: bool = False) -> Activations:
+    """``act`` (the full model's, as full fine-tuning saves them) corrected for a frozen base with adapters.
+
+    ``mode`` 'autocast' (an fp32 base): each adapter keeps A·x (r wide) for B and, for A, its input where it is a new
+    tensor: the dropout's output and mask, or autocast's 16-bit cast of the fp32 input. A 16-bit base ('lp'): the base's
+    linear layers and norms keep nothing for weights that get no gradient (``frozen_layer_bytes``), and each adapter
+    keeps its input: peft's plain LoRA layer casts a 16-bit input to its fp32 adapters, which ``autocast`` casts back,
+    a new 16-bit copy per adapted layer (checked on CPU: tests/test_plan_adapters.py); bitsandbytes' 4-bit LoRA layer
+    does not cast under autocast, and its adapters keep the very inputs the base layers would have (all-linear)."""
     lo = 4 if mode == "fp32" else 2
     x = 0.0
     if dropout > 0:
         x = (lo + 1) * ad.in_widths_per_layer
     elif mode == "autocast":
         x = 2.0 * ad.in_widths_per_layer
+    if mode != "autocast":
+        linear_inputs, norm_inputs = frozen_layer_bytes(arch, mode)
+        x -= norm_inputs * arch.hidden
+        if dropout > 0 or (autocast and ad.method == "lora"):  # each adapter's own copy replaces the shared ones
+            x -= linear_inputs * arch.hidden
+            if dropout == 0:
+                x += lo * ad.in_widths_per_layer
     one = (x + lo * ad.r * ad.adapted_per_layer) * micro * seq
     if checkpointing:
         return dataclasses.replace(act, recompute=act.recompute + one)

@@ -351,6 +351,23 @@ def _liger_loss_bytes(tokens: int, h: int, vocab: int, mode: str) -> tuple[float
     return saved, saved + weight_copy + accumulate + p * chunk * vocab
 
 
+def frozen_layer_bytes(arch: Arch, mode: str) -> tuple[float, float]:
+    """What ``_layer_bytes`` counts (per s·b·h) that a frozen decoder layer does not keep for itself, as
+    (linear inputs, norm inputs): the inputs kept only by the linear layers for their weights' gradients (one per
+    distinct input: q, k and v share theirs), and the 16-bit normalised values a norm keeps only for its weight's
+    gradient (Llama's RMSNorm multiplies by its weight last; a LayerNorm keeps its input either way). The attention
+    output that the out-projection reads stays: the fused attention keeps it for its own backward."""
+    p = 4 if mode == "fp32" else 2
+    f = arch.ffn / arch.hidden
+    if arch.family == "llama":  # q/k/v in, gate/up in, down in; two RMSNorms
+        return p * (1 + 1 + f), (2 * p if mode != "autocast" else 0.0)
+    if arch.family == "gpt2":  # c_attn in, c_fc in, mlp c_proj in (gelu keeps its own input, not its output)
+        return p * (1 + 1 + f), 0.0
+    if arch.family == "bloom":  # query_key_value in, dense in (a merged-heads copy), h_to_4h in, 4h_to_h in
+        return p * (1 + 1 + 1 + f), 0.0
+    return 0.0, 0.0
+
+
 def activation_bytes(arch: Arch, micro: int, seq: int, mode: str, device: str = "cuda", checkpointing: bool = False,
                      loss_kernel: str = "hf", compiled: bool = False, per_block: bool = False) -> Activations:
     """Activation memory of one micro-batch; ``compiled``: the decoder layers as torch.compile saves them

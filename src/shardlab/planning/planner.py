@@ -256,7 +256,8 @@ def _layers(arch: Arch, act: Activations, mode: str, device: str, micro: int, se
                       embed=embed_bytes(arch, mode, device) * sbh, final=final_bytes(arch, mode, device) * sbh)
 
 
-def _adapted(s: Any, arch: Arch, cfg: RunConfig, act: Activations, mode: str, micro: int) -> tuple[Arch, Activations, str, Any]:
+def _adapted(s: Any, arch: Arch, cfg: RunConfig, act: Activations, mode: str, micro: int, compiled: bool,
+             per_block: bool) -> tuple[Arch, Activations, str, Any]:
     """An adapter run's architecture, activations and compute mode (planning/adapters.py), or NotApplicable where the
     strategy does not train the method (training.adapters.check refuses it there)."""
     p = cfg.peft
@@ -267,8 +268,9 @@ def _adapted(s: Any, arch: Arch, cfg: RunConfig, act: Activations, mode: str, mi
     arch = replace(arch, autocast_weight_params=adapter_memory.autocast_params(arch, ad, new_mode))
     if new_mode != mode:
         act = activation_bytes(arch, micro, cfg.seq_len, new_mode, "cuda", cfg.gradient_checkpointing,
-                               resolve_loss_kernel(cfg.loss_kernel, "cuda"))
-    act = adapter_memory.activations(act, arch, ad, new_mode, micro, cfg.seq_len, p.dropout, cfg.gradient_checkpointing)
+                               resolve_loss_kernel(cfg.loss_kernel, "cuda"), compiled, per_block)
+    act = adapter_memory.activations(act, arch, ad, new_mode, micro, cfg.seq_len, p.dropout, cfg.gradient_checkpointing,
+                                     autocast=mode == "autocast")
     return arch, act, new_mode, ad
 
 
@@ -288,7 +290,7 @@ def _strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum:
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled, per_block)
     ad = None
     if cfg.peft.method:  # a frozen base and trainable adapters (planning/adapters.py)
-        arch, act, mode, ad = _adapted(s, arch, cfg, act, mode, micro)
+        arch, act, mode, ad = _adapted(s, arch, cfg, act, mode, micro, compiled, per_block)
     run = Run(s, arch, cfg, micro, accum, precision, gpus_per_node, nodes, checkpointing, device, autocast=mode == "autocast",
               layers=_layers(arch, act, mode, device, micro, cfg.seq_len))
     gpu = model.per_gpu(run)

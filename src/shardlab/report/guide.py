@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapters import PART as ADAPTERS
+from .adapters import adapter_guide
 from .load import Cell
 from .render import fmt
 from .tables import Table, med
@@ -127,6 +129,8 @@ def guide(tables: list[Table], cells: list[Cell]) -> list[str]:
             lines += _pin(t)
         elif t.key == "big-model":
             lines += _big_model(t)
+        elif t.key == ADAPTERS:
+            lines += adapter_guide(t)
         elif t.key in ("weak-scaling", "strong-scaling"):
             lines += _scaling(t)
     if not lines:

@@ -7,10 +7,10 @@ import copy
 import json
 from pathlib import Path
 
+from shardlab.report import build_tables
 from shardlab.report.adapters import adapter_guide, adapter_tables
 from shardlab.report.guide import guide
 from shardlab.report.load import Cell, Run
-from shardlab.report.tables import build_tables
 
 CALL = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-28-h200-adapters/call3"
 

@@ -28,7 +28,17 @@ from .guide import guide
 from .load import Cell, load
 from .plots import Plot, all_plots
 from .render import to_csv, to_html, to_json, to_markdown
-from .tables import Table, build_tables
+from . import tables as _tables
+from .adapters import adapter_tables
+from .tables import Table
+
+# Tables a suite's own module builds on tables.py (which cannot import them back)
+SUITE_TABLES = (adapter_tables,)
+
+
+def build_tables(cells: list[Cell]) -> list[Table]:
+    """Every table the runs support (tables.build_tables), the suites' own included."""
+    return _tables.build_tables(cells, SUITE_TABLES)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1200px;padding:0 1rem;color:#222}

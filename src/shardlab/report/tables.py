@@ -776,13 +776,12 @@ def runs_table(cells: list[Cell]) -> Table:
     ])
 
 
-def build_tables(cells: list[Cell]) -> list[Table]:
-    """Every table the runs support, in the order of the seed tutorials. A table without rows is left out;
-    the last table (all runs) says which were left out and why."""
-    from .adapters import adapter_tables  # its own module: one suite's table and guide
-
+def build_tables(cells: list[Cell], suite_tables: tuple[Callable[[list[Cell]], list[Table]], ...] = ()) -> list[Table]:
+    """Every table the runs support, in the order of the seed tutorials; ``suite_tables``: the tables that a suite's own
+    module builds on this one (report.SUITE_TABLES), after the big-model table. A table without rows is left out; the
+    last table (all runs) says which were left out and why."""
     tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *big_model_tables(cells),
-              *adapter_tables(cells), *scaling_tables(cells), *weak_scaling_tables(cells),
+              *(t for build in suite_tables for t in build(cells)), *scaling_tables(cells), *weak_scaling_tables(cells),
               *memory_tables(cells), *plan_tables(cells), *eval_tables(cells), runs_table(cells)]
     kept = [t for t in tables if t.rows]
     for t in tables:

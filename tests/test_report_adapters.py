@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from shardlab.report import build_tables
-from shardlab.report.adapters import adapter_guide, adapter_tables
+from shardlab.report.adapters import adapter_guide, adapter_plot, adapter_tables
 from shardlab.report.guide import guide
 from shardlab.report.load import Cell, Run
 
@@ -61,3 +61,11 @@ def test_when_full_fine_tuning_did_not_run_the_guide_says_only_adapters_ran():
 def test_a_suite_without_adapters_has_no_adapter_table():
     s = _summaries()
     assert adapter_tables([_cell("fsdp", _full(s["lora-1"], 9000.0, 120.0))]) == []
+
+
+def test_the_report_draws_speed_against_memory_for_the_adapter_runs(tmp_path):
+    s = _summaries()
+    cells = [_cell("fsdp", _full(s["lora-1"], 9000.0, 120.0)), _cell("lora", s["lora-1"]), _cell("qlora", s["qlora"])]
+    plot = adapter_plot(build_tables(cells))
+    assert plot is not None and plot.png.startswith(b"\x89PNG")
+    assert adapter_plot(build_tables([_cell("fsdp", _full(s["lora-1"], 9000.0, 120.0))])) is None

@@ -29,11 +29,12 @@ from .load import Cell, load
 from .plots import Plot, all_plots
 from .render import to_csv, to_html, to_json, to_markdown
 from . import tables as _tables
-from .adapters import adapter_tables
+from .adapters import adapter_plot, adapter_tables
 from .tables import Table
 
-# Tables a suite's own module builds on tables.py (which cannot import them back)
+# Tables and plots a suite's own module builds on tables.py and plots.py (which cannot import them back)
 SUITE_TABLES = (adapter_tables,)
+SUITE_PLOTS = (adapter_plot,)
 
 
 def build_tables(cells: list[Cell]) -> list[Table]:
@@ -59,7 +60,7 @@ def build(paths: list[str | Path]) -> tuple[list[Cell], list[Table], list[Plot],
     if not cells:
         raise UserError("the given directories hold no runs", "pass the directory `shardlab bench` or `shardlab train` wrote")
     tables = build_tables(cells)
-    plots = all_plots(cells, tables)
+    plots = all_plots(cells, tables) + [p for draw in SUITE_PLOTS if (p := draw(tables)) is not None]
     return cells, tables, plots, guide(tables, cells)
 
 

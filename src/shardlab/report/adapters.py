@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .load import Cell
+from .plots import COLORS, Plot, _figure, _png
 from .render import fmt
 from .tables import Column, Table, _basic_row, _groups, _where, med
 
@@ -93,4 +94,27 @@ def adapter_guide(t: Table) -> list[str]:
     return lines
 
 
-__all__ = ["adapter_tables", "adapter_guide", "PART"]
+def adapter_plot(tables: list[Table]) -> Plot | None:
+    """Speed against GPU memory, one point per run of each adapters table: full fine-tuning, LoRA and QLoRA at once."""
+    panels = [t for t in tables if t.key == PART and any(r["status"].startswith("ok") for r in t.rows)]
+    if not panels:
+        return None
+    fig = _figure(4.6 * len(panels) + 1, 4.2)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, t in zip(axes, panels):
+        methods = list(dict.fromkeys(r["method"].split(" ")[0] for r in t.rows))
+        for r in (r for r in t.rows if r["status"].startswith("ok") and med(r.get("gpu_peak_gib")) is not None):
+            method = r["method"].split(" ")[0]
+            x, y = med(r["gpu_peak_gib"]), _speed(r)
+            ax.scatter([x], [y], color=COLORS[methods.index(method) % len(COLORS)], s=40)
+            ax.annotate(f"{r['label']} ({r['method']})", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("peak GPU memory, GiB (max_memory_allocated)")
+        ax.set_ylabel("useful tokens/s")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_title(t.title.split("? ", 1)[-1], fontsize=9)
+    return Plot("adapters", "Full fine-tuning or an adapter?", _png(fig),
+                "Each run's speed against its GPU memory: up and to the left is better.")
+
+
+__all__ = ["adapter_tables", "adapter_guide", "adapter_plot", "PART"]

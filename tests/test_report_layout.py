@@ -80,14 +80,14 @@ def test_an_empty_table_is_left_out_with_a_note(tmp_path):
 def figures(monkeypatch):
     """Every figure the plot functions render, kept (after drawing) for inspection."""
     seen = []
-    render = plots_mod._png
+    render = plots_mod.png_bytes
 
     def keep(fig):
         png = render(fig)  # draws the figure: text positions are final
         seen.append(fig)
         return png
 
-    monkeypatch.setattr(plots_mod, "_png", keep)
+    monkeypatch.setattr(plots_mod, "png_bytes", keep)
     return seen
 
 
@@ -131,7 +131,7 @@ def test_the_check_catches_a_cut_label_and_a_line_without_legend(figures):
     ax.plot([0, 1], [1, 0])
     ax.set_xticks([0, 1], [LONG, LONG], rotation=30, ha="right")
     ax.legend()
-    plots_mod._png(fig)
+    plots_mod.png_bytes(fig)
     with pytest.raises(AssertionError, match="is cut: "):
         _check(fig)
     fig = Figure(figsize=(4, 3), dpi=100, layout="constrained")  # labels fit; one line has no legend entry
@@ -139,6 +139,6 @@ def test_the_check_catches_a_cut_label_and_a_line_without_legend(figures):
     ax.plot([0, 1], [0, 1], label="in legend")
     ax.plot([0, 1], [1, 0])
     ax.legend()
-    plots_mod._png(fig)
+    plots_mod.png_bytes(fig)
     with pytest.raises(AssertionError, match="is in no legend"):
         _check(fig)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from .load import Cell
-from .plots import COLORS, Plot, _figure, _png
+from . import plots
+from .plots import COLORS, Plot
 from .render import fmt
-from .tables import Column, Table, _basic_row, _groups, _where, med
+from .tables import Column, Table, basic_row, group_by, where_ran, med
 
 PART = "adapters"
 
@@ -42,15 +43,15 @@ def adapter_tables(cells: list[Cell]) -> list[Table]:
     if not any(c.first("adapter") or c.setting("peft.method") for c in members):
         return []
     tables = []
-    for group in _groups(members, lambda c: (c.model, c.world)).values():
+    for group in group_by(members, lambda c: (c.model, c.world)).values():
         rows = []
         for c in group:
-            row = _basic_row(c)
+            row = basic_row(c)
             plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
             row.update(method=_method(c), trainable=_trainable(c), predicted_gib=plan and plan.gpu_peak_gib,
                        predicted_cpu_gib=plan and plan.cpu_gib)
             rows.append(row)
-        tables.append(Table(PART, f"Full fine-tuning or an adapter? {_where(group[0])}", COLUMNS, rows, [
+        tables.append(Table(PART, f"Full fine-tuning or an adapter? {where_ran(group[0])}", COLUMNS, rows, [
             "Same micro-batch, sequence, precision and steps in every row. MFU counts what each run computes: 6 FLOPs "
             "per trained parameter and token, 4 per frozen one (no weight gradient), plus attention.",
             "Loss after N steps: the training loss at the last step; an adapter trains a fraction of a percent of the "
@@ -99,7 +100,7 @@ def adapter_plot(tables: list[Table]) -> Plot | None:
     panels = [t for t in tables if t.key == PART and any(r["status"].startswith("ok") for r in t.rows)]
     if not panels:
         return None
-    fig = _figure(4.6 * len(panels) + 1, 4.2)
+    fig = plots.new_figure(4.6 * len(panels) + 1, 4.2)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, t in zip(axes, panels):
         methods = list(dict.fromkeys(r["method"].split(" ")[0] for r in t.rows))
@@ -113,7 +114,7 @@ def adapter_plot(tables: list[Table]) -> Plot | None:
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.set_title(t.title.split("? ", 1)[-1], fontsize=9)
-    return Plot("adapters", "Full fine-tuning or an adapter?", _png(fig),
+    return Plot("adapters", "Full fine-tuning or an adapter?", plots.png_bytes(fig),
                 "Each run's speed against its GPU memory: up and to the left is better.")
 
 

@@ -23,7 +23,7 @@ class Plot:
     caption: str
 
 
-def _figure(width: float = 8.0, height: float = 4.2):
+def new_figure(width: float = 8.0, height: float = 4.2):
     from matplotlib.figure import Figure  # matplotlib loads only when a report draws (report tables need none)
 
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
@@ -36,8 +36,8 @@ def _run_ticks(ax, labels: list[str]) -> None:
     ax.set_xticks(range(len(labels)), wrapped, rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
 
 
-def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # as _figure's
+def png_bytes(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # as new_figure's
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
@@ -49,7 +49,7 @@ def memory_plot(cells: list[Cell]) -> Plot | None:
     ok = [c for c in cells if c.ok]
     if not ok:
         return None
-    fig = _figure(max(6.0, 0.7 * len(ok) + 2), 4.4)
+    fig = new_figure(max(6.0, 0.7 * len(ok) + 2), 4.4)
     ax = fig.add_subplot()
     labels = [c.label for c in ok]
     x = range(len(ok))
@@ -79,14 +79,14 @@ def memory_plot(cells: list[Cell]) -> Plot | None:
     _run_ticks(ax, labels)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    return Plot("memory", title, _png(fig), caption)
+    return Plot("memory", title, png_bytes(fig), caption)
 
 
 def throughput_plot(cells: list[Cell]) -> Plot | None:
     ok = [c for c in cells if c.ok and tokens(c) is not None]
     if not ok:
         return None
-    fig = _figure(max(6.0, 0.7 * len(ok) + 2), 4.2)
+    fig = new_figure(max(6.0, 0.7 * len(ok) + 2), 4.2)
     ax = fig.add_subplot()
     precisions = sorted({str(c.footing()["precision"]) for c in ok})
     color = {p: COLORS[i % len(COLORS)] for i, p in enumerate(precisions)}
@@ -100,7 +100,7 @@ def throughput_plot(cells: list[Cell]) -> Plot | None:
     ax.legend(title="precision", fontsize=8)
     ax.set_ylabel("useful tokens/s (median)")  # longer, it ran off a figure whose axes the tick labels shrink
     ax.set_title("Throughput per run")
-    return Plot("throughput", "Throughput per run", _png(fig),
+    return Plot("throughput", "Throughput per run", png_bytes(fig),
                 "Median useful tokens/s; error bars: min-max over repeats. Bars are coloured by precision: runs of different "
                 "colours are not on equal footing.")
 
@@ -114,7 +114,7 @@ def loss_plot(cells: list[Cell]) -> Plot | None:
                 series.append((c.label, [r["step"] for r in rows], [r["loss"] for r in rows]))
     if not series:
         return None
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     for i, (label, steps, losses) in enumerate(series):
         ax.plot(steps, losses, label=label, color=COLORS[i % len(COLORS)], linewidth=1.2)
@@ -122,7 +122,7 @@ def loss_plot(cells: list[Cell]) -> Plot | None:
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7, ncol=2)
     ax.set_title("Loss curves (first repeat of each run)")
-    return Plot("loss", "Loss curves", _png(fig), "Strategies that only move memory around should trace the same curve.")
+    return Plot("loss", "Loss curves", png_bytes(fig), "Strategies that only move memory around should trace the same curve.")
 
 
 def _gpu_timeline(cell: Cell) -> tuple[list[float], list[float]]:
@@ -147,7 +147,7 @@ def _gpu_timeline(cell: Cell) -> tuple[list[float], list[float]]:
 
 def _timeline_figure(data: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str, title: str):
     """One line per run (label, xs, ys) over time."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     for i, (label, xs, ys) in enumerate(data):
         ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], linewidth=1.2)
@@ -164,7 +164,7 @@ def gpu_timeline_plot(cells: list[Cell]) -> Plot | None:
     if not data:
         return None
     fig = _timeline_figure(data, "seconds since the run started", "memory.used, busiest GPU (GiB)", "GPU memory over time (NVML)")
-    return Plot("gpu_memory_time", "GPU memory over time", _png(fig), "From gpu_memory.csv of the first repeat of each run.")
+    return Plot("gpu_memory_time", "GPU memory over time", png_bytes(fig), "From gpu_memory.csv of the first repeat of each run.")
 
 
 def cpu_timeline_plot(cells: list[Cell]) -> Plot | None:
@@ -184,14 +184,14 @@ def cpu_timeline_plot(cells: list[Cell]) -> Plot | None:
         return None
     fig = _timeline_figure(data, "seconds since the launcher started", "process tree RSS (GB)",
                            "CPU memory over time (psutil, launcher + all ranks)")
-    return Plot("cpu_memory_time", "CPU memory over time", _png(fig), "From cpu_memory.csv of the first repeat of each run.")
+    return Plot("cpu_memory_time", "CPU memory over time", png_bytes(fig), "From cpu_memory.csv of the first repeat of each run.")
 
 
 def scaling_plot(tables: list[Table]) -> Plot | None:
     scaling = [t for t in tables if t.key in ("weak-scaling", "strong-scaling") and t.rows]
     if not scaling:
         return None
-    fig = _figure(4.2 * len(scaling) + 1, 4.0)
+    fig = new_figure(4.2 * len(scaling) + 1, 4.0)
     axes = fig.subplots(1, len(scaling), squeeze=False)[0]
     for ax, t in zip(axes, scaling):
         gpus = [r["gpus"] for r in t.rows]
@@ -211,7 +211,7 @@ def scaling_plot(tables: list[Table]) -> Plot | None:
         lines, labels = ax.get_legend_handles_labels()
         twin_lines, twin_labels = ax2.get_legend_handles_labels()  # the efficiency line lives on the twin axis
         ax.legend(lines + twin_lines, labels + twin_labels, fontsize=7, loc="upper left")
-    return Plot("scaling", "Scaling", _png(fig), "Samples/s against the GPU count, the linear ideal and the efficiency.")
+    return Plot("scaling", "Scaling", png_bytes(fig), "Samples/s against the GPU count, the linear ideal and the efficiency.")
 
 
 def weak_scaling_efficiency_plot(tables: list[Table]) -> Plot | None:
@@ -221,7 +221,7 @@ def weak_scaling_efficiency_plot(tables: list[Table]) -> Plot | None:
     scaling = [(t, n) for t, n in zip(scaling, counts_of) if len(n) > 1]
     if not scaling:
         return None
-    fig = _figure(4.6 * len(scaling) + 1, 4.2)
+    fig = new_figure(4.6 * len(scaling) + 1, 4.2)
     axes = fig.subplots(1, len(scaling), squeeze=False)[0]
     strategies = list(dict.fromkeys(r["strategy"] for t, _ in scaling for r in t.rows))
     color = {s: COLORS[i % len(COLORS)] for i, s in enumerate(strategies)}
@@ -241,7 +241,7 @@ def weak_scaling_efficiency_plot(tables: list[Table]) -> Plot | None:
         ax.set_ylim(bottom=0)
         ax.set_title(textwrap.fill(t.title.split(": ", 1)[-1], 48), fontsize=9)
         ax.legend(fontsize=7, ncol=2)
-    return Plot("weak_scaling_efficiency", "Weak-scaling efficiency", _png(fig),
+    return Plot("weak_scaling_efficiency", "Weak-scaling efficiency", png_bytes(fig),
                 "Efficiency = tok/s(N) / (N x tok/s(1)) (medians over repeats) against the GPU count, one line per strategy "
                 "(solid: eager, dashed: compiled), one panel per model; 100% = linear scaling.")
 
@@ -251,7 +251,7 @@ def time_split_plot(cells: list[Cell]) -> Plot | None:
     ok = [c for c in cells if c.ok and c.first("time_split")]
     if not ok:
         return None
-    fig = _figure(max(6.0, 0.8 * len(ok) + 2), 4.2)
+    fig = new_figure(max(6.0, 0.8 * len(ok) + 2), 4.2)
     ax = fig.add_subplot()
     parts = (("gpu_compute_s", "GPU compute"), ("cpu_optimizer_s", "CPU optimizer"), ("idle_s", "idle"))
     for i, c in enumerate(ok):
@@ -265,7 +265,7 @@ def time_split_plot(cells: list[Cell]) -> Plot | None:
     ax.set_ylabel("seconds per optimizer step (mean after warm-up)")
     ax.set_title("Where an offload step's time goes")
     ax.legend(fontsize=8)
-    return Plot("time-split", "Where an offload step's time goes", _png(fig),
+    return Plot("time-split", "Where an offload step's time goes", png_bytes(fig),
                 "Black line: the step's host<->device bytes over the measured pinned bandwidth, an estimate that runs overlapped.")
 
 

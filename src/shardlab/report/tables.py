@@ -178,14 +178,14 @@ IGNORED = ("output_dir", "resume", "monitor_interval_s", "log_every", "seed", "t
 BATCH = ("micro_batch", "grad_accum", "global_batch")
 
 
-def _groups(cells: list[Cell], key: Callable[[Cell], Any]) -> dict[Any, list[Cell]]:
+def group_by(cells: list[Cell], key: Callable[[Cell], Any]) -> dict[Any, list[Cell]]:
     out: dict[Any, list[Cell]] = {}
     for c in cells:
         out.setdefault(key(c), []).append(c)
     return out
 
 
-def _where(c: Cell) -> str:
+def where_ran(c: Cell) -> str:
     unit = "GPU" if c.device_type == "cuda" else "process"
     return f"{c.model}, {c.world} {unit}{'s' if c.world != 1 else ''}" + (" (CPU)" if c.device_type == "cpu" else "")
 
@@ -208,13 +208,13 @@ STRATEGY_COLUMNS = [
 def strategy_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("strategies")]
     tables = []
-    for group in _groups(members, lambda c: (c.model, c.world)).values():
+    for group in group_by(members, lambda c: (c.model, c.world)).values():
         if len(group) < 2:
             continue
         dps = [c for c in group if _engine(c.strategy) == "ddp" and c.ok]
         rows = []
         for c in group:
-            row = _basic_row(c)
+            row = basic_row(c)
             if c.ok:
                 honest = [d for d in dps if not differences(c, d)]
                 base = c if c in honest else (honest[0] if honest else None)
@@ -229,7 +229,7 @@ def strategy_tables(cells: list[Cell]) -> list[Table]:
                         flags.append(f"{r:.2f}x vs {d.label} ({', '.join(diff)}{honest_txt})" if r else f"vs {d.label}: {', '.join(diff)}")
                 row["flags"] = " | ".join(flags)
             rows.append(row)
-        t = Table("strategies", f"Strategy comparison: {_where(group[0])}", STRATEGY_COLUMNS, rows, [
+        t = Table("strategies", f"Strategy comparison: {where_ran(group[0])}", STRATEGY_COLUMNS, rows, [
             "Time/epoch = steps per epoch x median step time (warm-up steps excluded); useful tokens = non-pad tokens.",
             "Peak GPU mem = torch.cuda.max_memory_allocated, the largest over ranks (NVML's figure, with the CUDA context and "
             "allocator cache, is in the GPU memory table).",
@@ -239,7 +239,7 @@ def strategy_tables(cells: list[Cell]) -> list[Table]:
     return tables
 
 
-def _basic_row(c: Cell) -> dict[str, Any]:
+def basic_row(c: Cell) -> dict[str, Any]:
     f = c.footing()
     mfu = c.stat("mfu")
     return {
@@ -270,7 +270,7 @@ PIN_COLUMNS = [
 def pin_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("pin-memory") and _offloads(c.strategy)]
     # batch keys left out: a failed run's config is unresolved; footing differences are flagged instead
-    groups = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
+    groups = group_by(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
     rows = []
     for group in groups.values():
         pinned = [c for c in group if c.pinned]
@@ -279,7 +279,7 @@ def pin_tables(cells: list[Cell]) -> list[Table]:
             continue
         ref = pinned[0]
         for c in pinned + unpinned:
-            row = _basic_row(c)
+            row = basic_row(c)
             row.update(pinned="yes" if c.pinned else "no", nvml_peak_gib=nvml(c, "peak"), cpu_rss_mean_gb=cpu(c, "real_mean"),
                        cpu_pct_mean=cpu(c, "cpu_mean"))
             if c is not ref and c.ok and ref.ok:
@@ -290,7 +290,7 @@ def pin_tables(cells: list[Cell]) -> list[Table]:
             rows.append(row)
     if not rows:
         return []
-    return [Table("pin-memory", f"Pinned vs pageable CPU-offload buffers: {_where(members[0])}", PIN_COLUMNS, rows, [
+    return [Table("pin-memory", f"Pinned vs pageable CPU-offload buffers: {where_ran(members[0])}", PIN_COLUMNS, rows, [
         "Runtime \u0394 % = (time/epoch unpinned - pinned) / pinned; CPU RSS summed over the launcher and all ranks (psutil).",
     ])]
 
@@ -338,7 +338,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
 
     rows = []
     savings_known = False
-    for group in _groups(members, key).values():
+    for group in group_by(members, key).values():
         for stage in sorted({_stage(c.strategy) for c in group}):
             plain = [c for c in group if _stage(c.strategy) == stage and not _offloads(c.strategy)]
             off = [c for c in group if _stage(c.strategy) == stage and _offloads(c.strategy)]
@@ -346,7 +346,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
                 continue
             ref = plain[0] if plain else None
             for c in plain[:1] + off:
-                row = _basic_row(c)
+                row = basic_row(c)
                 row.update(stage=f"ZeRO-{stage}" if stage.isdigit() else "FSDP",
                            offload="no" if c is ref else ("yes (pinned)" if c.pinned else "yes (pageable)"))
                 if c is not ref and ref is not None and c.ok and ref.ok:
@@ -369,7 +369,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
              "Runtime \u0394 % = (time/epoch with offload - without) / without; CPU RSS \u0394 % likewise for the process tree's peak RSS."]
     if not savings_known:
         notes.append("No GPU memory was measured (CPU runs): Mem Savings % needs GPU runs; the CPU-side cost is in CPU RSS \u0394 %.")
-    return [Table("offload", f"ZeRO stage with and without CPU offload: {_where(members[0])}", OFFLOAD_COLUMNS, rows, notes)]
+    return [Table("offload", f"ZeRO stage with and without CPU offload: {where_ran(members[0])}", OFFLOAD_COLUMNS, rows, notes)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,10 +402,10 @@ def scaling_tables(cells: list[Cell]) -> list[Table]:
     for kind in ("weak", "strong"):
         part = f"{kind}-scaling"
         members = [c for c in cells if c.ok and c.in_part(part)]
-        by_config = _groups(members, lambda c: _config_key(c, IGNORED + BATCH + ("gpus", "nodes")))
+        by_config = group_by(members, lambda c: _config_key(c, IGNORED + BATCH + ("gpus", "nodes")))
         for group in by_config.values():
             series_key = (lambda c: c.footing()["micro_batch"]) if kind == "weak" else (lambda c: c.footing()["global_batch"])
-            for series in _groups(group, series_key).values():
+            for series in group_by(group, series_key).values():
                 if len({c.world for c in series}) < 2:
                     continue
                 series.sort(key=lambda c: c.world)
@@ -413,7 +413,7 @@ def scaling_tables(cells: list[Cell]) -> list[Table]:
                 keys = WEAK_FOOTING if kind == "weak" else FOOTING
                 rows = []
                 for c in series:
-                    row = _basic_row(c)
+                    row = basic_row(c)
                     sps = c.stat("samples_per_s")
                     row.update(runtime_s=c.stat("total_time_s"), steps_per_s=c.stat("steps_per_s"), samples_per_s=sps,
                                eval_samples_per_s=c.stat(_last_eval_speed), nvml_peak_gib=nvml(c, "peak"),
@@ -507,7 +507,7 @@ def weak_scaling_tables(cells: list[Cell]) -> list[Table]:
     smallest count and MFU; then the planner's per-GPU and per-node peaks beside the measured ones."""
     members = [c for c in cells if c.in_part(SCALING_PART)]
     tables = []
-    for group in _groups(members, _weak_group).values():
+    for group in group_by(members, _weak_group).values():
         counts, rows = _rows_of(group)
         if len(counts) < 2 and not any(c.parts for c in group):  # loose run dirs: a table only where they scale
             continue
@@ -700,17 +700,17 @@ def _split(c: Cell, key: str) -> Spread | None:
 def big_model_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("big-model")]
     tables = []
-    for group in _groups(members, lambda c: (c.model, c.world)).values():
+    for group in group_by(members, lambda c: (c.model, c.world)).values():
         rows = []
         for c in group:
-            row = _basic_row(c)
+            row = basic_row(c)
             plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
             row.update(optimizer=c.first("optimizer", "?"), batch=f"{row['micro_batch']} x {c.first('grad_accum', '?')}",
                        tokens_per_step=c.first("tokens_per_step"), predicted_gib=plan and plan.gpu_peak_gib,
                        predicted_cpu_gib=plan and plan.cpu_gib, compute_s=_split(c, "gpu_compute_s"),
                        optimizer_s=_split(c, "cpu_optimizer_s"), idle_s=_split(c, "idle_s"), transfer_s=_split(c, "transfer_s"))
             rows.append(row)
-        tables.append(Table("big-model", f"A model that does not fit: {_where(group[0])}", BIG_MODEL_COLUMNS, rows, [
+        tables.append(Table("big-model", f"A model that does not fit: {where_ran(group[0])}", BIG_MODEL_COLUMNS, rows, [
             "Time split (offload runs, summary.json time_split): GPU compute = forward+backward by CUDA events; CPU optimizer = the "
             "optimizer step's wall time up to a device sync (CPU AdamW + the weight copies it waits for); idle = the rest of the step; "
             "transfers = bytes moved / pinned bandwidth measured at setup, an estimate that overlaps the other parts.",
@@ -764,7 +764,7 @@ RUN_COLUMNS = [
 def runs_table(cells: list[Cell]) -> Table:
     rows = []
     for c in cells:
-        row = _basic_row(c)
+        row = basic_row(c)
         row.update(model=c.model, repeats=f"{len(c.runs)}/{c.repeats}")
         rows.append(row)
     warm = next((c.first("warmup_steps_excluded") for c in cells if c.ok), None)

@@ -66,6 +66,42 @@ from .models import build_hf_config, describe_weights, model_summary, offline_to
 
 
 @dataclass
+class LoopRecord:
+    """What the training loop measures as it goes: read by its metrics rows, its epoch lines and the run's summary."""
+    timer: metrics.StepTimer
+    compile_clock: CompileClock  # torch.compile happens lazily, inside the first steps
+    global_step: int
+    first_step: int = -1  # the step this process started from (a resumed run starts past 0)
+    t_start: float = 0.0
+    total_time: float = 0.0
+    first_step_done: float | None = None  # time.time() when the first optimizer step ended
+    thread_pin: dict[str, Any] = field(default_factory=lambda: {"mode": None, "cpu": None, "reason": "no step ran"})
+    window_compile: float = 0.0  # seconds spent compiling since the last metrics row
+    window_losses: list[float] = field(default_factory=list)  # step losses since the last metrics row
+    useful_per_step: list[float] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    last_eval: dict[str, float] = field(default_factory=dict)
+    last_eval_step: int = -1  # an epoch-end eval right after a step's eval reuses it
+
+    def __post_init__(self) -> None:
+        self.first_step = self.global_step
+
+    def add_step(self, loss: float, useful_tokens: float) -> None:
+        self.global_step += 1
+        self.useful_per_step.append(useful_tokens)
+        self.window_losses.append(loss)
+
+
+@dataclass
+class EpochRecord:
+    """One epoch's clock, its step losses and where a resume after its last step goes on."""
+    t0: float
+    compile0: float
+    losses: list[float] = field(default_factory=list)
+    next: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RunResult:
     run_dir: Path
     summary: dict[str, Any]
@@ -261,11 +297,44 @@ class Trainer:
         return int(steps)
 
     # ---- the run ------------------------------------------------------------------------------------
-    def run(self) -> RunResult:  # noqa: C901 - set-up, stages and teardown in one place; strategy points to move behind Strategy
+    def run(self) -> RunResult:
+        """Data, model and engine, resume, the loop, export: the whole run on this rank."""
         cfg, env = self.cfg, self.env
         self.startup.mark("launch_and_imports")
         seed_everything(cfg.seed)
         # Data first: a missing/empty/malformed dataset is a UserError that must not leave a half-written run dir.
+        tokenizer, stages, stage_data, stage_loaders, stage_steps = self._data()
+        total_steps = sum(stage_steps)
+        seed_everything(cfg.seed)  # identical initial weights whatever the data pipeline consumed
+        strategy, model, info, samples_before = self._model(tokenizer, total_steps)
+        state = self._resume_state(strategy)
+        faults.arm(model, env.rank, state["global_step"], self.accum)  # tests only (SHARDLAB_FAULTS)
+        writer = self._writer(state)
+        self.signals.install()  # SIGTERM/SIGUSR1: checkpoint and stop after this step; SIGUSR2: checkpoint; SIGINT: stop
+        try:
+            summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
+            if self.plan is not None:
+                summary["plan"] = self.plan
+            if cfg.export:
+                summary["exported_step"] = self._restore_best(strategy, summary["steps"]) if cfg.save_best else summary["steps"]
+                path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
+                if path:
+                    log0(env, f"exported HF model to {path}" + (" (no tokenizer files: this run had no tokenizer)" if tokenizer is None else ""))
+                    summary["export_dir"] = str(path)
+        finally:
+            self.signals.uninstall()
+            writer.close()
+        if env.is_main:
+            if samples_before is not None:
+                self._write_samples(samples_before, summary)
+            summary.update(compat.summary())  # the patches of dependencies' internals this run applied (compat/)
+            RunSummary.from_dict(summary).write(self.run_dir)  # the launcher adds the monitor's figures (summary.merge_monitor)
+        return RunResult(self.run_dir, summary, self.step_losses)
+
+    def _data(self) -> tuple[Any, list, list, list, list[int]]:
+        """The run's tokenizer, stages, their data and loaders, and each stage's optimizer steps; the run directory made once
+        they are known to be good."""
+        cfg, env = self.cfg, self.env
         tokenizer = run_tokenizer(cfg)  # None: synthetic data only, and the preset's tokenizer is not installed here
         model_vocab = getattr(build_hf_config(cfg), "vocab_size", None)
         if tokenizer is None:
@@ -285,7 +354,6 @@ class Trainer:
         stage_steps = [self._stage_steps(st, self._steps_per_epoch(ld[0])) for st, ld in zip(stages, stage_loaders)]
         if cfg.curriculum and cfg.max_steps:  # a top-level --max-steps caps the whole curriculum
             stage_steps = _cap(stage_steps, cfg.max_steps)
-        total_steps = sum(stage_steps)
         if (cfg.early_stopping_patience or cfg.save_best) and any(loaders[2] is None for loaders in stage_loaders):
             raise UserError("--early-stopping-patience and --save-best compare eval losses, and this run has no eval split",
                             "set --eval-split (e.g. 0.05), or use a dataset with an eval split")
@@ -304,7 +372,12 @@ class Trainer:
                 log0(env, f"stage {st.name or 'train'}: skipped {sp.stats['misplaced_answers']} QA example(s) whose answer is not at its "
                           "answer_start in the context (outside it, or other text there)")
 
-        seed_everything(cfg.seed)  # identical initial weights whatever the data pipeline consumed
+        return tokenizer, stages, stage_data, stage_loaders, stage_steps
+
+    def _model(self, tokenizer, total_steps: int) -> tuple[Any, nn.Module, dict[str, Any], Any]:
+        """The strategy, the model it built (with adapters under --peft) and set up, the model's facts for the summary, and
+        the samples before training (--samples)."""
+        cfg, env = self.cfg, self.env
         strategy = strategy_class(cfg.strategy)(cfg, env, self.precision, self.accum, self.micro)
         model = strategy.build_model()  # only what the engine keeps: its dtype, ZeRO-3 partitions, FSDP shards
         apply_dropout(model, cfg.dropout)
@@ -330,6 +403,11 @@ class Trainer:
             self._warm_8bit(strategy)
         log0(env, f"{strategy.memory_note()}; optimizer: {optim.arithmetic(cfg)}")
 
+        return strategy, model, info, samples_before
+
+    def _resume_state(self, strategy) -> dict[str, Any]:
+        """Where the loop starts: a checkpoint's position under --resume, else the beginning."""
+        cfg, env = self.cfg, self.env
         state = {"global_step": 0, "stage": 0, "epoch": 0, "step_in_epoch": 0}
         if cfg.resume:
             resume_dir = checkpoint.find_resume_dir(cfg.resume, self.run_dir)
@@ -340,7 +418,11 @@ class Trainer:
             else:
                 log0(env, "no checkpoint to resume from; starting fresh")
 
-        faults.arm(model, env.rank, state["global_step"], self.accum)  # tests only (SHARDLAB_FAULTS)
+        return state
+
+    def _writer(self, state: dict[str, Any]) -> metrics.MetricsWriter:
+        """metrics.jsonl (and TensorBoard, wandb), appended to after a resume from its last kept step."""
+        cfg, env = self.cfg, self.env
         wandb_run = None
         if cfg.wandb and env.is_main:
             try:
@@ -352,26 +434,7 @@ class Trainer:
         if env.is_main and state["global_step"] > 0:
             metrics.drop_rows_after(self.run_dir / "metrics.jsonl", state["global_step"])
         writer = metrics.MetricsWriter(self.run_dir, env.is_main, cfg.tensorboard, wandb_run, append=state["global_step"] > 0)
-        self.signals.install()  # SIGTERM/SIGUSR1: checkpoint and stop after this step; SIGUSR2: checkpoint; SIGINT: stop
-        try:
-            summary = self._loop(strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, info)
-            if self.plan is not None:
-                summary["plan"] = self.plan
-            if cfg.export:
-                summary["exported_step"] = self._restore_best(strategy, summary["steps"]) if cfg.save_best else summary["steps"]
-                path = checkpoint.export_hf(strategy, tokenizer, self.run_dir)
-                if path:
-                    log0(env, f"exported HF model to {path}" + (" (no tokenizer files: this run had no tokenizer)" if tokenizer is None else ""))
-                    summary["export_dir"] = str(path)
-        finally:
-            self.signals.uninstall()
-            writer.close()
-        if env.is_main:
-            if samples_before is not None:
-                self._write_samples(samples_before, summary)
-            summary.update(compat.summary())  # the patches of dependencies' internals this run applied (compat/)
-            RunSummary.from_dict(summary).write(self.run_dir)  # the launcher adds the monitor's figures (summary.merge_monitor)
-        return RunResult(self.run_dir, summary, self.step_losses)
+        return writer
 
     def oom_error(self) -> OutOfMemory:
         env, cfg = self.env, self.cfg
@@ -493,40 +556,26 @@ class Trainer:
                   f"({reason}; threads and processes started later get all {out['full_set']} CPUs)", flush=True)
         return out
 
-    def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:  # noqa: C901 - the loop's strategy-specific points are to move behind Strategy methods
+    def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
-        timer = metrics.StepTimer(env.device)
-        compile_clock = CompileClock()  # torch.compile happens lazily, inside the first steps
-        first_step_done: float | None = None
-        thread_pin: dict[str, Any] = {"mode": cfg.pin_thread, "cpu": None, "reason": "no step ran"}
-        window_compile = 0.0
+        rec = LoopRecord(metrics.StepTimer(env.device), CompileClock(), state["global_step"])
+        rec.thread_pin["mode"] = cfg.pin_thread
         profiler = StepProfiler(self.run_dir, env.rank, env.device, cfg.profile)
-        tokens_per_step = self.global_batch * cfg.seq_len
-        useful_per_step: list[float] = []
-        epochs_summary: list[dict[str, Any]] = []
-        last_eval: dict[str, float] = {}
-        global_step = state["global_step"]
-        last_eval_step = -1  # an epoch-end eval right after a step's eval reuses it
-        if global_step == 0 and cfg.eval_at_start and stage_loaders[0][2] is not None:
+        if rec.global_step == 0 and cfg.eval_at_start and stage_loaders[0][2] is not None:
             initial = evaluate(strategy, stage_loaders[0][2], env)  # the baseline; not a candidate for the best step
             self.evals.initial = initial.get("eval_loss")
             writer.log({"step": 0, **initial})
             self.startup.mark("initial_eval")
-        t_start = time.perf_counter()
-        progress = _progress(env, total_steps, global_step)
-        # A log file (SLURM, nohup, `> log`) gets no progress bar: one plain line per metrics row instead.
-        plain_lines = env.is_main and not sys.stdout.isatty()
-        first_step = global_step
+        rec.t_start = time.perf_counter()
+        progress = _progress(env, total_steps, rec.global_step)
         strategy.train()
-        window_losses: list[float] = []  # step losses since the last metrics row
         for si in range(state["stage"], len(stages)):
             train_loader, sampler, eval_loader = stage_loaders[si]
             steps_per_epoch = self._steps_per_epoch(train_loader)
             stage_end = sum(stage_steps[: si + 1])
             first_epoch = state["epoch"] if si == state["stage"] else 0
-            n_epochs = math.ceil(stage_steps[si] / steps_per_epoch)
-            for epoch in range(first_epoch, n_epochs):
-                if global_step >= stage_end:
+            for epoch in range(first_epoch, math.ceil(stage_steps[si] / steps_per_epoch)):
+                if rec.global_step >= stage_end:
                     break
                 sampler.set_epoch(epoch)
                 skip = state["step_in_epoch"] if (si == state["stage"] and epoch == state["epoch"]) else 0
@@ -534,81 +583,33 @@ class Trainer:
                 # Still one iter() per epoch, so the loader's generator is drawn from exactly as before.
                 sampler.skip_next(skip * self.accum * self.micro)
                 batches = DevicePrefetcher(iter(train_loader), env.device, self.accum)
-                epoch_t0, epoch_losses, epoch_steps, epoch_compile0 = time.perf_counter(), [], 0, compile_clock.seconds()
+                ep = EpochRecord(time.perf_counter(), rec.compile_clock.seconds())
                 for step_in_epoch in range(skip, steps_per_epoch):
-                    if global_step >= stage_end:
+                    if rec.global_step >= stage_end:
                         break
-                    compiled_before = compile_clock.seconds()
-                    timer.start()
+                    compiled_before = rec.compile_clock.seconds()
+                    rec.timer.start()
                     loss_value, useful_total, lr, grad_norm, stop, save_now = self._train_step(strategy, batches)
-                    profiler.step(timer.stop())
-                    if first_step_done is None:
-                        first_step_done = time.time()
-                        self.startup.mark("first_step")
-                        thread_pin = self._pin_thread(strategy)
-                        if pinned.autotuned_in_first_step(cfg.optimizer):  # inductor's pinned copies (pinned.py)
-                            self._release_pinned("the first step")
-                        log0(env, self.startup.line() + (f" (compiling {compile_clock.seconds():.1f} s of it)" if compile_clock.seconds() else ""))
-                    window_compile += compile_clock.seconds() - compiled_before
-                    global_step += 1
-                    useful_per_step.append(useful_total)
+                    profiler.step(rec.timer.stop())
+                    if rec.first_step_done is None:
+                        self._after_first_step(strategy, rec)
+                    rec.window_compile += rec.compile_clock.seconds() - compiled_before
+                    rec.add_step(loss_value, useful_total)
+                    ep.losses.append(loss_value)
                     self.step_losses.append(loss_value)
-                    epoch_losses.append(loss_value)
-                    epoch_steps += 1
-                    window_losses.append(loss_value)
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-                    if global_step % cfg.log_every == 0 or global_step == total_steps:
-                        row = {"step": global_step, "stage": si, "epoch": epoch + (step_in_epoch + 1) / steps_per_epoch,
-                               "loss": statistics.fmean(window_losses), "lr": lr, "grad_norm": grad_norm,
-                               "step_time_s": timer.times[-1], "tokens_per_s": tokens_per_step / timer.times[-1],
-                               "useful_tokens_per_s": useful_per_step[-1] / timer.times[-1],
-                               "samples_per_s": self.global_batch / timer.times[-1]}
-                        if window_compile:  # seconds of the steps since the last row spent compiling
-                            row["compile_time_s"], window_compile = window_compile, 0.0
-                        if strategy.skipped_steps:
-                            row["skipped_steps"] = strategy.skipped_steps  # so far: non-finite or fp16-overflow steps
-                        row.update(metrics.memory_snapshot(env.device))
-                        writer.log(row)
-                        if plain_lines:
-                            elapsed = time.perf_counter() - t_start  # this process's steps only (a resumed run restarts the clock)
-                            eta = elapsed / (global_step - first_step) * (total_steps - global_step)
-                            print(progress_line(row, total_steps, eta), flush=True)
-                        window_losses.clear()
-                    self._guard_nonfinite(strategy, global_step, loss_value, grad_norm)  # after the row: it shows the step
+                    if rec.global_step % cfg.log_every == 0 or rec.global_step == total_steps:
+                        self._log_row(strategy, rec, writer, total_steps, si, epoch + (step_in_epoch + 1) / steps_per_epoch, lr, grad_norm)
+                    self._guard_nonfinite(strategy, rec.global_step, loss_value, grad_norm)  # after the row: it shows the step
                     done_epoch = step_in_epoch + 1 == steps_per_epoch
-                    nxt = {"global_step": global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch,
-                           "step_in_epoch": 0 if done_epoch else step_in_epoch + 1, "layout": self.layout}  # where a resume goes on
-                    if cfg.eval_every and global_step % cfg.eval_every == 0 and eval_loader is not None:
-                        last_eval, last_eval_step = evaluate(strategy, eval_loader, env), global_step
-                        writer.log({"step": global_step, **last_eval})
-                        self._track(strategy, last_eval, nxt)
-                    saved = None  # a stop by SIGTERM/SIGUSR1 asks for a checkpoint (save_now); by SIGINT, only if the run saves them
-                    if save_now or (stop and cfg.save_every) or (cfg.save_every and global_step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
-                        saved = checkpoint.save(strategy, self.run_dir, {**nxt, "evals": self.evals.state()}, cfg.keep_checkpoints, self.config_text)
-                    if stop:
-                        raise Preempted(self.signals.describe(), global_step, str(saved) if saved else None, requeue=save_now)
+                    ep.next = {"global_step": rec.global_step, "stage": si, "epoch": epoch + 1 if done_epoch else epoch,
+                               "step_in_epoch": 0 if done_epoch else step_in_epoch + 1, "layout": self.layout}  # where a resume goes on
+                    self._after_step(strategy, rec, writer, eval_loader, ep.next, stop, save_now, done_epoch)
                     if self.evals.stopped_early:
                         break
-                # epoch end
-                epoch_wall = time.perf_counter() - epoch_t0
-                epoch_compile = compile_clock.seconds() - epoch_compile0
-                epoch_time = epoch_wall - epoch_compile  # the epoch's time as a compiled run repeats it
-                ev = {}
-                if eval_loader is not None and last_eval_step == global_step:  # evaluated after this very step
-                    ev = last_eval
-                elif eval_loader is not None:
-                    ev, last_eval_step = evaluate(strategy, eval_loader, env), global_step
-                    self._track(strategy, ev, nxt)
-                last_eval = ev or last_eval
-                if epoch_steps:
-                    summary = {"stage": si, "epoch": epoch, "steps": epoch_steps, "train_loss": statistics.fmean(epoch_losses), **ev,
-                               "epoch_time_s": epoch_time, "epoch_wall_time_s": epoch_wall, "compile_time_s": epoch_compile,
-                               "samples_per_s": epoch_steps * self.global_batch / epoch_time,
-                               "steps_per_s": epoch_steps / epoch_time, **_peak(env)}
-                    epochs_summary.append(summary)
-                    writer.log({"step": global_step, "epoch_summary": summary})
+                self._end_epoch(strategy, rec, writer, eval_loader, ep, si, epoch)
                 if self.evals.stopped_early:
                     break
             if self.evals.stopped_early:
@@ -616,34 +617,104 @@ class Trainer:
         profiler.close()
         if progress is not None:
             progress.close()
-        total_time = time.perf_counter() - t_start
-        if thread_pin.get("cpu") is not None:
+        rec.total_time = time.perf_counter() - rec.t_start
+        if rec.thread_pin.get("cpu") is not None:
             pin.release()  # export, generate and the summary's collectives run with the full set again
-        steady = timer.steady()
-        mean_useful = statistics.fmean(useful_per_step[-len(steady):]) if steady else 0.0
+        return self._summary(strategy, rec, stage_data, stage_loaders, model_info)
+
+    def _after_first_step(self, strategy, rec: LoopRecord) -> None:
+        """Start-up ends at the first optimizer step: say how long it took, pin the training thread, give back the
+        pinned memory a first-step autotune took."""
+        rec.first_step_done = time.time()
+        self.startup.mark("first_step")
+        rec.thread_pin = self._pin_thread(strategy)
+        if pinned.autotuned_in_first_step(self.cfg.optimizer):  # inductor's pinned copies (pinned.py)
+            self._release_pinned("the first step")
+        compiled = rec.compile_clock.seconds()
+        log0(self.env, self.startup.line() + (f" (compiling {compiled:.1f} s of it)" if compiled else ""))
+
+    def _log_row(self, strategy, rec: LoopRecord, writer, total_steps: int, stage: int, epoch: float, lr: float,
+                 grad_norm: float | None) -> None:
+        """One metrics row: the steps since the last row, the last step's speed and the memory now."""
+        t = rec.timer.times[-1]
+        row = {"step": rec.global_step, "stage": stage, "epoch": epoch, "loss": statistics.fmean(rec.window_losses), "lr": lr,
+               "grad_norm": grad_norm, "step_time_s": t, "tokens_per_s": self.global_batch * self.cfg.seq_len / t,
+               "useful_tokens_per_s": rec.useful_per_step[-1] / t, "samples_per_s": self.global_batch / t}
+        if rec.window_compile:  # seconds of the steps since the last row spent compiling
+            row["compile_time_s"], rec.window_compile = rec.window_compile, 0.0
+        if strategy.skipped_steps:
+            row["skipped_steps"] = strategy.skipped_steps  # so far: non-finite or fp16-overflow steps
+        row.update(metrics.memory_snapshot(self.env.device))
+        writer.log(row)
+        if self.env.is_main and not sys.stdout.isatty():  # a log file (SLURM, nohup, `> log`) gets plain lines, no bar
+            elapsed = time.perf_counter() - rec.t_start  # this process's steps only (a resumed run restarts the clock)
+            eta = elapsed / (rec.global_step - rec.first_step) * (total_steps - rec.global_step)
+            print(progress_line(row, total_steps, eta), flush=True)
+        rec.window_losses.clear()
+
+    def _after_step(self, strategy, rec: LoopRecord, writer, eval_loader, nxt: dict[str, Any], stop: bool, save_now: bool,
+                    done_epoch: bool) -> None:
+        """The eval, checkpoint and stop a step may call for; ``nxt``: where a resume goes on."""
+        cfg, step = self.cfg, rec.global_step
+        if cfg.eval_every and step % cfg.eval_every == 0 and eval_loader is not None:
+            rec.last_eval, rec.last_eval_step = evaluate(strategy, eval_loader, self.env), step
+            writer.log({"step": step, **rec.last_eval})
+            self._track(strategy, rec.last_eval, nxt)
+        saved = None  # a stop by SIGTERM/SIGUSR1 asks for a checkpoint (save_now); by SIGINT, only if the run saves them
+        if save_now or (stop and cfg.save_every) or (cfg.save_every and step % cfg.save_every == 0) or (cfg.save_each_epoch and done_epoch):
+            saved = checkpoint.save(strategy, self.run_dir, {**nxt, "evals": self.evals.state()}, cfg.keep_checkpoints, self.config_text)
+        if stop:
+            raise Preempted(self.signals.describe(), step, str(saved) if saved else None, requeue=save_now)
+
+    def _end_epoch(self, strategy, rec: LoopRecord, writer, eval_loader, ep: EpochRecord, stage: int, epoch: int) -> None:
+        """An epoch's eval (unless its last step just had one) and its line in metrics.jsonl and the summary."""
+        wall = time.perf_counter() - ep.t0
+        compiled = rec.compile_clock.seconds() - ep.compile0
+        epoch_time = wall - compiled  # the epoch's time as a compiled run repeats it
+        ev = {}
+        if eval_loader is not None and rec.last_eval_step == rec.global_step:  # evaluated after this very step
+            ev = rec.last_eval
+        elif eval_loader is not None:
+            ev, rec.last_eval_step = evaluate(strategy, eval_loader, self.env), rec.global_step
+            self._track(strategy, ev, ep.next)
+        rec.last_eval = ev or rec.last_eval
+        if ep.losses:
+            steps = len(ep.losses)
+            summary = {"stage": stage, "epoch": epoch, "steps": steps, "train_loss": statistics.fmean(ep.losses), **ev,
+                       "epoch_time_s": epoch_time, "epoch_wall_time_s": wall, "compile_time_s": compiled,
+                       "samples_per_s": steps * self.global_batch / epoch_time, "steps_per_s": steps / epoch_time, **_peak(self.env)}
+            rec.epochs.append(summary)
+            writer.log({"step": rec.global_step, "epoch_summary": summary})
+
+    def _summary(self, strategy, rec: LoopRecord, stage_data, stage_loaders, model_info) -> dict[str, Any]:
+        """The run's summary.json (measure/summary.RunSummary reads it back), printed on rank 0."""
+        cfg, env = self.cfg, self.env
+        tokens_per_step = self.global_batch * cfg.seq_len
+        steady = rec.timer.steady()
+        mean_useful = statistics.fmean(rec.useful_per_step[-len(steady):]) if steady else 0.0
         summary: dict[str, Any] = {
             "model": cfg.model, "strategy": cfg.strategy, "precision": self.precision.name, "device_type": env.device.type,
             "world_size": env.world_size, "micro_batch": self.micro, "grad_accum": self.accum, "global_batch": self.global_batch,
-            "seq_len": cfg.seq_len, "steps": global_step, "tokens_per_step": tokens_per_step,
+            "seq_len": cfg.seq_len, "steps": rec.global_step, "tokens_per_step": tokens_per_step,
             "n_params": model_info.get("n_params"), "param_bytes": model_info.get("param_bytes"), "adapter": self.adapter,
             "final_train_loss": self.step_losses[-1] if self.step_losses else None,
-            "final_eval_loss": last_eval.get("eval_loss"), "final_eval_ppl": last_eval.get("eval_ppl"),
+            "final_eval_loss": rec.last_eval.get("eval_loss"), "final_eval_ppl": rec.last_eval.get("eval_ppl"),
             "non_pad_fraction": stage_data[-1].stats.get("non_pad_fraction"),
-            "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(timer.times) - len(steady))),
-            "total_time_s": total_time, "compile": cfg.compile,
+            "warmup_steps_excluded": min(metrics.WARMUP_STEPS, max(0, len(rec.timer.times) - len(steady))),
+            "total_time_s": rec.total_time, "compile": cfg.compile,
             "compile_scope": compiling.scope(cfg, strategy.hf_model) if cfg.compile else None,
             "compile_mode": cfg.compile_mode if cfg.compile else None, "sdpa_backend": cfg.sdpa_backend,
             # wall time from the command's start (imports, data, model, engine set-up) to the first optimizer step done
-            "time_to_first_step_s": first_step_done - process_start_time() if first_step_done is not None else None,
+            "time_to_first_step_s": rec.first_step_done - process_start_time() if rec.first_step_done is not None else None,
             "startup_s": self.startup.phases() or None,  # measure/startup.py: where that time went
-            **compile_clock.summary(),
+            **rec.compile_clock.summary(),
             "loss_kernel": strategy.loss_kernel, "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
             **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
             **self.evals.summary(),
-            "epochs": epochs_summary,
+            "epochs": rec.epochs,
             **strategy.summary_extras(),
-            "thread_pin": thread_pin,
+            "thread_pin": rec.thread_pin,
             "pinned_released_gib": dict(self.pinned_released) or None,
             "eight_bit_warmup": self.warm_8bit,
         }

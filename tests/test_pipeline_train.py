@@ -346,15 +346,15 @@ def test_pipeline_bad_inputs(tmp_path, monkeypatch, capsys, extra, words):
 
 
 def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
-    from shardlab.launch import launcher as launch
     from shardlab.config import RunConfig
     from shardlab.errors import UserError
+    from shardlab.strategies import strategy_class
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", precision="fp16")
     with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
-        launch._check_pipeline(cfg, "cuda")
-    launch._check_pipeline(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), "cuda")
+        strategy_class("pipeline").check_options(cfg, 2, 2, "cuda")
+    strategy_class("pipeline").check_options(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), 2, 2, "cuda")
 
 
 @pytest.mark.slow

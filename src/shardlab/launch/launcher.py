@@ -34,8 +34,7 @@ from ..training.optim import resolve_precision
 from ..strategies import strategy_class
 from ..strategies.spec import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
-from ..strategies.deepspeed_schema import check_with_deepspeed
-from ..strategies.deepspeed_zero import check_nvme_path, resolved_ds_config, sanitize_cuda_arch_list
+from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
 from ..checkpoint.store import check_resume, check_trusted, find_resume_dir
 from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
@@ -63,11 +62,6 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
     if cfg.attn_implementation != "auto":  # an explicit choice this machine or model cannot honour (no flash_attn...)
         resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))
-    s = spec(cfg.strategy)
-    if s.engine == "pipelining":
-        _check_pipeline(cfg, device_type)
-    else:
-        _say_pipeline_options_unused(cfg)
     # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
     try:
         dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
@@ -79,7 +73,8 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
             raise UserError("--micro-batch auto with --peft: the plan does not model adapters yet",
                             "pass --micro-batch N (an adapter run fits at least the micro batch full fine-tuning does)")
         check_auto(cfg, dp_world)
-    # optimizer options, offload settings: refused in one line by the strategy that cannot run them
+    # what the strategy cannot run (its optimizer, offload, precision, compile, DeepSpeed JSON, NVMe path): refused in
+    # one line by the strategy itself
     strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
 
     from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
@@ -87,23 +82,6 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     check_trusted(cfg, say=_say0)  # a checkpoint not written here is screened before anything reads it (trust.py)
     check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
     check_resume(cfg, world, dp_world)
-    if cfg.deepspeed_config and s.engine != "deepspeed":
-        raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
-    if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
-
-        micro, accum, _ = cfg.resolve_batch(dp_world)
-        ds = resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
-        check_with_deepspeed(ds, Path(cfg.deepspeed_config).name)  # every key DeepSpeed would refuse in each rank
-    if cfg.nan_policy == "skip" and s.zero_stage == 0:
-        raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
-    if cfg.compile and not s.supports_compile:
-        raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp, fsdp or a zero* strategy")
-    if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
-        check_nvme_path(cfg.strategy_options.nvme_path, n_params, cfg.strategy_options.nvme_min_free_gb)
     return device_type, nproc
 
 
@@ -143,26 +121,6 @@ def check_tokenizer(cfg: RunConfig) -> None:
     problem = offline_tokenizer_problem(cfg)
     if problem is not None and needs_text(cfg):
         raise problem
-
-
-def _say_pipeline_options_unused(cfg: RunConfig) -> None:
-    """One line for pipeline options given to another strategy. Not an error: a bench's shared --set or a YAML written
-    for several strategies carries them to every cell, and the run is the same without them."""
-    from ..config import StrategyOptions
-
-    fields = StrategyOptions.model_fields
-    unused = [fields[k].json_schema_extra["cli"]["flag"] for k in ("pp_stages", "pp_schedule", "pp_chunks")
-              if getattr(cfg.strategy_options, k) != fields[k].default]
-    if unused:
-        print(f"[shardlab] {', '.join(unused)}: pipeline options, unused by strategy {cfg.strategy!r}", flush=True)
-
-
-def _check_pipeline(cfg: RunConfig, device_type: str) -> None:
-    """What a pipeline cannot run besides its shape (ParallelLayout.from_config refuses that)."""
-    if resolve_precision(cfg.precision, device_type).name == "fp16":
-        # A GradScaler per stage would decide on overflow from its own stage's gradients only.
-        raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
-                        "use --precision bf16 (or fp32)")
 
 
 def train(cfg: RunConfig, force: bool = False):

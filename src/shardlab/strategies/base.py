@@ -134,6 +134,11 @@ class Strategy(ABC):
         cores and its steps are split into GPU compute / transfers / CPU optimizer / idle (timesplit.py)."""
         return False
 
+    # what a strategy reads besides its own options: a user's DeepSpeed JSON (DeepSpeedStrategy), the pipeline's
+    # stages, schedule and chunks (PipelineStrategy); given to another strategy, the JSON is refused, the options said unused
+    reads_deepspeed_config = False
+    takes_pipeline_options = False
+
     @classmethod
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
@@ -151,6 +156,12 @@ class Strategy(ABC):
 
             adapters.check(cfg, s, device_type)
         attention_backend.check(cfg.sdpa_backend, device_type)
+        if cfg.compile and not s.supports_compile:
+            raise UserError(f"--compile is not supported with strategy {cfg.strategy!r} in shardlab yet", "drop --compile or use dp, fsdp or a zero* strategy")
+        if cfg.deepspeed_config and not cls.reads_deepspeed_config:
+            raise UserError(f"--deepspeed-config given but strategy {cfg.strategy!r} does not use DeepSpeed", "pick a zero* strategy or drop --deepspeed-config")
+        if not cls.takes_pipeline_options:
+            _say_pipeline_options_unused(cfg)
         if cfg.loss_kernel == "liger":
             from ..training.models import build_hf_config
 
@@ -291,3 +302,15 @@ class Strategy(ABC):
         out["cpu_threads"] = torch.get_num_threads()  # this rank's (rank 0's in summary.json): a CPU run's speed depends on it
         out["bound_cores"] = len(self.bound_cores)
         return out
+
+
+def _say_pipeline_options_unused(cfg: RunConfig) -> None:
+    """One line for pipeline options given to another strategy. Not an error: a bench's shared --set or a YAML written
+    for several strategies carries them to every cell, and the run is the same without them."""
+    from ..config import StrategyOptions
+
+    fields = StrategyOptions.model_fields
+    unused = [fields[k].json_schema_extra["cli"]["flag"] for k in ("pp_stages", "pp_schedule", "pp_chunks")
+              if getattr(cfg.strategy_options, k) != fields[k].default]
+    if unused:
+        print(f"[shardlab] {', '.join(unused)}: pipeline options, unused by strategy {cfg.strategy!r}", flush=True)

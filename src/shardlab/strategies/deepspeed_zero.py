@@ -440,6 +440,8 @@ def announce_op_builds(ds: dict[str, Any], log) -> None:
 
 
 class DeepSpeedStrategy(Strategy):
+    reads_deepspeed_config = True
+
     @classmethod
     def cpu_optimizer(cls, cfg: RunConfig) -> bool:
         return offload_kind(cfg.strategy) is not None
@@ -447,9 +449,25 @@ class DeepSpeedStrategy(Strategy):
     @classmethod
     def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
         super().check_options(cfg, world, accum, device_type)  # offload_ratio and zenflow on the wrong strategy: there
-        opts = cfg.strategy_options
+        opts, s = cfg.strategy_options, spec(cfg.strategy)
         if opts.zenflow and device_type != "cuda":
             raise UserError("--zenflow needs a CUDA GPU (its important-column step runs there)", "drop --zenflow on CPU")
+        if cfg.nan_policy == "skip" and s.zero_stage == 0:
+            raise UserError("--nan-policy skip is not supported with zero0 (DeepSpeed applies its stage-0 updates unchecked)", "use --nan-policy stop, or zero1 / dp")
+        if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
+            from .deepspeed_schema import check_with_deepspeed
+
+            micro, accum, _ = cfg.resolve_batch(world)
+            ds = resolved_ds_config(cfg, optim.resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
+            check_with_deepspeed(ds, Path(cfg.deepspeed_config).name)  # every key DeepSpeed would refuse in each rank
+        if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
+            from transformers import AutoModelForCausalLM
+
+            from ..training.models import build_hf_config
+
+            with torch.device("meta"):
+                n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(build_hf_config(cfg)).parameters())
+            check_nvme_path(opts.nvme_path, n_params, opts.nvme_min_free_gb)
 
     def transfer_bytes_per_param(self) -> tuple[float, float]:
         # 16-bit gradients go to the host's fp32 partition after every micro-batch; ZeRO-1/2 copy the updated

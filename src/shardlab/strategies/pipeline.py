@@ -348,6 +348,7 @@ def step_keeps_outputs() -> bool:
 
 
 class PipelineStrategy(TorchOptimizerStrategy):
+    takes_pipeline_options = True
 
     def build_model(self) -> nn.Module:
         """The whole fp32 model on the CPU: every rank cuts its own stages out of it and moves only those."""
@@ -358,6 +359,10 @@ class PipelineStrategy(TorchOptimizerStrategy):
     @classmethod
     def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
         super().check_options(cfg, world, accum, device_type)
+        if optim.resolve_precision(cfg.precision, device_type).name == "fp16":
+            # A GradScaler per stage would decide on overflow from its own stage's gradients only.
+            raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
+                            "use --precision bf16 (or fp32)")
         opts = cfg.strategy_options
         if opts.pp_schedule == "zbv":
             if zbv_schedule_class() is None:

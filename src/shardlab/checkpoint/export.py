@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .. import messages
 from . import store as checkpoint, reshard, trust
 from ..config import RunConfig, load_config
 from ..errors import UserError
@@ -191,7 +192,7 @@ def export_checkpoint(path: str | Path, out: str | Path, merge: bool = False, tr
     from ..training.models import load_tokenizer, offline_tokenizer_problem
 
     ckpt = resolve_checkpoint(path)
-    how = trust.check_checkpoint(ckpt, trusted, f"export {path}", lambda m: print(f"[shardlab] {m}", flush=True))
+    how = trust.check_checkpoint(ckpt, trusted, f"export {path}", messages.info)
     cfg = checkpoint_config(ckpt)
     if how == "screened" and cfg.trust_remote_code:  # a foreign config.yaml is not the user's consent to run code
         cfg = cfg.model_copy(update={"trust_remote_code": False})
@@ -208,5 +209,5 @@ def export_checkpoint(path: str | Path, out: str | Path, merge: bool = False, tr
     else:
         final = checkpoint.save_hf(_meta_model(cfg), full_weights(ckpt, cfg), tokenizer, out)
     if problem is not None:
-        print(f"[shardlab] exported the model without tokenizer files: {problem.message}", flush=True)
+        messages.info(f"exported the model without tokenizer files: {problem.message}")
     return final

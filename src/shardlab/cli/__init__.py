@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..config import RunConfig, dump_config, load_config, parse_set
+from .. import messages
 from ..errors import UserError
 from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_report
 from ..launch.failures import report_errors  # worker.py's too; callers also import it from here
@@ -183,7 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parsers(sub, add_run_flags)  # `slurm`, `export`
 
     add_generate_parser(sub)  # `generate`: completions from a run's exported model
+    _add_log_flags(parser)
     return parser
+
+
+def _add_log_flags(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --quiet on every command (shardlab.messages: the level of the command and its workers)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if not isinstance(command, argparse.ArgumentParser):
+                    continue
+                if any(isinstance(a, argparse._SubParsersAction) for a in command._actions):
+                    _add_log_flags(command)
+                    continue
+                command.add_argument("--log-level", choices=messages.LEVELS, default=None,
+                                     help="the least important '[shardlab] ...' line shown (default: info)")
+                command.add_argument("--quiet", "-q", action="store_true", help="only warnings and errors (--log-level warning)")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -307,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = build_parser().parse_known_args(argv)
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
+        messages.configure("warning" if getattr(args, "quiet", False) else getattr(args, "log_level", None))
         if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
 
             if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)

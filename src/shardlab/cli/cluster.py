@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .. import messages
+
 import argparse
 import shlex
 import sys
@@ -42,14 +44,14 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
                         job_name=args.job_name, setup=args.setup, signal_lead_s=args.signal_lead, python=args.python or sys.executable,
                         sbatch_args=args.sbatch_arg)  # fmt: skip
     job = prepare(cfg, opts)
-    print(f"[shardlab] code and config snapshotted in {job.snapshot}")
+    messages.info(f"code and config snapshotted in {job.snapshot}")
     _, cpus_note = cpus_per_task(cfg, opts)
     if cpus_note:
-        print(f"[shardlab] {cpus_note}")
-    print(f"[shardlab] every node needs on a shared filesystem: {'; '.join(shared_paths(job_config(cfg), job.snapshot))}")
+        messages.info(f"{cpus_note}")
+    messages.info(f"every node needs on a shared filesystem: {'; '.join(shared_paths(job_config(cfg), job.snapshot))}")
     if args.submit:
         submit(job)
-        print(f"[shardlab] submitted job {job.job_id}; log: {job.snapshot}/slurm-{job.job_id}.out")
+        messages.info(f"submitted job {job.job_id}; log: {job.snapshot}/slurm-{job.job_id}.out")
     else:
         print(shlex.join(job.command))
 
@@ -58,4 +60,4 @@ def cmd_export(args: argparse.Namespace) -> None:
     from ..checkpoint.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, trusted=args.trust_checkpoint)
-    print(f"[shardlab] exported {args.checkpoint} to {out}")
+    messages.info(f"exported {args.checkpoint} to {out}")

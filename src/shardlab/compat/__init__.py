@@ -37,6 +37,7 @@ from typing import Callable
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .. import messages
 from ..errors import UserError
 
 SWITCH_ENV = "SHARDLAB_PATCHES"
@@ -171,7 +172,7 @@ class _Record:
 def _say(line: str) -> None:
     # Rank 0 (or the launching process) only: every rank decides the same.
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"[shardlab] {line}", flush=True)
+        messages.info(f"{line}")
 
 
 def enabled(name: str) -> bool:

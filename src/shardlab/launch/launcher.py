@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .. import messages
 from .bytecode import bytecode_env
 from ..compat import check_switch
 from .buildlocks import clear_stale_build_locks
@@ -145,23 +146,23 @@ def _train(cfg: RunConfig, force: bool):
     use_persistent_cache(cfg.sdpa_backend)  # compiled graphs outlive /tmp: the workers inherit the directory
     os.environ.update(bytecode_env(os.environ))  # spawned workers keep their imports' bytecode (launch/bytecode.py)
     limit_compile_workers(cfg.compile)  # no pool of inductor processes for the small graphs of runs without --compile
-    sanitize_cuda_arch_list(log=lambda m: print(f"[shardlab] {m}", flush=True))
+    sanitize_cuda_arch_list(log=messages.info)
 
     cfg = resolve_nodes(cfg)
     note = single_machine_note(cfg)
     if note and not in_launched_job():
-        print(f"[shardlab] {note}", flush=True)
+        messages.info(f"{note}")
     quiet_engines(pick_device_type(cfg.device))  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     for note in (weights_not_kept_note(cfg), slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)):
         if note and _rank_zero() and cfg.node_rank == 0:
-            print(f"[shardlab] {note}", flush=True)
+            messages.info(f"{note}")
     check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
     check_tokenizer(cfg)  # train's own too: a plan needs no tokenizer
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
-        clear_stale_build_locks(say=lambda m: print(f"[shardlab] {m}", flush=True))
+        clear_stale_build_locks(say=messages.info)
     # A live run in output_dir is refused, --overwrite or not; held until this run ends (run_lock.py).
     user_pid = os.getppid() if os.environ.get(SUPERVISED_ENV) else os.getpid()  # the `shardlab train` the user started
     with OutputDirLock(cfg.output_dir, user_pid) if _owns_output_dir(cfg) else contextlib.nullcontext():
@@ -187,7 +188,7 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
         if cfg.peft.method and device_type != "cuda":  # the CPU plan counts no adapters: no figure rather than a wrong one
             plan = {**dict.fromkeys(PLAN_KEYS), "strategy": cfg.strategy, "device": device_type,
                     "error": "the CPU plan does not model adapters yet"}
-            print("[shardlab] no memory plan for this run: the CPU plan does not model adapters (--peft) yet", flush=True)
+            messages.info("no memory plan for this run: the CPU plan does not model adapters (--peft) yet")
         else:
             plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; in summary.json
             if not force:
@@ -253,14 +254,14 @@ def clear_stale_run_files(cfg: RunConfig) -> None:
     old = stale_run_files(cfg)
     if old:
         why = "--overwrite" if cfg.overwrite else "--resume auto found no checkpoint of the earlier attempt"
-        print(f"[shardlab] {why}: deleting the earlier run's files in {cfg.output_dir} ({', '.join(p.name for p in old)})", flush=True)
+        messages.info(f"{why}: deleting the earlier run's files in {cfg.output_dir} ({', '.join(p.name for p in old)})")
     for path in old:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def _say0(line: str) -> None:
     if _rank_zero():
-        print(f"[shardlab] {line}", flush=True)
+        messages.info(f"{line}")
 
 
 def _rank_zero() -> bool:
@@ -272,7 +273,7 @@ def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
     """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
     cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
     for note in notes if _rank_zero() else ():
-        (say or (lambda m: print(f"[shardlab] {m}", flush=True)))(note)
+        (say or (messages.info))(note)
     return cfg
 
 
@@ -283,7 +284,7 @@ def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
     world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
     cfg, note = cfg.with_pipeline_microbatches(world)
     if note and _rank_zero():
-        print(f"[shardlab] {note}", flush=True)
+        messages.info(f"{note}")
     return cfg
 
 
@@ -332,8 +333,8 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         start = worker_start_method(pick_device_type(cfg.device))
         how = "forked from this launcher" if start == "fork" else "fresh interpreters"
         wait = f"; waiting up to {RENDEZVOUS_TIMEOUT_S} s for all {cfg.nodes} nodes to join" if cfg.nodes > 1 else ""
-        print(f"[shardlab] launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
-              f"(master {cfg.master_addr}:{port}){wait}", flush=True)
+        messages.info(f"launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
+                      f"(master {cfg.master_addr}:{port}){wait}")
         mark_nodes_joining(cfg.nodes > 1)  # until a worker starts, the supervisor ends this process on Ctrl-C/SIGTERM
         try:
             with ForwardToWorkers():

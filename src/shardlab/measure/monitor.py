@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import psutil
 
+from .. import messages
 from ..layout import local_world_size
 
 # Lazy import below: pynvml only on a machine with NVIDIA GPUs to watch.
@@ -438,7 +439,7 @@ def watch(cfg: Any, device_type: str, nproc: int, in_launched_job: bool):
         if watched.result and os.environ.get("RANK", "0") == "0":
             line = describe(watched.result)
             if line:
-                print(f"[shardlab] {line}", flush=True)
+                messages.info(f"{line}")
 
 
 __all__ = ["watch", "RunMonitor", "ProcessTreeSampler", "GpuSampler", "Nvml", "start_gpu_sampler", "stats", "describe",

@@ -37,6 +37,7 @@ from typing import Any
 
 import psutil
 
+from .. import messages
 from ..config import RunConfig, dump_config
 from ..errors import OutOfMemory, UserError
 from ..launch.procgroup import run_group
@@ -216,7 +217,7 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
     world = nproc * cfg.nodes
     dp = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
     check_auto(cfg, dp)
-    log = log or (lambda msg: print(f"[shardlab] {msg}", flush=True))
+    log = log or (messages.info)
     budget = cpu_budget_bytes(cfg) if device_type == "cpu" else None
     start, note = plan_start(cfg, device_type, nproc, dp, budget)
     upper = MAX_MICRO if device_type == "cuda" else max(1, min(start, CPU_MAX_MICRO))

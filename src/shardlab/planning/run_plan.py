@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import psutil
 
+from .. import messages
 from ..config import RunConfig
 from ..errors import UserError
 from ..measure.records import read_json, write_text_atomic
@@ -302,7 +303,7 @@ def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=No
         record["micro_batch_auto"] = auto.to_dict()
     line = warning_line(record) if device_type == "cuda" else heap_line(cfg, record)
     if line:
-        (log or (lambda m: print(f"[shardlab] {m}", flush=True)))(line)
+        (log or (messages.info))(line)
     return record
 
 

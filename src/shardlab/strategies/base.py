@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import messages
 from ..training import attention_backend, loss, optim, sdpa_causal
 from ..config import RunConfig
 from ..errors import UserError
@@ -298,7 +299,7 @@ class Strategy(ABC):
         if self.time_split.enabled:
             out["time_split"] = self.time_split.summary()
             if self.env.is_main and out["time_split"]:
-                print("[shardlab]", self.time_split.describe(), flush=True)
+                messages.info(self.time_split.describe())
         out["cpu_threads"] = torch.get_num_threads()  # this rank's (rank 0's in summary.json): a CPU run's speed depends on it
         out["bound_cores"] = len(self.bound_cores)
         return out
@@ -313,4 +314,4 @@ def _say_pipeline_options_unused(cfg: RunConfig) -> None:
     unused = [fields[k].json_schema_extra["cli"]["flag"] for k in ("pp_stages", "pp_schedule", "pp_chunks")
               if getattr(cfg.strategy_options, k) != fields[k].default]
     if unused:
-        print(f"[shardlab] {', '.join(unused)}: pipeline options, unused by strategy {cfg.strategy!r}", flush=True)
+        messages.info(f"{', '.join(unused)}: pipeline options, unused by strategy {cfg.strategy!r}")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import messages
 from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError
@@ -532,7 +533,7 @@ class DeepSpeedStrategy(Strategy):
 
         def log(message: str) -> None:
             if self.env.is_main:
-                print(f"[shardlab] {message}", flush=True)
+                messages.info(f"{message}")
 
         if self.env.is_main:
             announce_op_builds(ds, log)

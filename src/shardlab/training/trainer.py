@@ -37,6 +37,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
+from .. import messages
 from .. import compat
 from ..checkpoint import store as checkpoint, reshard
 from ..launch import faults, guards, pin
@@ -110,7 +111,7 @@ class RunResult:
 
 def log0(env: DistEnv, *msg: Any) -> None:
     if env.is_main:
-        print("[shardlab]", *msg, flush=True)
+        messages.info(" ".join(str(m) for m in msg))
 
 
 def seed_everything(seed: int) -> None:
@@ -552,8 +553,8 @@ class Trainer:
             except OSError as e:  # a mask this process may not set (a container's cpuset): train unpinned
                 out.update(cpu=None, reason=f"sched_setaffinity failed: {e}")
         if env.is_main and out["cpu"] is not None:
-            print(f"[shardlab] pinned the training thread and {out['threads'] - 1} autograd thread(s) to CPU {cpu} "
-                  f"({reason}; threads and processes started later get all {out['full_set']} CPUs)", flush=True)
+            messages.info(f"pinned the training thread and {out['threads'] - 1} autograd thread(s) to CPU {cpu} "
+                          f"({reason}; threads and processes started later get all {out['full_set']} CPUs)")
         return out
 
     def _loop(self, strategy, stages, stage_data, stage_loaders, stage_steps, total_steps, state, writer, model_info) -> dict[str, Any]:
@@ -649,7 +650,7 @@ class Trainer:
         if self.env.is_main and not sys.stdout.isatty():  # a log file (SLURM, nohup, `> log`) gets plain lines, no bar
             elapsed = time.perf_counter() - rec.t_start  # this process's steps only (a resumed run restarts the clock)
             eta = elapsed / (rec.global_step - rec.first_step) * (total_steps - rec.global_step)
-            print(progress_line(row, total_steps, eta), flush=True)
+            messages.info(progress_line(row, total_steps, eta).removeprefix("[shardlab] "))
         rec.window_losses.clear()
 
     def _after_step(self, strategy, rec: LoopRecord, writer, eval_loader, nxt: dict[str, Any], stop: bool, save_now: bool,
@@ -719,7 +720,7 @@ class Trainer:
             "eight_bit_warmup": self.warm_8bit,
         }
         summary.update(metrics.run_stats(summary, model_info, env, self._steps_per_epoch(stage_loaders[-1][0])))
-        if env.is_main:
+        if env.is_main and messages.shows("info"):  # --quiet: not the table either
             print_summary(summary)
         return summary
 

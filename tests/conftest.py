@@ -108,6 +108,15 @@ def offline_env(tmp_path_factory):
         mp.setenv("TRANSFORMERS_OFFLINE", "1")
         mp.setenv("SHARDLAB_CACHE", str(base / "shardlab-cache"))
         mp.setenv("HF_DATASETS_CACHE", str(base / "hf-datasets"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # The GGUF parts (SmolLM2's config, tokenizer, info and fp32 weights: 3.6 + 3.4 + 2.9 + 12.1 s of one core)
+            # are built once for every xdist worker of this pytest run, not once per worker: the cache's gguf/ is a link
+            # to one directory beside the workers' base temp dirs. cachedir.built_once builds each part under an flock
+            # and renames it into place, so two workers asking at once build it once and never see half of it.
+            gguf = base.parent.parent / "gguf"
+            gguf.mkdir(exist_ok=True)
+            (base / "shardlab-cache").mkdir()
+            (base / "shardlab-cache" / "gguf").symlink_to(gguf, target_is_directory=True)
         # Inductor's cache: this session's. Importing torch._inductor sets the variable to the machine-wide
         # /tmp/torchinductor_<user> in this process otherwise, and every `shardlab train` started from here would
         # inherit it (and find graphs compiled by earlier sessions: cache hits where a test expects compiling).

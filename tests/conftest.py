@@ -151,6 +151,32 @@ def offline_env(tmp_path_factory):
         ZYGOTE.start()  # with this environment; it imports while the first tests run
         yield base
         ZYGOTE.stop()
+        if ZYGOTE.fallbacks:  # for pytest_terminal_summary (the xdist controller's), beside the workers' base temp dirs
+            root = base.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else base.parent
+            name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            (root / f"zygote-fallbacks-{name}.json").write_text(json.dumps(ZYGOTE.fallbacks))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many `shardlab` commands of this run were not forked from a zygote and why (zygote.py: an environment that
+    differs from the zygote's, or no zygote): each paid ~8 s of CPU for imports, so the list is where to look first when
+    a tier gets slower. Tests that start real interpreters on purpose call subprocess themselves and are not counted;
+    nor are a bench's cells (zygote.client: the zygote checks their environment itself)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or getattr(config, "workerinput", None) is not None:
+        return
+    try:
+        root = factory.getbasetemp()
+    except (OSError, ValueError):
+        return
+    reasons = [r for f in sorted(root.glob("zygote-fallbacks-*.json")) for r in json.loads(f.read_text())]
+    if reasons:
+        counts: dict[str, int] = {}
+        for r in reasons:
+            counts[r] = counts.get(r, 0) + 1
+        terminalreporter.write_line(f"zygote: {len(reasons)} command(s) ran in a real interpreter instead of a fork:")
+        for r, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"  {n} x {r}")
 
 
 @pytest.fixture(autouse=True)

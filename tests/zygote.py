@@ -341,6 +341,7 @@ class Zygote:
         self.served = 0  # commands forked from the zygote (the rest ran in a real interpreter)
         self.mismatch: list[str] = []
         self.imports_set: dict[str, str] = {}
+        self.fallbacks: list[str] = []  # why each command that was not forked ran in a real interpreter
 
     def start(self) -> None:
         """Start the zygote with this process's environment now (it imports in the background)."""
@@ -387,6 +388,9 @@ class Zygote:
         env = dict(os.environ if env is None else env)
         cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
         if not (self._ready() and self.compatible(env)):
+            why = f"environment differs in {', '.join(self.mismatch)}" if self.ready else "no zygote"
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] or "outside a test"
+            self.fallbacks.append(f"{test}: shardlab {' '.join(map(str, argv[:1]))}: {why}")
             return subprocess.Popen([sys.executable, "-m", "shardlab", *map(str, argv)], env=env, cwd=cwd,
                                     stdout=open(stdout, "w"), stderr=open(stderr, "w"), stdin=subprocess.DEVNULL)
         plan = tempfile.NamedTemporaryFile(prefix="shardlab-plan-", suffix=".json", delete=False).name

@@ -108,6 +108,15 @@ def offline_env(tmp_path_factory):
         mp.setenv("TRANSFORMERS_OFFLINE", "1")
         mp.setenv("SHARDLAB_CACHE", str(base / "shardlab-cache"))
         mp.setenv("HF_DATASETS_CACHE", str(base / "hf-datasets"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # The GGUF parts (SmolLM2's config, tokenizer, info and fp32 weights: 3.6 + 3.4 + 2.9 + 12.1 s of one core)
+            # are built once for every xdist worker of this pytest run, not once per worker: the cache's gguf/ is a link
+            # to one directory beside the workers' base temp dirs. cachedir.built_once builds each part under an flock
+            # and renames it into place, so two workers asking at once build it once and never see half of it.
+            gguf = base.parent.parent / "gguf"
+            gguf.mkdir(exist_ok=True)
+            (base / "shardlab-cache").mkdir()
+            (base / "shardlab-cache" / "gguf").symlink_to(gguf, target_is_directory=True)
         # Inductor's cache: this session's. Importing torch._inductor sets the variable to the machine-wide
         # /tmp/torchinductor_<user> in this process otherwise, and every `shardlab train` started from here would
         # inherit it (and find graphs compiled by earlier sessions: cache hits where a test expects compiling).
@@ -142,6 +151,32 @@ def offline_env(tmp_path_factory):
         ZYGOTE.start()  # with this environment; it imports while the first tests run
         yield base
         ZYGOTE.stop()
+        if ZYGOTE.fallbacks:  # for pytest_terminal_summary (the xdist controller's), beside the workers' base temp dirs
+            root = base.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else base.parent
+            name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            (root / f"zygote-fallbacks-{name}.json").write_text(json.dumps(ZYGOTE.fallbacks))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many `shardlab` commands of this run were not forked from a zygote and why (zygote.py: an environment that
+    differs from the zygote's, or no zygote): each paid ~8 s of CPU for imports, so the list is where to look first when
+    a tier gets slower. Tests that start real interpreters on purpose call subprocess themselves and are not counted;
+    nor are a bench's cells (zygote.client: the zygote checks their environment itself)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or getattr(config, "workerinput", None) is not None:
+        return
+    try:
+        root = factory.getbasetemp()
+    except (OSError, ValueError):
+        return
+    reasons = [r for f in sorted(root.glob("zygote-fallbacks-*.json")) for r in json.loads(f.read_text())]
+    if reasons:
+        counts: dict[str, int] = {}
+        for r in reasons:
+            counts[r] = counts.get(r, 0) + 1
+        terminalreporter.write_line(f"zygote: {len(reasons)} command(s) ran in a real interpreter instead of a fork:")
+        for r, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"  {n} x {r}")
 
 
 @pytest.fixture(autouse=True)

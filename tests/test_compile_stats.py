@@ -57,9 +57,10 @@ def test_compiled_run_reports_compile_apart_and_second_run_hits_the_cache(train_
     a whole model with inductor: the other compile tests compile blocks, the loss, or use aot_eager.)"""
     args = ["--model", "tiny-gpt2", "--strategy", "dp", "--compile", "--max-steps", "5", "--seq-len", "32", "--micro-batch", "2",
             "--log-every", "1", "--precision", "fp32", "--dropout", "0", "--set", "dataset.eval_split=0", "--set", "export=false"]
-    eager = train_cli([a for a in args if a != "--compile"], tmp_path / "eager").check()  # before the cache variable: forked
+    eager = train_cli([a for a in args if a != "--compile"], tmp_path / "eager").check()
     # A cache of its own: an earlier compile of the same graph anywhere in the session (or on the machine) must not
-    # turn the first run's misses into hits.
+    # turn the first run's misses into hits. (The runs still fork from the session's zygote: torch reads the variable
+    # when it looks a graph up, zygote.RUNTIME_VALUE_ENV.)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     first = train_cli(args, tmp_path / "first", timeout=1200).check()  # inductor C++ compiles: minutes on a busy 2-core CPU
     s, rows = first.summary, _rows(first.out)

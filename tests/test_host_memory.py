@@ -54,11 +54,14 @@ def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
         assert torch.equal(a, new[name]), name
 
 
-# FSDPStrategy's build on WORLD gloo ranks (spawned; each with one thread, as on a 2-core machine), for each preset
-# named: every rank writes OUT/<model>-rank<r>.json (its resident memory before setup, its high-water mark after it and
-# the bytes of its shards) and, with SAVE, rank 0 writes OUT/<model>.pt (the full weights and buffers). The build runs as
-# a CPU training run builds (trainer.run_worker): inside launch.distributed.reuse_freed_heap, where freed memory stays
-# resident.
+# FSDPStrategy's build on WORLD gloo ranks (each with one thread, as on a 2-core machine), for each preset named: every
+# rank writes OUT/<model>-rank<r>.json (its resident memory before setup, its high-water mark after it and the bytes of
+# its shards) and, with SAVE, rank 0 writes OUT/<model>.pt (the full weights and buffers). The build runs as a CPU
+# training run builds (trainer.run_worker): inside launch.distributed.reuse_freed_heap, where freed memory stays
+# resident. START is how the ranks start: "spawn" (fresh interpreters, whose resident memory is their own: the memory
+# test) or "fork" (from this script once it has imported what a rank imports, as shardlab forks its CPU ranks:
+# launch/launcher.worker_start_method; the weights test, which spawned 3 ranks that each imported torch, transformers
+# and shardlab again on the one core of an xdist worker).
 _FSDP_BUILD = """
 import json, os, resource, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -94,19 +97,22 @@ def rank_main(rank, world, port, models, out, save):
 
 if __name__ == "__main__":
     from shardlab.launch.distributed import free_port
-    world, models, out, save = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4] == "save"
-    mp.start_processes(rank_main, args=(world, free_port(), models, out, save), nprocs=world, start_method="spawn")
+    world, models, out, save, start = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4] == "save", sys.argv[5]
+    if start == "fork":  # imports only: no op has run, so no thread pool is forked
+        import torch.distributed.checkpoint.state_dict, shardlab.strategies.fsdp, shardlab.training.optim
+        import transformers.models.gpt2.modeling_gpt2, transformers.models.bloom.modeling_bloom, transformers.models.llama.modeling_llama
+    mp.start_processes(rank_main, args=(world, free_port(), models, out, save), nprocs=world, start_method=start)
 """
 
 
-def _fsdp_build(tmp_path, world: int, models: list[str], save: bool) -> None:
+def _fsdp_build(tmp_path, world: int, models: list[str], save: bool, start: str = "spawn") -> None:
     import subprocess
     import sys
 
     script = tmp_path / "fsdp_build.py"
     script.write_text(_FSDP_BUILD)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, str(script), str(world), ",".join(models), str(tmp_path), "save" if save else "-"],
+    proc = subprocess.run([sys.executable, str(script), str(world), ",".join(models), str(tmp_path), "save" if save else "-", start],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -120,7 +126,7 @@ def test_fsdp_on_several_ranks_starts_from_the_ordinary_weights(tmp_path, world)
     from shardlab.training.models import build_model
 
     models = ["tiny-gpt2", "tiny-bloom", "tiny-llama"]
-    _fsdp_build(tmp_path, world, models, save=True)
+    _fsdp_build(tmp_path, world, models, save=True, start="fork")
     for name in models:
         got = torch.load(tmp_path / f"{name}.pt")
         ordinary = build_model(RunConfig(model=name, seed=11))

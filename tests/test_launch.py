@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from zygote import run_shardlab
 
 from shardlab.launch.distributed import free_port
 
@@ -38,10 +39,12 @@ def reference(shared_runs):
 
 def test_exec_started_ranks_train_as_forked_ones(reference, tmp_path):
     """GPU runs start every rank as a fresh interpreter (CUDA cannot be initialised again in a fork); forced here on
-    CPU, the same run gives the same losses as the forked ranks of the reference."""
+    CPU, the same run gives the same losses as the forked ranks of the reference. The launching command itself is
+    forked from the session's zygote (tests/zygote.py: SHARDLAB_* variables are read at run time); its ranks are the
+    fresh interpreters under test."""
     out = tmp_path / "exec"
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "train", *ARGS, "--gpus", "2", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "SHARDLAB_WORKER_START": "exec"})
+    proc = run_shardlab(["train", *ARGS, "--gpus", "2", "--output-dir", str(out)], timeout=TIMEOUT,
+                        env={**os.environ, "SHARDLAB_WORKER_START": "exec"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fresh interpreters" in proc.stdout
     assert losses(out) == pytest.approx(reference, rel=1e-5)

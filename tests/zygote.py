@@ -59,6 +59,12 @@ PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.traine
 # which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
 IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
 UNBUFFERED = "PYTHONUNBUFFERED"
+# Variables a library reads when it works, not at import, whose value (not presence) may differ: inductor's cache
+# directory, which torch reads on every cache lookup (torch._inductor.runtime.cache_dir_utils.cache_dir). Of the import-
+# time readers in torch 2.13 only torch._dynamo.package's DynamoCache keeps a path, and it is used with
+# TORCH_CACHING_PRECOMPILE=1 alone. A test giving its runs a cache of their own (test_compile_stats) forks like the others.
+# Set in one environment and not in the other still differs: a fresh interpreter without it has it set at import.
+RUNTIME_VALUE_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"  # shardlab.launch.supervise.SUPERVISED_ENV (not imported: the client stays light)
 IMPORTS_SET: dict[str, str] = {}  # in the zygote: what importing PRELOAD set in os.environ
 SOCKET = ""  # in the zygote: the path it serves on
@@ -67,9 +73,10 @@ SOCKET = ""  # in the zygote: the path it serves on
 def env_mismatch(env: dict[str, str], base: dict[str, str], imports_set: dict[str, str]) -> list[str]:
     """The variables in which a request's environment differs from the zygote's start environment ``base`` in a way
     the forked command could see: not PYTEST_*/SHARDLAB_* (read at run time), not PYTHONUNBUFFERED (the child's
-    streams are files it flushes), and not what the imports themselves set (the child gets those as a fresh
-    interpreter would: setdefault)."""
-    keys = {k for k in (*env, *base) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED}
+    streams are files it flushes), not another value of a RUNTIME_VALUE_ENV variable set in both, and not what the
+    imports themselves set (the child gets those as a fresh interpreter would: setdefault)."""
+    keys = {k for k in (*env, *base) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED
+            and not (k in RUNTIME_VALUE_ENV and k in env and k in base)}
     return sorted(k for k in keys if env.get(k) != base.get(k)
                   and not (k in imports_set and env.get(k) in (None, imports_set[k])))
 
@@ -334,6 +341,7 @@ class Zygote:
         self.served = 0  # commands forked from the zygote (the rest ran in a real interpreter)
         self.mismatch: list[str] = []
         self.imports_set: dict[str, str] = {}
+        self.fallbacks: list[str] = []  # why each command that was not forked ran in a real interpreter
 
     def start(self) -> None:
         """Start the zygote with this process's environment now (it imports in the background)."""
@@ -380,6 +388,9 @@ class Zygote:
         env = dict(os.environ if env is None else env)
         cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
         if not (self._ready() and self.compatible(env)):
+            why = f"environment differs in {', '.join(self.mismatch)}" if self.ready else "no zygote"
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] or "outside a test"
+            self.fallbacks.append(f"{test}: shardlab {' '.join(map(str, argv[:1]))}: {why}")
             return subprocess.Popen([sys.executable, "-m", "shardlab", *map(str, argv)], env=env, cwd=cwd,
                                     stdout=open(stdout, "w"), stderr=open(stderr, "w"), stdin=subprocess.DEVNULL)
         plan = tempfile.NamedTemporaryFile(prefix="shardlab-plan-", suffix=".json", delete=False).name

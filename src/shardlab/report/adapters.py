@@ -9,7 +9,7 @@ from .load import Cell
 from . import plots
 from .plots import COLORS, Plot
 from .render import fmt
-from .tables import Column, Table, basic_row, group_by, where_ran, med
+from .tables import Column, Table, group_by, med, planned_row, where_ran
 
 PART = "adapters"
 
@@ -46,10 +46,8 @@ def adapter_tables(cells: list[Cell]) -> list[Table]:
     for group in group_by(members, lambda c: (c.model, c.world)).values():
         rows = []
         for c in group:
-            row = basic_row(c)
-            plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
-            row.update(method=_method(c), trainable=_trainable(c), predicted_gib=plan and plan.gpu_peak_gib,
-                       predicted_cpu_gib=plan and plan.cpu_gib)
+            row = planned_row(c)
+            row.update(method=_method(c), trainable=_trainable(c))
             rows.append(row)
         tables.append(Table(PART, f"Full fine-tuning or an adapter? {where_ran(group[0])}", COLUMNS, rows, [
             "Same micro-batch, sequence, precision and steps in every row. MFU counts what each run computes: 6 FLOPs "

@@ -697,17 +697,23 @@ def _split(c: Cell, key: str) -> Spread | None:
     return c.stat(lambda r: getattr(r.typed.time_split, key))  # no time_split: AttributeError, a figure the run lacks
 
 
+def planned_row(c: Cell) -> dict[str, Any]:
+    """``basic_row`` and the run's own plan beside it (summary.json ``plan``: GPU peak, host per node)."""
+    row = basic_row(c)
+    plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
+    row.update(predicted_gib=plan and plan.gpu_peak_gib, predicted_cpu_gib=plan and plan.cpu_gib)
+    return row
+
+
 def big_model_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("big-model")]
     tables = []
     for group in group_by(members, lambda c: (c.model, c.world)).values():
         rows = []
         for c in group:
-            row = basic_row(c)
-            plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
+            row = planned_row(c)
             row.update(optimizer=c.first("optimizer", "?"), batch=f"{row['micro_batch']} x {c.first('grad_accum', '?')}",
-                       tokens_per_step=c.first("tokens_per_step"), predicted_gib=plan and plan.gpu_peak_gib,
-                       predicted_cpu_gib=plan and plan.cpu_gib, compute_s=_split(c, "gpu_compute_s"),
+                       tokens_per_step=c.first("tokens_per_step"), compute_s=_split(c, "gpu_compute_s"),
                        optimizer_s=_split(c, "cpu_optimizer_s"), idle_s=_split(c, "idle_s"), transfer_s=_split(c, "transfer_s"))
             rows.append(row)
         tables.append(Table("big-model", f"A model that does not fit: {where_ran(group[0])}", BIG_MODEL_COLUMNS, rows, [

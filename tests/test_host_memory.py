@@ -553,9 +553,11 @@ def test_cpu_run_host_prediction_matches_measured_rss(tmp_path, train_cli, strat
                      "--max-steps", "2", "--dataset", "synthetic", "--no-export"], tmp_path / "run").check()
     predicted = run.summary["plan"]["cpu_gib"]
     measured = run.summary["cpu_rss_peak_rank_gib"]
-    # Seen on the 2-core test machine: +11% (zero2_offload), +13..17% (fsdp_offload) over the rank's peak; a missing
-    # engine buffer or a double-counted model would be far outside this.
-    assert predicted == pytest.approx(measured, rel=0.2)
+    # Seen on the 2-core test machine: +11% (zero2_offload), +13..17% (fsdp_offload) over the rank's peak on an idle
+    # machine, and +23% (zero2_offload, 0.84 against 0.69 GiB) with the load average at 3-6 (the rank touches fewer
+    # pages of its baseline when it gets less CPU). The plan may err high (an allowance against the OOM killer), never
+    # low; a missing engine buffer or a double-counted model would be far outside this.
+    assert 0.95 * measured <= predicted <= 1.35 * measured
 
 
 def test_a_multi_rank_nodes_host_memory_counts_the_launching_process():

@@ -10,10 +10,9 @@ from shardlab.cli import build_parser
 
 
 @pytest.fixture(autouse=True)
-def _level(monkeypatch):
-    monkeypatch.delenv(messages.LEVEL_ENV, raising=False)
-    yield
-    messages.configure("info")
+def _level():
+    with messages.at_level(None):  # this process' level and SHARDLAB_LOG_LEVEL given back after each test
+        yield
 
 
 def test_info_lines_are_rank_zeros_and_follow_the_level(capsys, monkeypatch):
@@ -43,3 +42,14 @@ def test_the_level_reaches_the_workers_through_the_environment(monkeypatch):
 def test_every_command_takes_log_level_and_quiet(argv):
     args = build_parser().parse_args([*argv, "--log-level", "debug", "--quiet"])
     assert args.log_level == "debug" and args.quiet
+
+
+def test_a_command_in_process_gives_the_level_and_its_variable_back(monkeypatch):
+    import os
+
+    from shardlab.cli import main
+
+    monkeypatch.delenv(messages.LEVEL_ENV, raising=False)
+    before = messages.LOGGER.level
+    assert main(["pipeline", "simulate", "--quiet", "--stages", "2", "--microbatches", "4"]) == 0
+    assert messages.LEVEL_ENV not in os.environ and messages.LOGGER.level == before

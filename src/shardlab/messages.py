@@ -6,9 +6,11 @@ of every worker it starts (they read SHARDLAB_LOG_LEVEL). Errors keep their own 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 LOGGER = logging.getLogger("shardlab")
 LEVEL_ENV = "SHARDLAB_LOG_LEVEL"
@@ -53,6 +55,23 @@ def configure(level: str | None = None) -> None:
     LOGGER.setLevel(name.upper())
 
 
+@contextlib.contextmanager
+def at_level(level: str | None) -> Iterator[None]:
+    """``configure(level)`` for one command, its environment variable and the logger's level given back after (a
+    notebook or test calling the CLI in process keeps its own)."""
+    _ready()
+    before_env, before = os.environ.get(LEVEL_ENV), LOGGER.level
+    configure(level)
+    try:
+        yield
+    finally:
+        if before_env is None:
+            os.environ.pop(LEVEL_ENV, None)
+        else:
+            os.environ[LEVEL_ENV] = before_env
+        LOGGER.setLevel(before)
+
+
 def _ready() -> None:
     if not any(isinstance(h, _Stdout) for h in LOGGER.handlers):
         LOGGER.addHandler(_Stdout())
@@ -81,4 +100,4 @@ def warning(msg: str) -> None:
     LOGGER.warning(msg)
 
 
-__all__ = ["info", "debug", "warning", "shows", "configure", "rank_zero", "LEVELS", "LEVEL_ENV"]
+__all__ = ["info", "debug", "warning", "shows", "configure", "at_level", "rank_zero", "LEVELS", "LEVEL_ENV"]

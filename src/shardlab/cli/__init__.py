@@ -324,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = build_parser().parse_known_args(argv)
         if unknown:  # argparse reports these from the top-level parser, whose --help lists no command's flags
             raise UserError(f"unrecognized arguments: {' '.join(unknown)}", f"see `shardlab {args.command} --help`")
-        messages.configure("warning" if getattr(args, "quiet", False) else getattr(args, "log_level", None))
         if argv is None and args.command == "train" and not args.dry_run:  # the process a user started, not a library call
 
             if wanted():  # a parent that survives the kernel's OOM killer and says what happened (supervise.py)
@@ -333,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
 
         commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
                     "export": cmd_export, "generate": cmd_generate, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
-        commands[args.command](args)
+        with messages.at_level("warning" if getattr(args, "quiet", False) else getattr(args, "log_level", None)):
+            commands[args.command](args)
     return status.code
 
 

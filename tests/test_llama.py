@@ -139,8 +139,11 @@ def test_tiny_llama_trains_with_dp(dp_llama):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "fsdp_offload"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload", "fsdp", "fsdp_offload"])
 def test_tiny_llama_one_rank_matches_dp(root, train_cli, dp_llama, strategy):
+    """The engines that touch the architecture (ZeRO-3's block leaves, FSDP2's units, their offloads) and zero2 as the
+    sample of DeepSpeed's stages that do not: zero0 and zero1 match dp on tiny-gpt2 (test_train_e2e), and nothing in
+    them depends on the model."""
     run = train_cli(["--model", "tiny-llama", "--strategy", strategy, *ARGS], root / strategy)
     assert_same_losses(run, dp_llama)
 

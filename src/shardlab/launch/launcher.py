@@ -70,9 +70,10 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
     except UserError as err:  # batch sizes a --deepspeed-config set: said as the JSON's
         raise explain_batch_error(cfg, err) from None
     if cfg.micro_batch == "auto":
-        if cfg.peft.method:  # its search starts from the plan, which would count the frozen weights' gradients and states
-            raise UserError("--micro-batch auto with --peft: the plan does not model adapters yet",
-                            "pass --micro-batch N (an adapter run fits at least the micro batch full fine-tuning does)")
+        if cfg.peft.method:  # the GPU plan models adapters; the CPU plan does not, and no trial search has run with them
+            where = "the CPU plan does not model adapters yet" if device_type != "cuda" else "its trial search is not tested with adapters yet"
+            raise UserError(f"--micro-batch auto with --peft: {where}",
+                            "pass --micro-batch N (`shardlab plan --peft ...` on the GPU machine gives the largest that fits)")
         check_auto(cfg, dp_world)
     # what the strategy cannot run (its optimizer, offload, precision, compile, DeepSpeed JSON, NVMe path): refused in
     # one line by the strategy itself

@@ -172,7 +172,7 @@ class _Record:
 def _say(line: str) -> None:
     # Rank 0 (or the launching process) only: every rank decides the same.
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        messages.info(f"{line}")
+        messages.info(line)
 
 
 def enabled(name: str) -> bool:

@@ -81,7 +81,7 @@ def preflight(cfg: RunConfig) -> tuple[str, int]:
 
     from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
 
-    check_trusted(cfg, say=_say0)  # a checkpoint not written here is screened before anything reads it (trust.py)
+    check_trusted(cfg, say=messages.info)  # a checkpoint not written here is screened before anything reads it (trust.py)
     check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
     check_resume(cfg, world, dp_world)
     return device_type, nproc
@@ -152,14 +152,14 @@ def _train(cfg: RunConfig, force: bool):
     cfg = resolve_nodes(cfg)
     note = single_machine_note(cfg)
     if note and not in_launched_job():
-        messages.info(f"{note}")
+        messages.info(note)
     quiet_engines(pick_device_type(cfg.device))  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
     cfg = with_user_deepspeed_json(cfg)
     cfg = with_pipeline_microbatches(cfg)
     device_type, nproc = preflight(cfg)
     for note in (weights_not_kept_note(cfg), slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)):
-        if note and _rank_zero() and cfg.node_rank == 0:
-            messages.info(f"{note}")
+        if note and messages.rank_zero() and cfg.node_rank == 0:
+            messages.info(note)
     check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
     check_tokenizer(cfg)  # train's own too: a plan needs no tokenizer
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) == 0:  # once per node
@@ -172,7 +172,7 @@ def _train(cfg: RunConfig, force: bool):
 
 def _owns_output_dir(cfg: RunConfig) -> bool:
     """The one process that decides over output_dir: node 0's launcher (or rank 0 of a launched job)."""
-    return _rank_zero() and cfg.node_rank == 0
+    return messages.rank_zero() and cfg.node_rank == 0
 
 
 def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
@@ -183,7 +183,7 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
 
         cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
     plan = None
-    if _rank_zero():  # the rank that writes summary.json
+    if messages.rank_zero():  # the rank that writes summary.json
 
         per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
         if cfg.peft.method and device_type != "cuda":  # the CPU plan counts no adapters: no figure rather than a wrong one
@@ -213,7 +213,7 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
 
         note, _ = note_for_kill(cfg.output_dir, plan, kills_before, cfg.strategy)  # the monitor has closed its CSV
         raise WorkerFailed(err.exitcode, f"{err}; {note}") from None
-    if watched.result and cfg.node_rank == 0 and _rank_zero():
+    if watched.result and cfg.node_rank == 0 and messages.rank_zero():
         # The run ended well (a failure raised above), so summary.json is this run's: the trainer's, in memory when it ran
         # in this process, else the one its rank 0 just wrote. merge_monitor adds the monitor's figures and writes it once.
 
@@ -260,20 +260,10 @@ def clear_stale_run_files(cfg: RunConfig) -> None:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def _say0(line: str) -> None:
-    if _rank_zero():
-        messages.info(f"{line}")
-
-
-def _rank_zero() -> bool:
-    """This process is rank 0 of a launched job (torchrun, srun), or the launching process."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
-
-
 def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
     """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
     cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
-    for note in notes if _rank_zero() else ():
+    for note in notes if messages.rank_zero() else ():
         (say or (messages.info))(note)
     return cfg
 
@@ -284,8 +274,8 @@ def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
         return cfg
     world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
     cfg, note = cfg.with_pipeline_microbatches(world)
-    if note and _rank_zero():
-        messages.info(f"{note}")
+    if note and messages.rank_zero():
+        messages.info(note)
     return cfg
 
 

@@ -439,7 +439,7 @@ def watch(cfg: Any, device_type: str, nproc: int, in_launched_job: bool):
         if watched.result and os.environ.get("RANK", "0") == "0":
             line = describe(watched.result)
             if line:
-                messages.info(f"{line}")
+                messages.info(line)
 
 
 __all__ = ["watch", "RunMonitor", "ProcessTreeSampler", "GpuSampler", "Nvml", "start_gpu_sampler", "stats", "describe",

@@ -533,7 +533,7 @@ class DeepSpeedStrategy(Strategy):
 
         def log(message: str) -> None:
             if self.env.is_main:
-                messages.info(f"{message}")
+                messages.info(message)
 
         if self.env.is_main:
             announce_op_builds(ds, log)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .. import messages
-
 import argparse
 import shlex
 import sys
+
+from .. import messages
 
 # Lazy imports below: launch.slurm and checkpoint.export load torch, which `shardlab --help` must not (cli/__init__.py).
 
@@ -47,7 +47,7 @@ def cmd_slurm(args: argparse.Namespace, config_from_args) -> None:
     messages.info(f"code and config snapshotted in {job.snapshot}")
     _, cpus_note = cpus_per_task(cfg, opts)
     if cpus_note:
-        messages.info(f"{cpus_note}")
+        messages.info(cpus_note)
     messages.info(f"every node needs on a shared filesystem: {'; '.join(shared_paths(job_config(cfg), job.snapshot))}")
     if args.submit:
         submit(job)

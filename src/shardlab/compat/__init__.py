@@ -170,9 +170,7 @@ class _Record:
 
 
 def _say(line: str) -> None:
-    # Rank 0 (or the launching process) only: every rank decides the same.
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        messages.info(line)
+    messages.info(line)  # rank 0's only (messages' filter): every rank decides the same
 
 
 def enabled(name: str) -> bool:

@@ -1,11 +1,13 @@
 """What `--peft lora` and `--peft qlora` hold (training/adapters.py): a frozen base model, small trainable adapters.
 
     frozen base    lora: every weight in the compute dtype (fp32 in fp32 runs); qlora: the adapted model's linear
-                   layers (all but the head) in 4-bit NF4 with double-quantised block scales, every other weight fp32
-                   (build_quantised); sharded where the engine shards parameters, no gradients, no optimizer states
+                   layers (all but the head) in 4-bit NF4 with double-quantised block scales, every other weight in
+                   the compute dtype (build_quantised); sharded where the engine shards parameters, no gradients, no
+                   optimizer states
     adapters       r x (in + out) per adapted linear layer, trained as the engine trains any parameter: its memory
                    model is asked about a model made of the adapters alone, so buckets, shards and offloads follow it
-    activations    those of the full model (LoRA does not shrink them), plus each adapter's saved inputs
+    activations    those of the full model (LoRA does not shrink them), less what a frozen layer keeps for its
+                   weights' gradients, plus each adapter's own saved inputs
 
 No engine is named here: the engine's own memory model answers for the adapters, and the base is placed by the
 spec's facts (which states it shards, where it offloads parameters).
@@ -141,19 +143,16 @@ def activations(act: Activations, arch: Arch, ad: AdapterCounts, mode: str, micr
     a new 16-bit copy per adapted layer (checked on CPU: tests/test_plan_adapters.py); bitsandbytes' 4-bit LoRA layer
     does not cast under autocast, and its adapters keep the very inputs the base layers would have (all-linear)."""
     lo = 4 if mode == "fp32" else 2
-    x = 0.0
-    if dropout > 0:
-        x = (lo + 1) * ad.in_widths_per_layer
-    elif mode == "autocast":
-        x = 2.0 * ad.in_widths_per_layer
+    own = 0.0  # each adapter's own saved input, where it is a new tensor (bytes per token and layer)
+    if dropout > 0:  # the dropout's output and its mask
+        own = (lo + 1) * ad.in_widths_per_layer
+    elif mode == "autocast" or (autocast and ad.method == "lora"):  # autocast's 16-bit cast of an fp32 input
+        own = 2.0 * ad.in_widths_per_layer
+    freed = 0.0  # what a 16-bit frozen base does not keep; the adapters' own copies replace the shared inputs
     if mode != "autocast":
         linear_inputs, norm_inputs = frozen_layer_bytes(arch, mode)
-        x -= norm_inputs * arch.hidden
-        if dropout > 0 or (autocast and ad.method == "lora"):  # each adapter's own copy replaces the shared ones
-            x -= linear_inputs * arch.hidden
-            if dropout == 0:
-                x += lo * ad.in_widths_per_layer
-    one = (x + lo * ad.r * ad.adapted_per_layer) * micro * seq
+        freed = (norm_inputs + (linear_inputs if own else 0.0)) * arch.hidden
+    one = (own - freed + lo * ad.r * ad.adapted_per_layer) * micro * seq
     if checkpointing:
         return dataclasses.replace(act, recompute=act.recompute + one)
     return dataclasses.replace(act, layers=act.layers + one * arch.layers, per_layer=act.per_layer + one)

@@ -217,7 +217,7 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
     world = nproc * cfg.nodes
     dp = strategy_class(cfg.strategy).data_parallel_size(cfg, world)
     check_auto(cfg, dp)
-    log = log or (messages.info)
+    log = log or messages.info
     budget = cpu_budget_bytes(cfg) if device_type == "cpu" else None
     start, note = plan_start(cfg, device_type, nproc, dp, budget)
     upper = MAX_MICRO if device_type == "cuda" else max(1, min(start, CPU_MAX_MICRO))

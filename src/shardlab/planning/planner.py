@@ -578,11 +578,9 @@ def _rows(arch: Arch, cfg: RunConfig, auto_cfg: RunConfig | None, batch: tuple[i
                 raise
             notes.append(f"{s} left out: {err.message}")
             continue
-        sp.fits, sp.why = budget.fits(sp)
-        sp.headroom = _usable(budget.gpu) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
+        _judge(sp, s, arch, cfg, s_accum, precision, gpus_per_node, budget, max_search)
         if user_json:
             sp.notes.append(user_json)
-        sp.max_micro_batch = _largest_micro(s, arch, cfg, s_accum, precision, gpus_per_node, budget, max_search)
         out[s] = sp
     return out
 
@@ -600,11 +598,17 @@ def _adapter_rows(arch: Arch, cfg: RunConfig, batch: tuple[int, int], precision:
         if s is None:
             continue
         sp = _strategy_plan(s, arch, c, *batch, precision, gpus_per_node, cfg.nodes, cfg.gradient_checkpointing)
-        sp.fits, sp.why = budget.fits(sp)
-        sp.headroom = _usable(budget.gpu) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
-        sp.max_micro_batch = _largest_micro(s, arch, c, batch[1], precision, gpus_per_node, budget, max_search)
+        _judge(sp, s, arch, c, batch[1], precision, gpus_per_node, budget, max_search)
         out[f"{method} ({s})"] = sp
     return out
+
+
+def _judge(sp: StrategyPlan, s: str, arch: Arch, cfg: RunConfig, accum: int, precision: str, gpus_per_node: int,
+           budget: _Budget, max_search: int) -> None:
+    """A plan row's verdict against the budget: whether it fits, its headroom and its largest micro batch."""
+    sp.fits, sp.why = budget.fits(sp)
+    sp.headroom = _usable(budget.gpu) - sp.gpu_peak * RESERVED_OVER_ALLOCATED
+    sp.max_micro_batch = _largest_micro(s, arch, cfg, accum, precision, gpus_per_node, budget, max_search)
 
 
 def _own_auto_micro(s: str, arch: Arch, cfg: RunConfig, precision: str, gpus_per_node: int, d: int, budget: _Budget,

@@ -303,7 +303,7 @@ def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=No
         record["micro_batch_auto"] = auto.to_dict()
     line = warning_line(record) if device_type == "cuda" else heap_line(cfg, record)
     if line:
-        (log or (messages.info))(line)
+        (log or messages.info)(line)
     return record
 
 

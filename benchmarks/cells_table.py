@@ -1,20 +1,24 @@
-"""The table of a gpu_cells.sh call, read from each run's own summary.json (one row per run directory)."""
+"""The table of a gpu_cells.sh call, read from each run's own summary.json (one row per run directory).
+
+    python3 benchmarks/cells_table.py BENCH_DIR   # a `shardlab bench` directory: one row per repeat, runs/LABEL/rK
+    python3 benchmarks/cells_table.py DIR         # any directory of run directories
+"""
 
 import json
 import sys
 from pathlib import Path
 
 
-def row(run: Path) -> str:
+def row(run: Path, name: str) -> str:
     path = run / "summary.json"
     if not path.exists():
-        return f"| {run.name} | did not finish (see {run.name}.log) |" + " |" * 11
+        return f"| {name} | did not finish (see its log) |" + " |" * 11
     s = json.loads(path.read_text())
     plan = s.get("plan") or {}
     cpu = s.get("cpu_monitor") or {}
     split = s.get("time_split") or {}
     cells = [
-        run.name, s.get("strategy"), s.get("optimizer") or "", f"{s.get('micro_batch')} x {s.get('grad_accum')}",
+        name, s.get("strategy"), s.get("optimizer") or "", f"{s.get('micro_batch')} x {s.get('grad_accum')}",
         f"{s.get('tokens_per_step') or 0:,}", f"{s.get('useful_tokens_per_s') or 0:,.0f}",
         f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "-",
         f"{s.get('gpu_mem_peak_gib') or 0:.2f} / {plan.get('gpu_peak_gib') or 0:.2f}",
@@ -31,5 +35,12 @@ root = Path(sys.argv[1])
 print("| cell | strategy | optimizer | micro x accum | tokens/step | useful tok/s | MFU | GPU peak GiB meas / plan "
       "| host GiB meas / plan | loss | step s | first step s | time split s |")
 print("|" + "---|" * 13)
-for run in sorted(p for p in root.iterdir() if p.is_dir()):
-    print(row(run))
+if (root / "bench.json").is_file():
+    for entry in json.loads((root / "bench.json").read_text())["cells"]:
+        for rec in entry["repeats"]:
+            if rec.get("run_dir"):
+                name = entry["label"] + (f" r{rec['repeat']}" if entry.get("repeats_planned", 1) > 1 else "")
+                print(row(root / rec["run_dir"], name))
+else:
+    for run in sorted(p for p in root.iterdir() if p.is_dir()):
+        print(row(run, run.name))

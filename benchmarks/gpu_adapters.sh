@@ -15,38 +15,41 @@ source benchmarks/gpu_env.sh
 # wraps the model in nn.DataParallel over all of them, and shardlab would start one rank per GPU.
 export CUDA_VISIBLE_DEVICES="${GPU:-0}"
 BUDGET_S="${BUDGET_S:-100000}"; MODEL="${MODEL:-llama-2-7b}"; MICRO="${MICRO:-8}"; STEPS="${STEPS:-20}"; ROUNDS="${ROUNDS:-2}"; BIG="${BIG-llama-2-70b}"
-COMMON=(--gpus 1 --seq-len 1024 --precision bf16 --dataset synthetic --eval-split 0 --no-export --log-every 5)
-train() {  # label, limit, flags...; each run's limit clamped to what is left of BUDGET_S (seconds, for the whole call)
-  local label=$1 limit=$2; shift 2
-  (( limit > BUDGET_S - SECONDS )) && limit=$(( BUDGET_S - SECONDS ))
-  if (( limit < 30 )); then echo "=== $label: skipped, ${limit}s left of BUDGET_S"; return; fi
-  echo "=== $label: shardlab train $* ${COMMON[*]}"
-  timeout -k 5 "$limit" python3 -m shardlab train "$@" "${COMMON[@]}" --output-dir "$R/$label" > "$R/$label.log" 2>&1
-  echo "rc=$?"; grep -E "trainable|start-up|step [0-9]+/|GPU memory.used|rror" "$R/$label.log" | cut -c1-240 | tail -8
+# shardlab's runs are cells of one bench (`shardlab bench --cells`, the runner of every bench: a fresh process per run,
+# its own limit, failures recorded, finished runs kept); a round is that bench continued with one more repeat.
+COMMON="--gpus 1 --seq-len 1024 --precision bf16 --dataset synthetic --eval-split 0 --no-export --log-every 5"
+{
+  [[ "${COMPILED:-0}" == 1 ]] && echo "lora-compile ${TC:-200} --model $MODEL --peft lora --micro-batch $MICRO --max-steps $STEPS --compile"
+  echo "lora ${TL:-170} --model $MODEL --peft lora --micro-batch $MICRO --max-steps $STEPS ${LORA_FLAGS:-}"
+} > "$R/lora-cells.txt"
+{
+  echo "qlora ${TQ:-150} --model $MODEL --peft qlora --micro-batch 1 --max-steps 10"
+  # torchtune's and the QLoRA paper's recipe: activation checkpointing, without which a micro-batch's activations
+  # outweigh the 4-bit weights
+  echo "qlora-ckpt ${TQ:-150} --model $MODEL --peft qlora --micro-batch 1 --max-steps 10 --gradient-checkpointing"
+  [[ -n "$BIG" ]] && echo "qlora-${BIG} ${TB:-300} --model $BIG --peft qlora --micro-batch 1 --max-steps 10 --log-every 1"
+} > "$R/qlora-cells.txt"
+cells() {  # cells file, repeats: the bench's runs, none started that would not end within what is left of BUDGET_S
+  local left=$(( BUDGET_S - SECONDS ))
+  if (( left < 30 )); then echo "=== $1 x$2: skipped, ${left}s left of BUDGET_S"; return; fi
+  python3 -m shardlab bench --cells "$1" --cell-flags "$COMMON" --repeats "$2" --budget-s "$left" --no-report --output-dir "$R/bench-$(basename "$1" .txt)"
 }
 for round in $(seq "$ROUNDS"); do
-  if [[ "${COMPILED:-0}" == 1 ]]; then
-    train "lora-compile-$round" "${TC:-200}" --model "$MODEL" --peft lora --micro-batch "$MICRO" --max-steps "$STEPS" --compile
-  fi
-  train "lora-$round" "${TL:-170}" --model "$MODEL" --peft lora --micro-batch "$MICRO" --max-steps "$STEPS" ${LORA_FLAGS:-}
+  cells "$R/lora-cells.txt" "$round"
   echo "=== peer-$round: benchmarks/peer_lora.py"
   (( BUDGET_S - SECONDS < 40 )) && { echo "skipped: budget"; continue; }
   timeout -k 5 "$(( ${TP:-170} < BUDGET_S - SECONDS ? ${TP:-170} : BUDGET_S - SECONDS ))" python3 benchmarks/peer_lora.py --model "$MODEL" --micro "$MICRO" --seq 1024 --steps "$STEPS" \
     --out "$R/peer-$round.json" > "$R/peer-$round.log" 2>&1
   echo "rc=$?"; tail -c 600 "$R/peer-$round.log"
 done
-train qlora "${TQ:-150}" --model "$MODEL" --peft qlora --micro-batch 1 --max-steps 10
-# torchtune's and the QLoRA paper's recipe: activation checkpointing, without which a micro-batch's activations
-# outweigh the 4-bit weights
-train qlora-ckpt "${TQ:-150}" --model "$MODEL" --peft qlora --micro-batch 1 --max-steps 10 --gradient-checkpointing
-[[ -n "$BIG" ]] && train "qlora-${BIG}" "${TB:-300}" --model "$BIG" --peft qlora --micro-batch 1 --max-steps 10 --log-every 1
-python3 benchmarks/cells_table.py "$R" | tee "$OUT/cells.md"
+cells "$R/qlora-cells.txt" 1
+{ python3 benchmarks/cells_table.py "$R/bench-lora-cells"; python3 benchmarks/cells_table.py "$R/bench-qlora-cells" | tail -n +3; } | tee "$OUT/cells.md"
 python3 - "$R" <<'PY' | tee "$OUT/peers.md"
 import json, statistics, sys
 from pathlib import Path
 r = Path(sys.argv[1])
-ours = [json.loads(p.read_text()) for p in sorted(r.glob("lora-[0-9]*/summary.json"))]
-compiled = [json.loads(p.read_text()) for p in sorted(r.glob("lora-compile-*/summary.json"))]
+ours = [json.loads(p.read_text()) for p in sorted(r.glob("bench-lora-cells/runs/lora/r*/summary.json"))]
+compiled = [json.loads(p.read_text()) for p in sorted(r.glob("bench-lora-cells/runs/lora-compile/r*/summary.json"))]
 peers = [json.loads(p.read_text()) for p in sorted(r.glob("peer-*.json"))]
 def med(xs):
     return statistics.median(xs) if xs else float("nan")

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Run a list of `shardlab train` cells one after another on one GPU machine, each under its own wall limit, and
-# bring back every run's summary.json, config and log in one tarball (device calls return at most 8 files):
+# Run a list of `shardlab train` cells on one GPU machine through the bench's runner (`shardlab bench --cells`: a fresh
+# process per run, each line's own time limit and environment, failures recorded with their reason, finished runs kept
+# when the same call is repeated) and bring back every run's summary.json, config and log in one tarball (device calls
+# return at most 8 files):
 #   CELLS_FILE=benchmarks/cells/<name>.txt bash benchmarks/gpu_cells.sh
-# Each non-comment line of CELLS_FILE is "<label> <timeout_s> [VAR=value ...] <shardlab train flags...>" (leading
-# VAR=value words are set in that run's environment). Common flags: $COMMON.
-# The table printed at the end (and saved as $OUT/cells.md) is read from the runs' own summary.json.
+# Each non-comment line of CELLS_FILE is "<label> <timeout_s> [VAR=value ...] <shardlab train flags...>"
+# (src/shardlab/bench/cellfile.py). COMMON: flags added to every line. REPEATS (default 1) runs each line that many
+# times, interleaved; BUDGET_S starts no run that would not end within it. The table at the end ($OUT/cells.md) is
+# read from the runs' own summary.json; the bench's report goes to $OUT/report.md.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 ROOT=/tmp/cells; mkdir -p "$ROOT"
@@ -17,19 +20,15 @@ if [[ "${PREBUILD_CPU_ADAM:-0}" == 1 ]]; then
   python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam prebuilt')" \
     > "$ROOT/prebuild-cpu_adam.log" 2>&1 &
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g | head -2; nproc
-python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
-grep -v '^\s*#' "$CELLS_FILE" | grep -v '^\s*$' | while read -r label limit flags; do
-  echo "=== $label (limit ${limit}s): shardlab train $flags ${COMMON:-}"
-  start=$SECONDS; envs=()
-  read -r -a words <<< "$flags"
-  while [[ ${#words[@]} -gt 0 && "${words[0]}" == *=* && "${words[0]}" != -* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
-  # shellcheck disable=SC2086
-  timeout -k 10 "$limit" env "${envs[@]}" python3 -m shardlab train "${words[@]}" ${COMMON:-} --output-dir "$ROOT/$label" > "$ROOT/$label.log" 2>&1
-  echo "rc=$? wall=$((SECONDS - start))s"; tail -n 25 "$ROOT/$label.log"
-  # profiled cells: where the step's time goes on the GPU (compute, NCCL, NCCL not hidden, idle), per rank
-  for t in "$ROOT/$label"/profile/trace_rank*.json; do [[ -f "$t" ]] && python3 benchmarks/diag/trace_overlap.py "$t"; done
-done
+free -g | head -2; nproc
+python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
+ARGS=(--cells "$CELLS_FILE" --cell-flags "${COMMON:-}" --output-dir "$ROOT" --repeats "${REPEATS:-1}")
+[[ "${REPEATS:-1}" != 1 ]] && ARGS+=(--interleave)
+[[ -n "${BUDGET_S:-}" ]] && ARGS+=(--budget-s "$(( BUDGET_S - SECONDS - 30 ))")
+python3 -m shardlab bench "${ARGS[@]}"
+# profiled cells: where the step's time goes on the GPU (compute, NCCL, NCCL not hidden, idle), per rank
+for t in "$ROOT"/runs/*/r*/profile/trace_rank*.json; do [[ -f "$t" ]] && python3 benchmarks/diag/trace_overlap.py "$t"; done
 python3 benchmarks/cells_table.py "$ROOT" | tee "$OUT/cells.md"
+[[ -f "$ROOT/report/report.md" ]] && cp "$ROOT/report/report.md" "$OUT/report.md"
 tar -czf "$OUT/cells.tar.gz" -C "$ROOT" --exclude='trace_rank*.json' --exclude='*.pt' --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.bin' .
 ls -la "$OUT"

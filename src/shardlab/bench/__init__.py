@@ -31,17 +31,20 @@ def interleaved(suites: list[str]) -> bool:
 
 def bench(suites: list[str], output_dir: str | Path, overrides: Overrides | None = None, *, timeout: float = 3600.0,
           rerun: bool = False, report: bool = True, interleave: bool | None = None, budget_s: float | None = None,
-          echo=print) -> dict[str, Any]:
+          cells: list[Cell] | None = None, echo=print) -> dict[str, Any]:
     """Run the suites' cells into ``output_dir``; write the report into ``output_dir/report`` unless told not to.
 
     Before any run starts, what this machine cannot run is refused in one line (``machine.check_cells``: a GPU count
     above its GPUs, a model of a model axis that is unknown or not available offline). ``interleave``: repeats
-    round-robin over the cells (default: as the suites say). ``budget_s``: start no run after that many seconds."""
-    cells = plan_cells(suites, overrides)
+    round-robin over the cells (default: as the suites say). ``budget_s``: start no run after that many seconds.
+    ``cells``: run these (a cells file's, bench/cellfile.py) instead of the suites' matrix; ``suites`` then only names
+    them in bench.json."""
+    if cells is None:
+        cells = plan_cells(suites, overrides)
+        if interleave is None:
+            interleave = interleaved(suites)
     check_cells(cells)
-    if interleave is None:
-        interleave = interleaved(suites)
-    state = run_bench(cells, output_dir, suites=suites, timeout=timeout, rerun=rerun, interleave=interleave,
+    state = run_bench(cells, output_dir, suites=suites, timeout=timeout, rerun=rerun, interleave=bool(interleave),
                       budget_s=budget_s, echo=echo)
     if report:
         written = write_report([Path(output_dir)], Path(output_dir) / "report")

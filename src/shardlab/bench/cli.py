@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from ..config import parse_set
 from ..errors import UserError
 from . import Overrides, bench, builtin_suites, check_cells, interleaved, load_suite, plan_cells, run_order
 from ..report import write_report
+from .cellfile import read_cells_file
 from .matrix import footing
 
 
@@ -29,6 +31,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--suite", action="append", default=[], metavar="NAME|FILE",
                    help="built-in suite (quick, strategies, pin-memory, offload, weak-scaling, strong-scaling, scaling, "
                         "big-model, adapters) or a suite YAML; repeat to run several into one bench (shared cells run once). Default: quick")
+    b.add_argument("--cells", metavar="FILE", default=None,
+                   help="run the `shardlab train` lines of FILE instead of a suite's matrix, one cell each: "
+                        "'<label> <timeout_s> [VAR=value ...] <train flags>' (bench/cellfile.py)")
+    b.add_argument("--cell-flags", default="", metavar="FLAGS", help="with --cells: `shardlab train` flags added to every line")
     b.add_argument("--output-dir", "-o", default=None, help="bench directory (default: runs/bench-SUITE)")
     b.add_argument("--repeats", type=int, default=None, help="runs per cell (medians and min-max in the report)")
     b.add_argument("--models", type=_csv_list(str), default=None, help="models axis, e.g. gpt2-medium,bloom-560m")
@@ -62,7 +68,8 @@ def add_report_parser(sub) -> None:
     r.add_argument("--output-dir", "-o", default=None, help="where the report goes (default: BENCH_DIR/report for one bench dir, else ./report)")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
+def cmd_bench(args: argparse.Namespace, to_config=None) -> None:
+    """``to_config``: `shardlab train` flags -> RunConfig keys, for --cells (the train parser lives above the bench)."""
     if args.list:
         for name, path in sorted(builtin_suites().items()):
             print(f"{name:16s} {load_suite(str(path)).description}")
@@ -83,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.budget_s is not None and args.budget_s <= 0:
         raise UserError(f"--budget-s {args.budget_s:g} must be positive", "pass the seconds after which no run starts, e.g. --budget-s 480")
     overrides = Overrides(axes=axes, base=base, repeats=args.repeats)
+    if args.cells:
+        return _bench_cells(args, to_config)
     out = Path(args.output_dir or f"runs/bench-{'-'.join(Path(s).stem for s in suites)}")
     if args.dry_run:
         left_out: list[str] = []
@@ -100,6 +109,32 @@ def cmd_bench(args: argparse.Namespace) -> None:
         return
     state = bench(suites, out, overrides, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report,
                   interleave=args.interleave, budget_s=args.budget_s)
+    failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
+    print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")
+
+
+def _bench_cells(args: argparse.Namespace, to_config) -> None:
+    """--cells FILE: the file's lines are the cells; the matrix's own flags would be ignored, so they are refused."""
+    matrix = [flag for flag, given in (("--suite", args.suite), ("--models", args.models), ("--strategies", args.strategies),
+                                       ("--gpus", args.gpus), ("--micro-batch", args.micro_batch), ("--axis", args.axis),
+                                       ("--max-steps", args.max_steps), ("--seq-len", args.seq_len), ("--precision", args.precision),
+                                       ("--device", args.device), ("--set", args.set)) if given]
+    if matrix:
+        raise UserError(f"--cells runs its file's lines as they stand; {', '.join(matrix)} would be ignored",
+                        "put those flags in the file's lines, or in --cell-flags for every line")
+    cells = read_cells_file(args.cells, to_config, shlex.split(args.cell_flags), repeats=args.repeats or 1)
+    name = f"cells:{Path(args.cells).name}"
+    out = Path(args.output_dir or f"runs/bench-{Path(args.cells).stem}")
+    if args.dry_run:
+        for c in cells:
+            f = footing(c.config)
+            env = " ".join(f"{k}={v}" for k, v in c.env.items())
+            print(f"{c.label:28s} x{c.repeats}  {c.timeout:.0f} s  precision {f['precision']}, global batch {f['global_batch']}, "
+                  f"seq {f['seq_len']}, steps {f['steps']}" + (f"  env {env}" if env else ""))
+        return
+    state = bench([name], out, cells=cells, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report,
+                  interleave=bool(args.interleave), budget_s=args.budget_s)
     failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
     print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
           + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")

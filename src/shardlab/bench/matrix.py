@@ -96,6 +96,8 @@ class Cell:
     repeats: int = 1
     axis_keys: set[str] = field(default_factory=set)  # keys the matrix's axes set on this cell
     suite: str = ""  # the first suite that asked for this cell (labels are made per suite)
+    timeout: float | None = None  # seconds for each repeat; None: the bench's --cell-timeout (a cells file sets its own)
+    env: dict[str, str] = field(default_factory=dict)  # added to each repeat's environment (a cells file's VAR=value)
 
     def run_config(self, output_dir: str | Path) -> RunConfig:
         return config_from_dict({**copy.deepcopy(self.config), "output_dir": str(output_dir)})

@@ -111,7 +111,7 @@ def run_one(cell: Cell, repeat: int, bench_dir: Path, timeout: float, env: dict[
     with open(log, "w") as out:
         # Its own session, so a timeout can end the run with every rank it spawned, and nothing else:
         # SIGTERM, 15 s for the ranks to stop, then SIGKILL.
-        run = run_group(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, grace=15)
+        run = run_group(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, **cell.env}, timeout=timeout, grace=15)
         code: int | str = "timeout" if run.timed_out else run.code
     record["wall_s"] = round(time.perf_counter() - t0, 2)
     record["exit_code"] = code
@@ -163,7 +163,8 @@ def run_bench(cells: list[Cell], bench_dir: str | Path, *, suites: list[str], ti
         cfg = cell.run_config(root / "runs" / cell.label / "rK")
         (root / "cells" / f"{cell.label}.yaml").write_text(dump_config(cfg, given_only=True))
         state["cells"].append({"label": cell.label, "parts": cell.parts, "differs": cell.differs, "repeats_planned": cell.repeats,
-                               "footing": footing(cell.config), "config": f"cells/{cell.label}.yaml", "repeats": []})
+                               "footing": footing(cell.config), "config": f"cells/{cell.label}.yaml", "repeats": [],
+                               **({"env": cell.env} if cell.env else {})})
     _save(root, state)
     order = run_order(cells, interleave)
     not_started = 0
@@ -182,7 +183,8 @@ def run_bench(cells: list[Cell], bench_dir: str | Path, *, suites: list[str], ti
             continue  # a shorter cell later in the order may still fit; finished runs are still kept: they cost nothing
         if not finished(cell, k, root):
             echo(f"{prefix}: running ...")
-        rec = {"order": done, "started": datetime.now().isoformat(timespec="milliseconds"), **run_one(cell, k, root, timeout, env)}
+        limit = cell.timeout if cell.timeout is not None else timeout
+        rec = {"order": done, "started": datetime.now().isoformat(timespec="milliseconds"), **run_one(cell, k, root, limit, env)}
         entry["repeats"].append(rec)
         if rec.get("wall_s") is not None:
             walls[cell.label] = max(walls.get(cell.label, 0.0), rec["wall_s"])

@@ -146,6 +146,18 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, overrides, parse_set(args.set))
 
 
+def train_flags_config(argv: list[str]) -> dict:
+    """`shardlab train` flags as the RunConfig keys they give (nested; what a bench's cells file holds per line)."""
+    import yaml
+
+    parser = _Parser(prog="shardlab train")
+    add_run_flags(parser)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise UserError(f"unrecognized arguments: {' '.join(unknown)}", "see `shardlab train --help`")
+    return yaml.safe_load(dump_config(config_from_args(args), given_only=True))
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's help with every real default shown; a None default means "not given" (the config decides,
     and add_run_flags states the config's default), a store_true flag is off unless given."""
@@ -330,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = config_from_args(args)  # a bad flag or config: one line here, before any child
                 return exit_as(supervise(cfg.output_dir, cfg.strategy))
 
-        commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report,
+        commands = {"train": cmd_train, "pipeline": cmd_pipeline, "plan": cmd_plan, "bench": lambda a: cmd_bench(a, train_flags_config), "report": cmd_report,
                     "export": cmd_export, "generate": cmd_generate, "slurm": lambda a: cmd_slurm(a, config_from_args)}  # fmt: skip
         with messages.at_level("warning" if getattr(args, "quiet", False) else getattr(args, "log_level", None)):
             commands[args.command](args)

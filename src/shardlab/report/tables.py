@@ -187,7 +187,8 @@ def group_by(cells: list[Cell], key: Callable[[Cell], Any]) -> dict[Any, list[Ce
 
 def where_ran(c: Cell) -> str:
     unit = "GPU" if c.device_type == "cuda" else "process"
-    return f"{c.model}, {c.world} {unit}{'s' if c.world != 1 else ''}" + (" (CPU)" if c.device_type == "cpu" else "")
+    plural = ("es" if unit == "process" else "s") if c.world != 1 else ""
+    return f"{c.model}, {c.world} {unit}{plural}" + (" (CPU)" if c.device_type == "cpu" else "")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cells", metavar="FILE", default=None,
                    help="run the `shardlab train` lines of FILE instead of a suite's matrix, one cell each: "
                         "'<label> <timeout_s> [VAR=value ...] <train flags>' (bench/cellfile.py)")
-    b.add_argument("--cell-flags", default="", metavar="FLAGS", help="with --cells: `shardlab train` flags added to every line")
+    b.add_argument("--cell-flags", default=None, metavar="FLAGS",
+                   help="with --cells: `shardlab train` flags added to every line (default: none)")
     b.add_argument("--output-dir", "-o", default=None, help="bench directory (default: runs/bench-SUITE)")
     b.add_argument("--repeats", type=int, default=None, help="runs per cell (medians and min-max in the report)")
     b.add_argument("--models", type=_csv_list(str), default=None, help="models axis, e.g. gpt2-medium,bloom-560m")
@@ -123,7 +124,7 @@ def _bench_cells(args: argparse.Namespace, to_config) -> None:
     if matrix:
         raise UserError(f"--cells runs its file's lines as they stand; {', '.join(matrix)} would be ignored",
                         "put those flags in the file's lines, or in --cell-flags for every line")
-    cells = read_cells_file(args.cells, to_config, shlex.split(args.cell_flags), repeats=args.repeats or 1)
+    cells = read_cells_file(args.cells, to_config, shlex.split(args.cell_flags or ""), repeats=args.repeats or 1)
     name = f"cells:{Path(args.cells).name}"
     out = Path(args.output_dir or f"runs/bench-{Path(args.cells).stem}")
     if args.dry_run:

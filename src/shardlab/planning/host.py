@@ -21,6 +21,10 @@ GPU_PROCESS_RSS_BYTES = int(1.93 * GiB)
 # smaller): 0.97 GB of RSS before it spawns; during two-rank runs on an H200 host, the process tree's peak minus twice
 # the rank's, 13.1 - 2 x 6.09 GiB (benchmarks/results/*-h100-8bit-warmup, call 5).
 LAUNCHER_RSS_BYTES = int(0.9 * GiB)
+# A GPU rank while its model is built: CUDA and NCCL are up by then (the trainer starts them first). ZeRO-3 ranks peak
+# at their 16-bit partition plus 1.46 GiB (1.35-1.57): 1 H200, qwen2.5-0.5b, bloom-1b7, llama-2-7b; 2 H200s,
+# llama-3.2-1b, bloom-7b1 (benchmarks/results/*-h200-zero3-host-sizes).
+GPU_BUILD_PROCESS_RSS_BYTES = int(1.46 * GiB)
 
 
 def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], float]:
@@ -41,7 +45,8 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
     detail = {k: v * g for k, v in states.items()}
     detail[build_label] = build * g
     detail["process (python, torch, CUDA libs)"] = float(baseline * g)
-    total = g * max(PROCESS_RSS_BYTES + build, baseline + sum(states.values()))
+    at_build = GPU_BUILD_PROCESS_RSS_BYTES if run.device == "cuda" else PROCESS_RSS_BYTES
+    total = g * max(at_build + build, baseline + sum(states.values()))
     launcher = launcher_bytes(run.device, g) if run.device == "cuda" else 0  # a CPU run's total: cpu_run_bytes
     if launcher:
         detail["the process that launched the ranks"] = float(launcher)

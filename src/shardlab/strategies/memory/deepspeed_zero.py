@@ -293,6 +293,11 @@ class DeepSpeedMemory(EngineMemory):
         """ZeRO-3 builds inside zero.Init (a partition per rank); stages 0-2 on meta, drawn on the GPU, or in the
         engine's dtype on the CPU."""
         n, lo = run.n, run.lo
+        if run.spec.zero_stage == 3 and run.device == "cuda":
+            # A GPU rank's host peak while zero.Init builds: its 16-bit partition, and no gathered largest layer (that is
+            # gathered on the GPU): 1 H200, qwen2.5-0.5b, bloom-1b7, llama-2-7b; 2 H200s, llama-3.2-1b, bloom-7b1
+            # (benchmarks/results/*-h200-zero3-host-sizes)
+            return ("model built inside zero.Init: the rank's 16-bit partition (load time)", float(lo * n / run.world))
         if run.spec.zero_stage == 3:
             return ("model built inside zero.Init: one partition + the largest layer (load time)",
                     float(lo * (n / run.world + run.arch.largest_layer_params)))

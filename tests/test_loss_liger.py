@@ -22,7 +22,7 @@ from shardlab.config import RunConfig
 from shardlab.errors import UserError
 from shardlab.launch.distributed import DistEnv
 from shardlab.strategies import strategy_class
-from shardlab.strategies.spec import all_specs, spec
+from shardlab.specs.registry import all_specs, spec
 from shardlab.training import loss
 from shardlab.training.models import build_model
 from shardlab.training.optim import Precision

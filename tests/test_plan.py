@@ -14,7 +14,7 @@ import torch
 from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.strategies.spec import names as strategy_names
+from shardlab.specs.registry import names as strategy_names
 from shardlab.planning.planner import (
     GiB,
     activation_bytes,
@@ -599,7 +599,7 @@ def test_the_run_and_the_plan_take_autocast_from_one_owner(name):
 
     from shardlab.planning.planner import compute_mode
     from shardlab.strategies.base import Strategy
-    from shardlab.strategies.spec import spec
+    from shardlab.specs.registry import spec
     from shardlab.training.optim import resolve_precision
 
     for precision in ("bf16", "fp32"):

@@ -45,7 +45,7 @@ PHRASES = [
     ("planning/planner.py", "host (2026-11-26), so ao_offload", "host, so ao_offload"),
     ("planning/planner.py", "(speed order: one H100, benchmarks/results/h100-foundation.md and 2026-11-27-h100-big-model; {measured})",
      "(speed order: one H100, benchmarks/RESULTS.md; {measured})"),
-    ("strategies/specs/ao_offload.py", "(another host, 2026-11-26)", "(another host)"),
+    ("specs/ao_offload.py", "(another host, 2026-11-26)", "(another host)"),
     ("measure/compile_stats.py", "H100 runs of 2026-11-26, process", "H100 runs, process"),
     ("planning/memory.py", "peak_snapshot.py, results 2026-11-26-h100-speed/call2)",
      "peak_snapshot.py, benchmarks/results/*-h100-speed/call2)"),

@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .dotted import set_dotted
 from .errors import UserError
 
-from .strategies.spec import DEFAULT_STRATEGY, names, spec
+from .specs.registry import DEFAULT_STRATEGY, names, spec
 from .layout import data_parallel_size, pipeline_stages
 
-# Every strategy name, in the registry's order (strategies/specs/): the choices listed by --help and errors.
+# Every strategy name, in the registry's order (specs/): the choices listed by --help and errors.
 STRATEGIES = names()
 
 

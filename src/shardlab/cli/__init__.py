@@ -32,7 +32,7 @@ from ..launch.failures import report_errors  # worker.py's too; callers also imp
 from ..launch.supervise import exit_as, supervise, wanted
 from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
 from ..strategies import strategy_class
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from ..training.generate import add_generate_parser, cmd_generate
 from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
 

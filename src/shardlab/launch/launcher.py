@@ -33,7 +33,7 @@ from ..layout import ParallelLayout, model_layers
 from ..training.cpu_bf16 import slow_bf16_note
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
 from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
 from ..checkpoint.store import check_resume, check_trusted, find_resume_dir

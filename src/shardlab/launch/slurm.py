@@ -25,7 +25,7 @@ from ..config import RunConfig, dump_config
 from .distributed import NODE_AGENT_ENV
 from ..errors import UserError
 from .preemption import REQUEUE_EXIT
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from ..strategies import strategy_class
 
 # Lazy imports below: training.models (transformers) and data.cache (the data package) load only when a job script

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import say
 from ..measure.records import read_json, write_text_atomic
-from ..strategies.spec import find, lookup
+from ..specs.registry import find, lookup
 from .bytecode import bytecode_env
 from .preemption import ForwardToWorkers
 from .run_lock import remove_left_by_killed_run

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..measure.compile_stats import INPROCESS_COMPILE_RSS_BYTES, compile_pool_bytes, compile_workers
 from ..strategies.memory import EngineMemory, Run, memory_model
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from .memory import HEAP_TRIM_BYTES, PROCESS_RSS_BYTES, GiB, StrategyPlan
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'

@@ -67,7 +67,7 @@ from ..errors import UserError
 from ..layout import data_parallel_size, model_family
 from ..training.loss import resolve_loss_kernel
 from ..strategies.memory import LayerBytes, NotApplicable, Run, memory_model
-from ..strategies.spec import all_specs, find, names, spec, speed_order
+from ..specs.registry import all_specs, find, names, spec, speed_order
 from .memory import (
     CUDA_CONTEXT_BYTES,
     HOST_HEADROOM,
@@ -105,7 +105,7 @@ from ..training.optim import arithmetic, autocasts, resolve_precision
 # zero3_offload 9.5% (--offload-ratio 0.7; 18.3% fully offloaded on a larger host); zero2_offload 24.8% on that larger
 # host, so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
 # reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
-# Each strategy's rank is its spec's speed_rank (strategies/specs/); these are read from there.
+# Each strategy's rank is its spec's speed_rank (specs/); these are read from there.
 SPEED_ORDER = speed_order()
 MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}
 

@@ -26,7 +26,7 @@ from .. import messages
 from ..config import RunConfig
 from ..errors import UserError
 from ..measure.records import read_json, write_text_atomic
-from ..strategies.spec import spec, speed_order
+from ..specs.registry import spec, speed_order
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB, host_fits
 from .microbatch import largest_that_fits, micro_candidates
 

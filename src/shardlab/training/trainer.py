@@ -57,7 +57,7 @@ from ..launch.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
 from .sampling import SeekableDistributedSampler
 from ..strategies import strategy_class
-from ..strategies.spec import StrategySpec, lookup, spec
+from ..specs.registry import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown

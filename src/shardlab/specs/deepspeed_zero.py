@@ -1,6 +1,6 @@
 """zero0-3, their ZeRO-Offload variants and `infinity` (strategies/deepspeed_zero.py): one engine, many names."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 # ZeRO-Infinity keeps fp32 master + Adam m and v (12 B) and a 16-bit param copy (2 B) per parameter on NVMe.
 # Here (light) so that the planner and the engine's NVMe check read one number.

@@ -20,7 +20,7 @@ from allocations import peak_allocated
 from torch.profiler import ProfilerActivity, profile
 
 from shardlab.config import load_config
-from shardlab.launch.distributed import init_distributed, shutdown_distributed
+from shardlab.runtime.distributed import init_distributed, shutdown_distributed
 from shardlab.training.models import build_model
 from shardlab.training.optim import Precision
 from shardlab.strategies.pipeline import PipelineStrategy

@@ -20,7 +20,7 @@ import torch
 
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.launch.distributed import DistEnv
+from shardlab.runtime.distributed import DistEnv
 from shardlab.strategies import strategy_class
 from shardlab.specs.registry import all_specs, spec
 from shardlab.training import loss

@@ -38,7 +38,7 @@ PHRASES = [
     ("strategies/deepspeed_zero.py", "(issue 15: zero3 was 0.41x dp on one GPU)", "(without them zero3 ran at 0.41x dp on one GPU)"),
     ("strategies/deepspeed_zero.py", "host work per module and per parameter (issue 15).", "host work per module and per parameter."),
     ("measure/startup.py", "first optimizer step goes (issue 15's start-up bar): named", "first optimizer step goes: named"),
-    ("launch/pin.py", "Why (issue 15, benchmarks/results/2026-11-27-h100-zero3-gc/, branch gc-lead):",
+    ("runtime/pin.py", "Why (issue 15, benchmarks/results/2026-11-27-h100-zero3-gc/, branch gc-lead):",
      "Why (benchmarks/results/*-h100-zero3-gc/):"),
     ("planning/host.py", " on 2026-11-25 once the GPT-2 tokenizer", " once the GPT-2 tokenizer"),
     ("planning/host.py", "tiny-gpt2 run (ps, 2026-11-27);", "tiny-gpt2 run (ps);"),

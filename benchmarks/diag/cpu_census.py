@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--trim-mb", type=int, default=None, help="with --reuse-heap: M_TRIM_THRESHOLD in MiB (an experiment)")
     args = ap.parse_args()
     if args.trim_mb is not None:
-        from shardlab.launch import distributed
+        from shardlab.runtime import distributed
 
         distributed.HEAP_TRIM_BYTES = min(2**31 - 1, args.trim_mb * 2**20)
 

@@ -191,7 +191,7 @@ class RunConfig(_Strict):
     cpu_memory_budget_gb: float | None = Field(None, gt=0, json_schema_extra=cli("--cpu-memory-budget-gb"),
         description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
         "given, the run also keeps glibc's default of returning freed memory, which the budget is planned with "
-        "(launch.distributed.reuse_freed_heap)")
+        "(runtime.distributed.reuse_freed_heap)")
     # length of training
     epochs: float | None = Field(None, gt=0, json_schema_extra=cli("--epochs"),
         description="epochs to train, fractions allowed (default: 1, unless --max-steps is given)")
@@ -245,7 +245,7 @@ class RunConfig(_Strict):
         description="pin each rank's training thread and autograd's device thread to one CPU of the rank's cores after the "
         "first step (threads and processes it starts later get the full set): ZeRO-3 on one H100 is host-bound and ran "
         "1.01x dp pinned vs 0.80x unpinned. auto: CUDA dp/zero1-3/fsdp runs, eager, no offload; on: also compiled runs and "
-        "other GPU strategies without offload; off: never (shardlab.launch.pin)")
+        "other GPU strategies without offload; off: never (shardlab.runtime.pin)")
     loss_kernel: Literal["auto", "compiled", "hf", "liger"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
         "'liger' = Liger-Kernel's fused linear cross-entropy (the head inside the loss: no logits at all; CUDA, dp and "

@@ -214,7 +214,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _dry_run(cfg) -> None:
-    from ..launch.distributed import pick_device_type, processes_per_node
+    from ..runtime.distributed import pick_device_type, processes_per_node
     from ..launch.launcher import (check_tokenizer, preflight, quiet_engines, stale_run_files, weights_not_kept_note,
                                    with_user_deepspeed_json)
     from ..launch.nodes import single_machine_note
@@ -298,7 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UserError(f"--peft {cfg.peft.method} --device cpu: the CPU plan does not model adapters yet",
                         "plan it for GPUs (--gpu-memory-gb), or drop --peft")
     if cfg.device == "cpu":  # a run on this machine's CPU: its host memory is the one figure (planning/cpu_plan.py)
-        from ..launch.distributed import processes_per_node
+        from ..runtime.distributed import processes_per_node
         from ..launch.launcher import preflight
         from ..planning.cpu_plan import plan_cpu, render_cpu
         from ..planning.run_plan import host_available_gib

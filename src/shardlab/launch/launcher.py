@@ -27,7 +27,7 @@ from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
-from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
+from ..runtime.distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
 from ..training.cpu_bf16 import slow_bf16_note
@@ -41,9 +41,9 @@ from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
 from ..planning.autobatch import check_auto, resolve_auto_micro_batch
 from ..planning.run_plan import PLAN_KEYS, check_host_ram, plan_for_run, write_record
-from .guards import publish_failure
+from ..runtime.guards import publish_failure
 from .nodes import resolve_nodes, single_machine_note
-from .preemption import REQUEUE_EXIT, ForwardToWorkers
+from ..runtime.preemption import REQUEUE_EXIT, ForwardToWorkers
 from .run_lock import LOCK_NAME, OutputDirLock
 from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_kills, record_plan
 

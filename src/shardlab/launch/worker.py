@@ -11,7 +11,7 @@ import sys
 
 from .failures import report_errors
 from ..config import load_config
-from .distributed import exit_process
+from ..runtime.distributed import exit_process
 from .supervise import mark_nodes_joining
 
 # The imports inside main() run inside report_errors, so that an error raised while they import is reported as one

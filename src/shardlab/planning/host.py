@@ -10,7 +10,8 @@ from __future__ import annotations
 from ..measure.compile_stats import INPROCESS_COMPILE_RSS_BYTES, compile_pool_bytes, compile_workers
 from ..strategies.memory import EngineMemory, Run, memory_model
 from ..specs.registry import spec
-from .memory import HEAP_TRIM_BYTES, PROCESS_RSS_BYTES, GiB, StrategyPlan
+from ..runtime.process import HEAP_TRIM_BYTES
+from .memory import PROCESS_RSS_BYTES, GiB, StrategyPlan
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
 # host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/*-h200x4-session2/
@@ -67,7 +68,7 @@ CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 # allocations (StrategyPlan.gpu_peak on a CPU). Measured (benchmarks/results/*-cpu-host-model): gpt2 fp32, one
 # rank, seq 256 micro 2 (dp, zero2, zero3, fsdp) and seq 512 micro 4 (dp), the resident high-water mark against the
 # same run's live peak (MALLOC_MMAP_THRESHOLD_=65536, where freed memory leaves the resident set):
-#   - the heap kept for reuse (launch.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57
+#   - the heap kept for reuse (runtime.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57
 #     and +1.55 GiB, 0.24-0.70 x the live peak; the top of the heap is trimmed above HEAP_TRIM_BYTES (2 GiB) of free
 #     memory, so what it keeps stays within that and the interior fragmentation (at most 0.26 GiB measured);
 #   - glibc's default: +0.55, +0.99, +1.14, +0.96 and +0.87 GiB, 0.14-0.33 x.

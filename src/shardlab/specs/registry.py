@@ -75,7 +75,7 @@ class StrategySpec:
     # Rank in the planner's speed order (lower = faster); None: not ranked (its speed is not comparable).
     speed_rank: int | None = None
     speed_measured: bool = False  # the rank comes from a measurement, not from reasoning
-    pin_measured: bool = False  # pinning the training thread was measured not to slow it (launch/pin.py: pin_thread auto)
+    pin_measured: bool = False  # pinning the training thread was measured not to slow it (runtime/pin.py: pin_thread auto)
     oom_next: str = "zero3"  # what an out-of-memory run of this strategy suggests next
 
     @property

@@ -22,7 +22,7 @@ from .. import messages
 from ..training import attention_backend, loss, optim, sdpa_causal
 from ..config import RunConfig
 from ..errors import UserError
-from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
+from ..runtime.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
 from ..training.optim import Precision
 from ..specs.registry import StrategySpec, spec

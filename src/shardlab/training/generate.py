@@ -169,7 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ..launch.distributed import pick_device_type
+    from ..runtime.distributed import pick_device_type
     from .models import max_positions
 
     _check_args(args)

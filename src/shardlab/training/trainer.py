@@ -40,20 +40,20 @@ from tqdm.auto import tqdm
 from .. import messages
 from .. import compat
 from ..checkpoint import store as checkpoint, reshard
-from ..launch import faults, guards, pin
+from ..runtime import faults, guards, pin
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
 from . import adapters, compiling, head_padding, optim, pinned, warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
-from ..launch.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
+from ..runtime.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
 from .batches import DevicePrefetcher, to_device, without_trivial_mask
 from .early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import ParallelLayout, local_world_size
 from .optim import Precision, resolve_precision
-from ..launch.preemption import Preempted, StopSignals
+from ..runtime.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
 from .sampling import SeekableDistributedSampler
 from ..strategies import strategy_class
@@ -540,7 +540,7 @@ class Trainer:
 
     def _pin_thread(self, strategy) -> dict[str, Any]:
         """After the first step: pin this rank's training thread and autograd's device threads to one CPU of the rank's
-        cores where cfg.pin_thread says so (launch/pin.py: why, and what keeps the full set). What was done, for
+        cores where cfg.pin_thread says so (runtime/pin.py: why, and what keeps the full set). What was done, for
         summary.json's thread_pin."""
         cfg, env = self.cfg, self.env
         cores = strategy.bound_cores or None  # a rank bound to its share already: the pin stays inside it

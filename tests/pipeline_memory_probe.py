@@ -25,7 +25,7 @@ from shardlab.training.models import build_model
 from shardlab.training.optim import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
 from shardlab.training.batches import DevicePrefetcher
-from shardlab.training.trainer import apply_dropout
+from shardlab.loop.trainer import apply_dropout
 
 
 def held_bytes(strategy: PipelineStrategy) -> int:

@@ -82,7 +82,7 @@ def test_slurm_script_and_snapshot(tmp_path):
     job = prepare(cfg, opts)
     snap = job.snapshot
     assert snap.parent == tmp_path / "run" / "slurm" and not list(snap.parent.glob("*.tmp"))
-    assert (snap / "code" / "shardlab" / "training" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "training" / "trainer.py").read_text()
+    assert (snap / "code" / "shardlab" / "loop" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "loop" / "trainer.py").read_text()
     assert not list((snap / "code").rglob("__pycache__"))
     ran = load_config(snap / "config.yaml")
     assert ran.resume == "auto" and ran.output_dir == str(tmp_path / "run") and (ran.nodes, ran.gpus, ran.strategy) == (2, 4, "zero3")

@@ -156,7 +156,7 @@ def agree_cfg(strategy, gpus, opts, extra, model) -> RunConfig:
 def test_launcher_trainer_strategy_planner_and_bench_agree(strategy, gpus, opts, extra, deep_gpt2, tmp_path, capsys, monkeypatch):
     import torch
 
-    from shardlab.training import trainer as trainer_mod
+    from shardlab.loop import trainer as trainer_mod
     from shardlab.bench.matrix import resolved_batch
     from shardlab.cli import main
     from shardlab.runtime.distributed import DistEnv

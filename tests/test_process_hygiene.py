@@ -84,7 +84,7 @@ def test_a_run_under_an_explicit_host_ram_budget_keeps_glibcs_default(tmp_path, 
     """The retained heap raises a CPU run's resident peak by up to ~25% (tiny-gpt2 micro 23 x 32: 1.22 GiB against
     under 1.0): a run given `cpu_memory_budget_gb`, which `--micro-batch auto` and the planner's host model hold it
     to, must not reuse it; without a budget it does."""
-    from shardlab.training import trainer
+    from shardlab.loop import trainer
 
     seen = []
 

@@ -36,7 +36,7 @@ NOT_STRATEGY_NAMES = {
     ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
     ("checkpoint/reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
     ("compat/universal_checkpoint.py", '/ "zero"'),  # the same folder, rewritten there
-    ("training/trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
+    ("loop/trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
 }
 
 
@@ -63,7 +63,7 @@ def test_every_name_has_a_spec_and_a_loadable_class(name):
 
 def test_speed_order_and_oom_suggestions_are_mains():
     from shardlab.planning.planner import MEASURED_SPEED, SPEED_ORDER
-    from shardlab.training.trainer import next_strategy
+    from shardlab.loop.trainer import next_strategy
 
     assert registry.speed_order() == SPEED_ORDER == MAIN_SPEED_ORDER
     assert MEASURED_SPEED == MAIN_MEASURED_SPEED

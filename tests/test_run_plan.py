@@ -152,7 +152,7 @@ def test_a_cpu_run_tight_for_the_kept_heap_gives_freed_memory_back(monkeypatch):
     assert heap_line(budget, tight) is None and not heap_reuse(cfg, "cuda", roomy)
 
     # the worker passes the decision to reuse_freed_heap
-    import shardlab.training.trainer as trainer
+    import shardlab.loop.trainer as trainer
 
     seen = []
 

@@ -310,7 +310,7 @@ class RunConfig(_Strict):
     samples: bool = Field(False, json_schema_extra=cli("--samples"),
         description="write samples.md: greedy completions of sample_prompts before and after training (rank 0, on the "
         "CPU, from the model as loaded and from the exported one)")
-    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.training.generate.SAMPLE_PROMPTS)")
+    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.loop.generate.SAMPLE_PROMPTS)")
     save_every: int | None = Field(None, gt=0, json_schema_extra=cli("--save-every"),
         description="optimizer steps between checkpoints (default: no periodic checkpoints)")
     keep_checkpoints: int = Field(2, gt=0, json_schema_extra=cli("--keep-checkpoints"),

@@ -33,7 +33,7 @@ from ..launch.supervise import exit_as, supervise, wanted
 from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
 from ..strategies import strategy_class
 from ..specs.registry import spec
-from ..training.generate import add_generate_parser, cmd_generate
+from ..loop.generate import add_generate_parser, cmd_generate
 from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
 
 def _flag_type(annotation: Any) -> Any:

@@ -202,7 +202,7 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
     try:
         with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
             if in_launched_job() or nproc * cfg.nodes == 1:
-                from ..training.trainer import run_worker
+                from ..loop.trainer import run_worker
 
                 result = run_worker(cfg, plan=plan)
             else:
@@ -396,7 +396,7 @@ def one_line_fork_failures() -> None:
 
 def preimport_for_workers(cfg: RunConfig) -> None:
     """Before forking ranks: import what every rank imports, once, here (DeepSpeed only for its strategies)."""
-    import shardlab.training.trainer  # noqa: F401
+    import shardlab.loop.trainer  # noqa: F401
 
     if spec(cfg.strategy).engine == "deepspeed":
         import deepspeed  # noqa: F401

@@ -37,7 +37,7 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
         states[f"inductor compile workers ({workers} processes)"] = compile_pool_bytes(workers)
     if run.device == "cuda" and cfg.optimizer == "adamw8bit":
         # torchao compiles its step in this process (no worker pool: compile_stats.limit_compile_workers); inductor's
-        # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (training/warm_8bit.py)
+        # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (loop/warm_8bit.py)
         states["torch.compile in the process (torchao's compiled 8-bit step)"] = float(INPROCESS_COMPILE_RSS_BYTES)
     detail = {k: v * g for k, v in states.items()}
     detail[build_label] = build * g

@@ -227,7 +227,7 @@ def model_state_bytes_per_param(strategy: str, d: int, precision: str = "bf16") 
 
 
 def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, dp: int, eval_blocks: int | None) -> int:
-    """Rows of one eval forward on one rank (training.trainer._loaders): the eval batch is the micro batch (a whole
+    """Rows of one eval forward on one rank (loop.trainer._loaders): the eval batch is the micro batch (a whole
     step's micro-batches where the strategy evaluates whole steps), and DistributedSampler gives every rank
     ceil(blocks / ranks) rows (drop_last=False pads). With ``eval_blocks`` unknown (the launcher plans before the data
     is read) a full eval batch: what an eval split of at least ``dp`` batches uses. 0 when there is no eval split."""

@@ -127,7 +127,7 @@ def offline_env(tmp_path_factory):
         # Each xdist worker's share of the cores: torch's default (one OpenMP thread per core) in every worker put
         # 4 spinning threads on 2 cores. Two tiny-gpt2 runs side by side took 0.22 s a step at 2 threads each and
         # 0.12-0.14 s at 1 (alone: 0.077 s at 2 threads, 0.129 s at 1). The zygote and every command inherit it;
-        # multi-rank runs and CPU-optimizer runs still set their own per rank (launch/distributed.py).
+        # multi-rank runs and CPU-optimizer runs still set their own per rank (runtime/distributed.py).
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         if workers > 1:
             threads = max(1, len(os.sched_getaffinity(0)) // workers)
@@ -136,7 +136,7 @@ def offline_env(tmp_path_factory):
 
             torch.set_num_threads(threads)
             # ...and those cores only. Runs with a CPU optimizer, and multi-rank runs, split the cores they may run on
-            # among their ranks (launch/distributed.bind_threads_to_rank_cores): unconfined, a single-rank
+            # among their ranks (runtime/distributed.bind_threads_to_rank_cores): unconfined, a single-rank
             # zero1_offload run took both cores with 2 OpenMP threads while the other worker's test ran on one of them,
             # and each parallel region waited for the descheduled thread: 0.75 s a step instead of 0.09 s.
             cores = worker_cores(sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_WORKER", ""), workers)
@@ -195,7 +195,7 @@ def functional_linear_restored():
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Each test leaves os.environ as it found it. In-process tests run shardlab code that sets variables for the
-    process it expects to own (launch/distributed.bind_cores sets OMP_NUM_THREADS), and one leaked variable made every
+    process it expects to own (runtime/distributed.bind_cores sets OMP_NUM_THREADS), and one leaked variable made every
     later command of that pytest process differ from the zygote's environment: a real interpreter each (~8 s of
     imports), and test_harness failing when it ran after such a test (fast tier on 2 xdist workers)."""
     before = dict(os.environ)
@@ -212,7 +212,7 @@ def one_rank():
     import torch
     import torch.distributed as dist
 
-    from shardlab.launch.distributed import DistEnv, free_port
+    from shardlab.runtime.distributed import DistEnv, free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)

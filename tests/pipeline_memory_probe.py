@@ -20,12 +20,12 @@ from allocations import peak_allocated
 from torch.profiler import ProfilerActivity, profile
 
 from shardlab.config import load_config
-from shardlab.launch.distributed import init_distributed, shutdown_distributed
+from shardlab.runtime.distributed import init_distributed, shutdown_distributed
 from shardlab.training.models import build_model
 from shardlab.training.optim import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
 from shardlab.training.batches import DevicePrefetcher
-from shardlab.training.trainer import apply_dropout
+from shardlab.loop.trainer import apply_dropout
 
 
 def held_bytes(strategy: PipelineStrategy) -> int:

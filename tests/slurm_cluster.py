@@ -17,7 +17,7 @@ from pathlib import Path
 
 from patience import patience
 
-from shardlab.launch.distributed import free_port
+from shardlab.runtime.distributed import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")

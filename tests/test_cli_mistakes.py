@@ -441,7 +441,7 @@ def test_a_node_whose_peers_never_start_says_so_in_one_line(node_rank, tmp_path)
     import subprocess
     import sys
 
-    from shardlab.launch.distributed import free_port
+    from shardlab.runtime.distributed import free_port
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", _NODES_ALONE, node_rank, str(free_port()), str(out)], cwd=tmp_path,
@@ -465,7 +465,7 @@ def test_ctrl_c_ends_a_node_that_waits_for_the_others(sig, tmp_path):
     import sys
     import time
 
-    from shardlab.launch.distributed import free_port
+    from shardlab.runtime.distributed import free_port
 
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDLAB_SUPERVISED")}

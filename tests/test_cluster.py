@@ -26,7 +26,7 @@ from patience import patience
 from slurm_cluster import LocalSlurm, missing_reason
 from zygote import popen_shardlab, run_shardlab
 
-from shardlab.launch.distributed import free_port
+from shardlab.runtime.distributed import free_port
 
 BASE = ["--model", "tiny-gpt2", "--dataset", "offline", "--device", "cpu", "--seq-len", "64", "--precision", "fp32",
         "--log-every", "1", "--lr", "1e-3", "--lr-schedule", "constant", "--seed", "7", "--set", "dataset.eval_samples=1",

@@ -55,7 +55,7 @@ def test_bad_hostfiles_are_one_line_errors(tmp_path, text, match):
 
 
 def test_slurm_node_agent_takes_its_place_from_slurm(monkeypatch):
-    from shardlab.launch.distributed import in_launched_job
+    from shardlab.runtime.distributed import in_launched_job
     from shardlab.launch.nodes import resolve_nodes
 
     for k, v in {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]",
@@ -82,7 +82,7 @@ def test_slurm_script_and_snapshot(tmp_path):
     job = prepare(cfg, opts)
     snap = job.snapshot
     assert snap.parent == tmp_path / "run" / "slurm" and not list(snap.parent.glob("*.tmp"))
-    assert (snap / "code" / "shardlab" / "training" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "training" / "trainer.py").read_text()
+    assert (snap / "code" / "shardlab" / "loop" / "trainer.py").read_text() == (Path(__import__("shardlab").__file__).parent / "loop" / "trainer.py").read_text()
     assert not list((snap / "code").rglob("__pycache__"))
     ran = load_config(snap / "config.yaml")
     assert ran.resume == "auto" and ran.output_dir == str(tmp_path / "run") and (ran.nodes, ran.gpus, ran.strategy) == (2, 4, "zero3")
@@ -229,7 +229,7 @@ def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_stop_signals_only_set_flags():
-    from shardlab.launch.preemption import StopSignals
+    from shardlab.runtime.preemption import StopSignals
 
     before = signal.getsignal(signal.SIGUSR1)
     sig = StopSignals().install()
@@ -245,7 +245,7 @@ def test_stop_signals_only_set_flags():
 
 
 def strategy(precision: str, **cfg):
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.training.optim import Precision
     from shardlab.strategies.ddp import DDPStrategy
 
@@ -288,7 +288,7 @@ def test_nonfinite_gradients_never_reach_the_weights(max_grad_norm):
 
 
 def test_fault_spec_parsing(monkeypatch):
-    from shardlab.launch import faults
+    from shardlab.runtime import faults
 
     monkeypatch.setenv(faults.ENV, "kill_in_save@8:1, nan_loss@3")
     assert faults._wanted("kill_in_save", 8, 1) and not faults._wanted("kill_in_save", 8, 0) and not faults._wanted("kill_in_save", 7, 1)
@@ -298,7 +298,7 @@ def test_fault_spec_parsing(monkeypatch):
 
 
 def test_kill_fault_fires_in_the_first_training_forward_of_its_step(monkeypatch):
-    from shardlab.launch import faults
+    from shardlab.runtime import faults
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -335,7 +335,7 @@ def _failure(rank: int, exitcode: int, timestamp: int):
 
 def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second():
     from shardlab.launch.failures import WorkerFailed
-    from shardlab.launch.preemption import REQUEUE_EXIT
+    from shardlab.runtime.preemption import REQUEUE_EXIT
 
     # rank 0 lost its peer and exited with its one-line error; rank 1 was SIGKILLed; one poll saw both
     for failures in ({0: _failure(0, 2, 100), 1: _failure(1, -signal.SIGKILL, 100)},
@@ -360,7 +360,7 @@ def test_the_killed_rank_is_named_not_the_survivor_when_both_die_in_one_second()
 def test_a_group_broken_by_a_dead_peer_is_not_torn_down(monkeypatch):
     """Destroying it can std::terminate (SIGABRT) a survivor that already printed its error; exit_process flushes and
     leaves with os._exit, skipping the interpreter's teardown."""
-    from shardlab.launch import distributed
+    from shardlab.runtime import distributed
 
     monkeypatch.setattr(distributed, "_group_broken", False)  # restored after the test
     destroyed, exited = [], []

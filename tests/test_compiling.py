@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.config import RunConfig
-from shardlab.strategies.spec import spec
+from shardlab.specs.registry import spec
 from shardlab.training import compiling
 from shardlab.training.models import build_model, transformer_blocks
 
@@ -16,7 +16,7 @@ def cfg(**kw) -> RunConfig:
 
 
 def test_auto_scope_follows_the_strategy_spec_and_in_backward():
-    import shardlab.strategies.specs  # noqa: F401  (registers the names)
+    import shardlab.specs  # noqa: F401  (registers the names)
 
     assert not spec("dp").compile_per_block and spec("ao_offload").compile_per_block
     assert compiling.scope(cfg(compile=True)) == "model"

@@ -11,7 +11,7 @@ from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.planning.memory import host_fits
 from shardlab.planning.run_plan import predict_run
-from shardlab.strategies.spec import all_specs, speed_order
+from shardlab.specs.registry import all_specs, speed_order
 
 FLAGS = ["plan", "--device", "cpu", "--model", "tiny-gpt2", "--seq-len", "64", "--micro-batch", "2", "--json"]
 

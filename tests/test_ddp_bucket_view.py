@@ -16,7 +16,7 @@ from shardlab.config import load_config
 
 @pytest.fixture
 def gloo_rank(monkeypatch):
-    from shardlab.launch.distributed import free_port
+    from shardlab.runtime.distributed import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -35,7 +35,7 @@ def _micro_batches():
 def test_dp_gradients_are_views_of_ddps_buckets(gloo_rank):
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.strategies.ddp import DDPStrategy
     from shardlab.training.optim import Precision
 

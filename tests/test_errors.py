@@ -86,7 +86,7 @@ def _cases(f: dict[str, Path]) -> dict[str, Case]:
 OOM_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    import shardlab.training.trainer as t
+    import shardlab.loop.trainer as t
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     t.Trainer._loop = oom  # what a too-large micro batch does to the first step on a GPU
@@ -229,7 +229,7 @@ def test_out_of_memory_is_a_user_error_with_its_own_exit_code():
 
 def test_next_strategy_suggestions_shard_more():
     from shardlab.config import STRATEGIES
-    from shardlab.training.trainer import next_strategy
+    from shardlab.loop.trainer import next_strategy
 
     assert next_strategy("dp") == "zero2"
     assert next_strategy("zero2") == "zero3"

@@ -17,7 +17,7 @@ import torch
 from shardlab.cli import main
 from shardlab.training.early_stopping import EvalTracker
 from shardlab.errors import UserError
-from shardlab.training.generate import SAMPLE_PROMPTS, complete, load, model_dir, samples_markdown
+from shardlab.loop.generate import SAMPLE_PROMPTS, complete, load, model_dir, samples_markdown
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_samples_markdown_fences_and_missing_after():
 
 
 def test_complete_keeps_the_random_state_and_the_training_mode(run_dir):
-    from shardlab.training.generate import complete_all
+    from shardlab.loop.generate import complete_all
 
     model, tok, _ = load(str(run_dir))
     model.train()

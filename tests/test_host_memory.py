@@ -57,7 +57,7 @@ def test_fsdp_from_meta_loads_a_local_checkpoint_exactly(one_rank, tmp_path):
 # FSDPStrategy's build on WORLD gloo ranks (each with one thread, as on a 2-core machine), for each preset named: every
 # rank writes OUT/<model>-rank<r>.json (its resident memory before setup, its high-water mark after it and the bytes of
 # its shards) and, with SAVE, rank 0 writes OUT/<model>.pt (the full weights and buffers). The build runs as a CPU
-# training run builds (trainer.run_worker): inside launch.distributed.reuse_freed_heap, where freed memory stays
+# training run builds (trainer.run_worker): inside runtime.distributed.reuse_freed_heap, where freed memory stays
 # resident. START is how the ranks start: "spawn" (fresh interpreters, whose resident memory is their own: the memory
 # test) or "fork" (from this script once it has imported what a rank imports, as shardlab forks its CPU ranks:
 # launch/launcher.worker_start_method; the weights test, which spawned 3 ranks that each imported torch, transformers
@@ -69,7 +69,7 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 def rank_main(rank, world, port, models, out, save):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from shardlab.config import RunConfig
-    from shardlab.launch.distributed import DistEnv, reuse_freed_heap
+    from shardlab.runtime.distributed import DistEnv, reuse_freed_heap
     from shardlab.strategies.fsdp import FSDPStrategy
     from shardlab.training.optim import Precision
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -96,7 +96,7 @@ def rank_main(rank, world, port, models, out, save):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    from shardlab.launch.distributed import free_port
+    from shardlab.runtime.distributed import free_port
     world, models, out, save, start = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4] == "save", sys.argv[5]
     if start == "fork":  # imports only: no op has run, so no thread pool is forked
         import torch.distributed.checkpoint.state_dict, shardlab.strategies.fsdp, shardlab.training.optim
@@ -243,7 +243,7 @@ _ZERO3_ENGINE = """
 import json, os, sys
 import torch.distributed as dist
 from shardlab.config import RunConfig
-from shardlab.launch.distributed import DistEnv, free_port
+from shardlab.runtime.distributed import DistEnv, free_port
 from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
 from shardlab.training.optim import Precision
 import torch
@@ -294,7 +294,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, sys.argv[2])
 from allocations import peak_allocated
 from shardlab.config import RunConfig
-from shardlab.launch.distributed import DistEnv, free_port
+from shardlab.runtime.distributed import DistEnv, free_port
 from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
 from shardlab.training.optim import Precision
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from zygote import run_shardlab
 
-from shardlab.launch.distributed import free_port
+from shardlab.runtime.distributed import free_port
 
 ARGS = ["--model", "tiny-gpt2", "--max-steps", "6", "--micro-batch", "2", "--seq-len", "32", "--lr", "1e-3",
         "--dropout", "0", "--precision", "fp32", "--strategy", "zero2", "--log-every", "1", "--no-export",

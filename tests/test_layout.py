@@ -156,10 +156,10 @@ def agree_cfg(strategy, gpus, opts, extra, model) -> RunConfig:
 def test_launcher_trainer_strategy_planner_and_bench_agree(strategy, gpus, opts, extra, deep_gpt2, tmp_path, capsys, monkeypatch):
     import torch
 
-    from shardlab.training import trainer as trainer_mod
+    from shardlab.loop import trainer as trainer_mod
     from shardlab.bench.matrix import resolved_batch
     from shardlab.cli import main
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.planning.planner import plan
     from shardlab.strategies import strategy_class
 
@@ -208,7 +208,7 @@ def test_pipeline_strategy_groups_are_the_layouts(monkeypatch):
     import torch
 
     import shardlab.strategies.pipeline as pipeline
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.training.optim import resolve_precision
 
     made = []

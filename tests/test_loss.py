@@ -124,7 +124,7 @@ def test_eval_forward_passes_no_labels_and_holds_one_chunk(monkeypatch, tiny):
     import copy
 
     from shardlab.config import RunConfig
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.strategies import strategy_class
     from shardlab.training.optim import Precision
 

@@ -20,9 +20,9 @@ import torch
 
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.launch.distributed import DistEnv
+from shardlab.runtime.distributed import DistEnv
 from shardlab.strategies import strategy_class
-from shardlab.strategies.spec import all_specs, spec
+from shardlab.specs.registry import all_specs, spec
 from shardlab.training import loss
 from shardlab.training.models import build_model
 from shardlab.training.optim import Precision
@@ -144,7 +144,7 @@ def test_dp_forward_equals_the_models_own_loss_gradients_and_steps(reference_ker
 
 
 def test_evaluate_gives_the_same_loss(reference_kernel):
-    from shardlab.training.trainer import evaluate
+    from shardlab.loop.trainer import evaluate
 
     torch.manual_seed(0)
     base = build_model(RunConfig(model="tiny-gpt2", device="cpu"))

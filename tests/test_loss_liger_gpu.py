@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardlab.config import RunConfig
-from shardlab.launch.distributed import DistEnv
+from shardlab.runtime.distributed import DistEnv
 from shardlab.strategies import strategy_class
 from shardlab.training import loss
 from shardlab.training.models import build_model

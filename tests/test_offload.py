@@ -320,7 +320,7 @@ def test_adamw8bit_is_torchaos_and_runs_on_cpu():
 
 
 def test_bind_threads_gives_each_rank_its_own_cores():
-    from shardlab.launch.distributed import bind_threads_to_rank_cores
+    from shardlab.runtime.distributed import bind_threads_to_rank_cores
 
     cores, threads, omp = os.sched_getaffinity(0), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     try:

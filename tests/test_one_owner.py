@@ -20,14 +20,14 @@ SOURCES = {p: p.read_text() for p in sorted(SRC.rglob("*.py"))}
 
 # helper -> the module that owns it (relative to src/shardlab)
 OWNERS = {
-    "free_port": "launch/distributed.py",
+    "free_port": "runtime/distributed.py",
     "get_dotted": "dotted.py",
     "set_dotted": "dotted.py",
-    "run_group": "launch/procgroup.py",
-    "end_group": "launch/procgroup.py",
+    "run_group": "runtime/procgroup.py",
+    "end_group": "runtime/procgroup.py",
     "largest_that_fits": "planning/microbatch.py",
     "micro_candidates": "planning/microbatch.py",
-    "processes_per_node": "launch/distributed.py",
+    "processes_per_node": "runtime/distributed.py",
     "model_family": "layout.py",
     "activation_bytes": "planning/memory.py",
     "autocasts": "training/optim.py",  # whether forward runs under autocast: the run's and the planner's one answer
@@ -69,7 +69,7 @@ def test_removed_methods_are_not_back():
 
     assert "as_dict" not in methods("report/load.py", "Spread")
     assert "describe" not in methods("strategies/base.py", "Strategy")
-    assert "received" not in SOURCES[SRC / "launch/preemption.py"]  # ForwardToWorkers.received: set, never read
+    assert "received" not in SOURCES[SRC / "runtime/preemption.py"]  # ForwardToWorkers.received: set, never read
 
 
 def test_no_if_that_only_passes():
@@ -80,12 +80,12 @@ def test_no_if_that_only_passes():
 
 
 @pytest.mark.parametrize("marker, owner", [
-    (r"os\.killpg\(", "launch/procgroup.py"),  # process-group kill
-    (r"start_new_session=True", "launch/procgroup.py"),  # a command in its own group
-    (r"\.bind\(\(\"127\.0\.0\.1\", 0\)\)", "launch/distributed.py"),  # a free port (slurm.py's is shell in the sbatch script)
+    (r"os\.killpg\(", "runtime/procgroup.py"),  # process-group kill
+    (r"start_new_session=True", "runtime/procgroup.py"),  # a command in its own group
+    (r"\.bind\(\(\"127\.0\.0\.1\", 0\)\)", "runtime/distributed.py"),  # a free port (slurm.py's is shell in the sbatch script)
     (r"isinstance\(module, (torch\.)?nn\.ModuleList\)", "training/models.py"),  # the block finder
     (r"dotted\.split\(\"\.\"\)", "dotted.py"),  # walking a dotted key
-    (r"os\.wait4\(", "launch/procgroup.py"),
+    (r"os\.wait4\(", "runtime/procgroup.py"),
 ])
 def test_the_work_itself_happens_in_one_place(marker, owner):
     found = sorted({str(p.relative_to(SRC)) for p, text in SOURCES.items() if re.search(marker, text)})
@@ -93,7 +93,7 @@ def test_the_work_itself_happens_in_one_place(marker, owner):
 
 
 def test_run_group_ends_the_whole_group_on_timeout(tmp_path):
-    from shardlab.launch.procgroup import run_group
+    from shardlab.runtime.procgroup import run_group
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "

@@ -45,7 +45,7 @@ def test_a_run_gives_back_the_cache_after_set_up_and_after_an_autotuned_first_st
     import json
 
     from shardlab.config import RunConfig
-    from shardlab.training.trainer import run_worker
+    from shardlab.loop.trainer import run_worker
 
     def run(name: str, autotuned: bool):
         calls = []

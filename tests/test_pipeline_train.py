@@ -176,7 +176,7 @@ def test_pipeline_stages_compute_in_the_runs_precision(monkeypatch, precision):
     import torch.distributed.pipelining as pipelining
 
     from shardlab.config import RunConfig
-    from shardlab.launch.distributed import DistEnv
+    from shardlab.runtime.distributed import DistEnv
     from shardlab.training.models import build_model
     from shardlab.training.optim import Precision
     from shardlab.strategies import strategy_class

@@ -14,7 +14,7 @@ import torch
 from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
-from shardlab.strategies.spec import names as strategy_names
+from shardlab.specs.registry import names as strategy_names
 from shardlab.planning.planner import (
     GiB,
     activation_bytes,
@@ -530,7 +530,7 @@ def test_an_adamw8bit_runs_host_memory_counts_its_compiler_not_autotuner_copies(
     """torchao compiles its 8-bit step in the training process: rank RSS 2.20-2.23 GiB against an eager process's 1.93,
     once the pinned copies of inductor's first-run autotuning are taken out (13B 4.70 - 2.5 released, bloom-7b1
     10.22 - 8.0 and 9.23 - 7.0; benchmarks/results/2026-11-27-h100-remeasure, calls 1 and 4). shardlab autotunes that
-    step before training with the clones on the GPU (training/warm_8bit.py), so the plan no longer adds the copies (it
+    step before training with the clones on the GPU (loop/warm_8bit.py), so the plan no longer adds the copies (it
     bounded them at 10.56 GiB for bloom-7b1, +14.4% at micro 32). Exact AdamW runs compile no optimizer step."""
     from shardlab.planning.planner import plan as make_plan
 
@@ -550,7 +550,7 @@ def test_an_adamw8bit_runs_host_memory_counts_its_compiler_not_autotuner_copies(
 
 
 def test_compiling_the_8bit_step_before_training_is_a_gpu_moment():
-    """shardlab compiles torchao's step before training beside the weights alone (training/warm_8bit.py): for a small
+    """shardlab compiles torchao's step before training beside the weights alone (loop/warm_8bit.py): for a small
     batch of a model whose embedding is a third of it (gpt2), that is the GPU's peak; at bloom-7b1's sequences it is not."""
     from shardlab.planning.planner import eight_bit_warmup_bytes, plan as make_plan
 
@@ -599,7 +599,7 @@ def test_the_run_and_the_plan_take_autocast_from_one_owner(name):
 
     from shardlab.planning.planner import compute_mode
     from shardlab.strategies.base import Strategy
-    from shardlab.strategies.spec import spec
+    from shardlab.specs.registry import spec
     from shardlab.training.optim import resolve_precision
 
     for precision in ("bf16", "fp32"):

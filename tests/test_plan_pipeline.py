@@ -222,7 +222,7 @@ def case_config(case: dict, wide: Path) -> RunConfig:
 @pytest.fixture(scope="module")
 def measured(wide_models, tmp_path_factory):
     """Every case on the same 2 gloo ranks (the probe runs them one after the other)."""
-    from shardlab.launch.distributed import free_port
+    from shardlab.runtime.distributed import free_port
 
     out = tmp_path_factory.mktemp("probe")
     paths = []

@@ -153,7 +153,7 @@ def test_worker_replans_with_the_eval_split():
 
 def test_the_trainer_and_the_planner_take_the_eval_batch_from_the_spec():
     """One owner: StrategySpec.eval_batch (a micro batch, or a whole step's for pipeline schedules)."""
-    from shardlab.strategies.spec import spec
+    from shardlab.specs.registry import spec
 
     assert spec("dp").eval_batch(8, 4) == 8 and spec("pipeline").eval_batch(8, 4) == 32
     cfg = RunConfig(model="tiny-gpt2", micro_batch=8)

@@ -1,5 +1,5 @@
 """What a run does to the process it runs in: `shardlab.train()` in a notebook or a test leaves the environment as it
-found it, and a CPU-device run reuses its freed heap (launch/distributed.py: reuse_freed_heap)."""
+found it, and a CPU-device run reuses its freed heap (runtime/distributed.py: reuse_freed_heap)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import shardlab
-from shardlab.launch.distributed import reuse_freed_heap
+from shardlab.runtime.distributed import reuse_freed_heap
 
 
 # Run in a fresh interpreter: in a pytest worker that has run other tests first, their threads and live allocations
@@ -24,7 +24,7 @@ from shardlab.launch.distributed import reuse_freed_heap
 _MEASURE = """
 import json, os, resource
 import torch
-from shardlab.launch.distributed import reuse_freed_heap
+from shardlab.runtime.distributed import reuse_freed_heap
 
 def faults(n=6, mib=96):  # page faults taken by allocating, touching and freeing buffers above glibc's mmap threshold
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -84,7 +84,7 @@ def test_a_run_under_an_explicit_host_ram_budget_keeps_glibcs_default(tmp_path, 
     """The retained heap raises a CPU run's resident peak by up to ~25% (tiny-gpt2 micro 23 x 32: 1.22 GiB against
     under 1.0): a run given `cpu_memory_budget_gb`, which `--micro-batch auto` and the planner's host model hold it
     to, must not reuse it; without a budget it does."""
-    from shardlab.training import trainer
+    from shardlab.loop import trainer
 
     seen = []
 

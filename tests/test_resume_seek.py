@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from shardlab.training.sampling import SeekableDistributedSampler
-from shardlab.training.trainer import Trainer
+from shardlab.loop.trainer import Trainer
 
 
 class CountingBlocks(Dataset):

@@ -128,7 +128,7 @@ def test_a_cpu_run_tight_for_the_kept_heap_gives_freed_memory_back(monkeypatch):
     the run only with glibc's default gets that, says so in one line, and the worker does not keep the heap."""
     import contextlib
 
-    from shardlab.launch.distributed import heap_reuse
+    from shardlab.runtime.distributed import heap_reuse
     from shardlab.planning.memory import HOST_HEADROOM, host_fits
     from shardlab.planning.planner import predict_cpu_run
     from shardlab.planning.run_plan import check_host_ram, heap_line
@@ -152,7 +152,7 @@ def test_a_cpu_run_tight_for_the_kept_heap_gives_freed_memory_back(monkeypatch):
     assert heap_line(budget, tight) is None and not heap_reuse(cfg, "cuda", roomy)
 
     # the worker passes the decision to reuse_freed_heap
-    import shardlab.training.trainer as trainer
+    import shardlab.loop.trainer as trainer
 
     seen = []
 

@@ -113,7 +113,7 @@ def test_exactly_one_place_writes_summary_json():
     assert writers == ["measure/summary.py:write"], writers
     # and RunSummary.write is called by the trainer (its rank 0's summary) and merge_monitor (the monitor's figures) only
     callers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if ".write(self.run_dir)" in p.read_text() or "summary.write(run_dir)" in p.read_text())
-    assert callers == ["measure/summary.py", "training/trainer.py"], callers
+    assert callers == ["loop/trainer.py", "measure/summary.py"], callers
 
 
 def test_report_reads_the_monitor_from_the_summary_and_its_figures_are_unchanged():

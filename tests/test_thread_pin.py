@@ -1,4 +1,4 @@
-"""launch/pin.py: which runs pin their training thread, and that what the pinned thread starts later (threads, forked,
+"""runtime/pin.py: which runs pin their training thread, and that what the pinned thread starts later (threads, forked,
 spawned and exec'd processes) gets the full CPU set back; and the one-rank ZeRO-3 defaults that go with it
 (block leaves, contiguous_gradients off) in the generated DeepSpeed JSON. GPU figures:
 benchmarks/results/2026-11-27-h100-zero3-pin/."""
@@ -17,7 +17,7 @@ import pytest
 from torch import nn
 
 from shardlab.config import RunConfig
-from shardlab.launch import pin
+from shardlab.runtime import pin
 from shardlab.strategies.deepspeed_zero import build_ds_config, resolved_ds_config, zero3_leaf_classes
 
 CORES = sorted(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""torchao's 8-bit step compiled before training (training/warm_8bit.py): it must produce exactly the graphs the real
+"""torchao's 8-bit step compiled before training (loop/warm_8bit.py): it must produce exactly the graphs the real
 step then uses (else the first step compiles and autotunes again, with inductor's pinned host copies), and leave the
 weights and the random state alone."""
 
@@ -11,7 +11,8 @@ from torch import nn
 from shardlab.config import RunConfig
 from shardlab.planning.planner import eight_bit_state_bytes, eight_bit_warmup_bytes
 from shardlab.compat.autotune import clones_on_device
-from shardlab.training import optim, warm_8bit
+from shardlab.loop import warm_8bit
+from shardlab.training import optim
 
 slow = pytest.mark.slow  # torchao's step compiles on the CPU: seconds a graph on 2 cores
 

@@ -51,7 +51,7 @@ from patience import patience
 # torch._dynamo and inductor's config: 2.6 s of CPU in every DeepSpeed rank. Inductor's config reads
 # TORCHINDUCTOR_COMPILE_THREADS at import, before a run sets it; measure/compile_stats.limit_compile_workers passes the
 # value on to an imported config.
-PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.training.trainer", "deepspeed", "datasets",
+PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.loop.trainer", "deepspeed", "datasets",
            "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api", "torch.distributed.checkpoint",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.bloom.modeling_bloom",
            "transformers.models.llama.modeling_llama", "deepspeed.runtime.zero.muon.muon_optimizer")

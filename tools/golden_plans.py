@@ -106,7 +106,7 @@ def _gpu_case(cfg) -> dict[str, Any]:
 def _cpu_case(cfg) -> dict[str, Any]:
     from shardlab.errors import UserError
     from shardlab.planning.planner import predict_cpu_run
-    from shardlab.strategies.spec import names
+    from shardlab.specs.registry import names
 
     out: dict[str, Any] = {}
     for s in names():

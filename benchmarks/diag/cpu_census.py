@@ -121,12 +121,12 @@ def main() -> None:
     ap.add_argument("--trim-mb", type=int, default=None, help="with --reuse-heap: M_TRIM_THRESHOLD in MiB (an experiment)")
     args = ap.parse_args()
     if args.trim_mb is not None:
-        from shardlab.launch import distributed
+        from shardlab.runtime import distributed
 
         distributed.HEAP_TRIM_BYTES = min(2**31 - 1, args.trim_mb * 2**20)
 
     from shardlab.config import RunConfig
-    from shardlab.training import trainer as T
+    from shardlab.loop import trainer as T
 
     cfg = RunConfig(model=args.model, strategy=args.strategy, device="cpu", gpus=1,
                     seq_len=args.seq_len, micro_batch=args.micro_batch, max_steps=args.steps, precision=args.precision,

@@ -75,7 +75,7 @@ def main() -> None:  # noqa: C901 - a one-off diagnostic script, kept as it was 
 
     from shardlab.config import load_config
     from shardlab.training import presets
-    from shardlab.training import trainer as T
+    from shardlab.loop import trainer as T
 
     name = args.like
     if args.width:

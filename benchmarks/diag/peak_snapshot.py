@@ -185,7 +185,7 @@ def main() -> int:
     args = ap.parse_args()
     label = innermost if args.innermost else where
     from shardlab.config import load_config
-    from shardlab.training.trainer import run_worker
+    from shardlab.loop.trainer import run_worker
 
     from shardlab.config import parse_set
 

@@ -5,9 +5,9 @@ Library use mirrors the CLI:
     from shardlab import load_config, train
     result = train(load_config("examples/quick-test.yaml", {"max_steps": 5}))
 
-Layout: packages by concern (cli, launch, training, data, strategies, checkpoint, measure, planning, pipesim,
-bench, report; README "Code layout"). errors.py and config.py stay at the top as the base layer every package
-imports; config is one module, so a config/ package would only add a level. The packages are `training/`
+Layout: packages by concern (cli, launch, loop, training, runtime, data, strategies, specs, checkpoint, measure,
+planning, pipesim, bench, report; docs/about.md "Code layout"; pyproject.toml holds their layers). errors.py and
+config.py stay at the top as the base layer every package imports; config is one module, so a config/ package would only add a level. The packages are `training/`
 and `planning/`, not `train/` and `plan/`, because `shardlab.train` and `shardlab.plan` are the functions below.
 """
 

@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .dotted import set_dotted
 from .errors import UserError
 
-from .strategies.spec import DEFAULT_STRATEGY, names, spec
+from .specs.registry import DEFAULT_STRATEGY, names, spec
 from .layout import data_parallel_size, pipeline_stages
 
-# Every strategy name, in the registry's order (strategies/specs/): the choices listed by --help and errors.
+# Every strategy name, in the registry's order (specs/): the choices listed by --help and errors.
 STRATEGIES = names()
 
 
@@ -191,7 +191,7 @@ class RunConfig(_Strict):
     cpu_memory_budget_gb: float | None = Field(None, gt=0, json_schema_extra=cli("--cpu-memory-budget-gb"),
         description="--micro-batch auto on CPU: host RAM the run may use, GiB (default: half of the RAM available); "
         "given, the run also keeps glibc's default of returning freed memory, which the budget is planned with "
-        "(launch.distributed.reuse_freed_heap)")
+        "(runtime.distributed.reuse_freed_heap)")
     # length of training
     epochs: float | None = Field(None, gt=0, json_schema_extra=cli("--epochs"),
         description="epochs to train, fractions allowed (default: 1, unless --max-steps is given)")
@@ -245,7 +245,7 @@ class RunConfig(_Strict):
         description="pin each rank's training thread and autograd's device thread to one CPU of the rank's cores after the "
         "first step (threads and processes it starts later get the full set): ZeRO-3 on one H100 is host-bound and ran "
         "1.01x dp pinned vs 0.80x unpinned. auto: CUDA dp/zero1-3/fsdp runs, eager, no offload; on: also compiled runs and "
-        "other GPU strategies without offload; off: never (shardlab.launch.pin)")
+        "other GPU strategies without offload; off: never (shardlab.runtime.pin)")
     loss_kernel: Literal["auto", "compiled", "hf", "liger"] = Field(
         "auto", description="the LM loss: 'compiled' = one fused torch.compile kernel (no fp32 logits copies), 'hf' = the model's own, "
         "'liger' = Liger-Kernel's fused linear cross-entropy (the head inside the loss: no logits at all; CUDA, dp and "
@@ -310,7 +310,7 @@ class RunConfig(_Strict):
     samples: bool = Field(False, json_schema_extra=cli("--samples"),
         description="write samples.md: greedy completions of sample_prompts before and after training (rank 0, on the "
         "CPU, from the model as loaded and from the exported one)")
-    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.training.generate.SAMPLE_PROMPTS)")
+    sample_prompts: list[str] | None = Field(None, description="prompts for samples.md (default: shardlab.loop.generate.SAMPLE_PROMPTS)")
     save_every: int | None = Field(None, gt=0, json_schema_extra=cli("--save-every"),
         description="optimizer steps between checkpoints (default: no periodic checkpoints)")
     keep_checkpoints: int = Field(2, gt=0, json_schema_extra=cli("--keep-checkpoints"),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .errors import UserError
 from .pipesim.schedules import FIXED_CHUNKS, PLACEMENT, place
-from .strategies.spec import spec
+from .specs.registry import spec
 
 if TYPE_CHECKING:
     from .config import RunConfig

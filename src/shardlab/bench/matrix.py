@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..config import RunConfig, config_from_dict, read_yaml
 from ..dotted import set_dotted
 from ..errors import UserError
-from ..strategies.spec import DEFAULT_STRATEGY, spec
+from ..specs.registry import DEFAULT_STRATEGY, spec
 from ..layout import data_parallel_size
 from .machine import MACHINE, device_of, machine_gpu_counts
 

@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from ..config import dump_config, read_yaml
-from ..launch.procgroup import run_group
+from ..runtime.procgroup import run_group
 from ..measure.summary import RunSummary
 from .matrix import Cell, footing
 

@@ -37,7 +37,7 @@ import torch
 
 from ..compat.universal_checkpoint import loadable_by_every_stage
 from ..errors import UserError
-from ..strategies.spec import lookup
+from ..specs.registry import lookup
 from ..training.adapters import layout as adapter_layout
 
 # Lazy imports below: deepspeed (seconds to import) loads only when a DeepSpeed checkpoint is resharded.

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..launch import faults
+from ..runtime import faults
 from . import reshard, trust
 from ..errors import UserError
 from ..measure.records import write_text_atomic

@@ -32,8 +32,8 @@ from ..launch.failures import report_errors  # worker.py's too; callers also imp
 from ..launch.supervise import exit_as, supervise, wanted
 from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
 from ..strategies import strategy_class
-from ..strategies.spec import spec
-from ..training.generate import add_generate_parser, cmd_generate
+from ..specs.registry import spec
+from ..loop.generate import add_generate_parser, cmd_generate
 from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
 
 def _flag_type(annotation: Any) -> Any:
@@ -226,7 +226,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _dry_run(cfg) -> None:
-    from ..launch.distributed import pick_device_type, processes_per_node
+    from ..runtime.distributed import pick_device_type, processes_per_node
     from ..launch.launcher import (check_tokenizer, preflight, quiet_engines, stale_run_files, weights_not_kept_note,
                                    with_user_deepspeed_json)
     from ..launch.nodes import single_machine_note
@@ -310,7 +310,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UserError(f"--peft {cfg.peft.method} --device cpu: the CPU plan does not model adapters yet",
                         "plan it for GPUs (--gpu-memory-gb), or drop --peft")
     if cfg.device == "cpu":  # a run on this machine's CPU: its host memory is the one figure (planning/cpu_plan.py)
-        from ..launch.distributed import processes_per_node
+        from ..runtime.distributed import processes_per_node
         from ..launch.launcher import preflight
         from ..planning.cpu_plan import plan_cpu, render_cpu
         from ..planning.run_plan import host_available_gib

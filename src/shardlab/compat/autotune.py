@@ -3,7 +3,7 @@
 When inductor benchmarks a new kernel's configurations, a kernel that mutates its arguments works on copies: clones on
 the GPU where they fit under the peak so far, otherwise pinned host copies
 (torch/_inductor/runtime/triton_heuristics.py, ``CachingAutotuner.copy_args_to_cpu_if_needed``). shardlab autotunes
-torchao's 8-bit step before training (training/warm_8bit.py: why), when the GPU holds only the weights: there the
+torchao's 8-bit step before training (loop/warm_8bit.py: why), when the GPU holds only the weights: there the
 clones fit, and answering "nothing to copy" for that moment keeps the host out of it. Outside the torch versions this
 was tested on, inductor decides as it would anyway.
 """

@@ -1,4 +1,4 @@
-"""Every creator of a thread or process runs with the pinned thread's full CPU set (launch/pin.py: why).
+"""Every creator of a thread or process runs with the pinned thread's full CPU set (runtime/pin.py: why).
 
 Linux gives a new thread or process its creator's affinity mask. While a rank's training thread is pinned to one CPU,
 whatever it creates would be pinned there too, so each creator is wrapped to widen the mask for the moment of

@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 
 from ..errors import UserError, say
-from .preemption import INTERRUPT_EXIT, REQUEUE_EXIT, Preempted
+from ..runtime.preemption import INTERRUPT_EXIT, REQUEUE_EXIT, Preempted
 
 
 def _cause_order(rank: int, failure, requeue_exit: int) -> tuple:

@@ -27,13 +27,13 @@ from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
-from .distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
+from ..runtime.distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
 from ..layout import ParallelLayout, model_layers
 from ..training.cpu_bf16 import slow_bf16_note
 from ..training.optim import resolve_precision
 from ..strategies import strategy_class
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
 from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
 from ..checkpoint.store import check_resume, check_trusted, find_resume_dir
@@ -41,9 +41,9 @@ from ..measure.monitor import watch
 from ..measure.summary import merge_monitor
 from ..planning.autobatch import check_auto, resolve_auto_micro_batch
 from ..planning.run_plan import PLAN_KEYS, check_host_ram, plan_for_run, write_record
-from .guards import publish_failure
+from ..runtime.guards import publish_failure
 from .nodes import resolve_nodes, single_machine_note
-from .preemption import REQUEUE_EXIT, ForwardToWorkers
+from ..runtime.preemption import REQUEUE_EXIT, ForwardToWorkers
 from .run_lock import LOCK_NAME, OutputDirLock
 from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_kills, record_plan
 
@@ -202,7 +202,7 @@ def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
     try:
         with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
             if in_launched_job() or nproc * cfg.nodes == 1:
-                from ..training.trainer import run_worker
+                from ..loop.trainer import run_worker
 
                 result = run_worker(cfg, plan=plan)
             else:
@@ -396,7 +396,7 @@ def one_line_fork_failures() -> None:
 
 def preimport_for_workers(cfg: RunConfig) -> None:
     """Before forking ranks: import what every rank imports, once, here (DeepSpeed only for its strategies)."""
-    import shardlab.training.trainer  # noqa: F401
+    import shardlab.loop.trainer  # noqa: F401
 
     if spec(cfg.strategy).engine == "deepspeed":
         import deepspeed  # noqa: F401

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 from ..config import RunConfig
-from .distributed import NODE_AGENT_ENV, first_slurm_host
+from ..runtime.distributed import NODE_AGENT_ENV, first_slurm_host
 from ..errors import UserError
 
 

@@ -5,7 +5,7 @@ shardlab package and the resolved config are copied into the run directory at su
 the script runs those copies. Inside the job one srun task per node runs `shardlab train`; each
 starts its node's workers and they meet at the allocation's first host (from SLURM's variables:
 no SSH, no hostfile). SLURM's warning signal (`--signal=USR1@SECONDS`) and its SIGTERM make every
-rank finish its step and checkpoint (preemption.py); the script then requeues the job
+rank finish its step and checkpoint (runtime/preemption.py); the script then requeues the job
 (`--requeue`), and the requeued job resumes with `--resume auto`.
 """
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig, dump_config
-from .distributed import NODE_AGENT_ENV
+from ..runtime.distributed import NODE_AGENT_ENV
 from ..errors import UserError
-from .preemption import REQUEUE_EXIT
-from ..strategies.spec import spec
+from ..runtime.preemption import REQUEUE_EXIT
+from ..specs.registry import spec
 from ..strategies import strategy_class
 
 # Lazy imports below: training.models (transformers) and data.cache (the data package) load only when a job script

@@ -30,9 +30,10 @@ from typing import Any
 
 from ..errors import say
 from ..measure.records import read_json, write_text_atomic
-from ..strategies.spec import find, lookup
+from ..specs.registry import find, lookup
 from .bytecode import bytecode_env
-from .preemption import ForwardToWorkers
+from ..runtime.preemption import ForwardToWorkers
+from ..runtime.process import in_launched_job
 from .run_lock import remove_left_by_killed_run
 
 # Lazy imports below: the supervising parent imports as little as it can (no torch: tests/test_layout_imports.py);
@@ -40,18 +41,7 @@ from .run_lock import remove_left_by_killed_run
 
 # Set in the supervised child: the file it writes its plan record into (run_plan.py), read after a kill.
 SUPERVISED_ENV = "SHARDLAB_SUPERVISED"
-# Set by the script `shardlab slurm` writes: this srun task is one node's launcher, not a rank.
-NODE_AGENT_ENV = "SHARDLAB_NODE_AGENT"
 GiB = 2**30
-
-
-def in_launched_job() -> bool:
-    """True when some launcher (ours, torchrun, deepspeed, srun with >1 task) already made us a rank."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
-    if os.environ.get(NODE_AGENT_ENV):
-        return False
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
 def wanted() -> bool:

@@ -11,7 +11,7 @@ import sys
 
 from .failures import report_errors
 from ..config import load_config
-from .distributed import exit_process
+from ..runtime.distributed import exit_process
 from .supervise import mark_nodes_joining
 
 # The imports inside main() run inside report_errors, so that an error raised while they import is reported as one
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     mark_nodes_joining(False)  # a worker exists (exec'd or forked), so the nodes have joined: Ctrl-C stops the run as usual
     with report_errors() as status:
         from ..planning.run_plan import read_record
-        from ..training.trainer import run_worker
+        from ..loop.trainer import run_worker
 
         run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
     return status.code

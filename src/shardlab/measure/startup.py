@@ -5,7 +5,7 @@ launcher's start, so spawning the worker and its imports are the first phase).
 Phases, in order: ``launch_and_imports`` (interpreter, imports, the launcher's checks, spawning this worker, joining the process group),
 ``data`` (tokenising or reading the cache), ``model_build`` (the weights the engine keeps), ``engine_setup``
 (wrapping, optimizer; DeepSpeed builds its ops here), ``optimizer_compile`` (8-bit AdamW only: torchao's step
-compiled and autotuned before training, training/warm_8bit.py), ``initial_eval`` (the baseline eval, when on) and ``first_step``
+compiled and autotuned before training, loop/warm_8bit.py), ``initial_eval`` (the baseline eval, when on) and ``first_step``
 (the first optimizer step, with any compile it triggers: ``compile_time_s`` says how much)."""
 
 from __future__ import annotations

@@ -275,9 +275,9 @@ class RunSummary(_Record):
     time_split: TimeSplit | None = None
     cpu_threads: int | None = None
     bound_cores: int | None = None
-    thread_pin: dict[str, Any] | None = None  # launch/pin.py: mode, the CPU pinned to (None: not pinned), why
+    thread_pin: dict[str, Any] | None = None  # runtime/pin.py: mode, the CPU pinned to (None: not pinned), why
     pinned_released_gib: dict[str, float] | None = None  # training/pinned.py: cached pinned host GiB given back, by moment
-    eight_bit_warmup: dict[str, Any] | None = None  # training/warm_8bit.py: graphs, seconds, GPU peak vs planned (GPU 8-bit runs)
+    eight_bit_warmup: dict[str, Any] | None = None  # loop/warm_8bit.py: graphs, seconds, GPU peak vs planned (GPU 8-bit runs)
     # MFU (mfu.summary_fields) and the projected epoch (metrics.run_stats)
     flops_per_token: int | None = None
     flops_formula: str | None = None

@@ -40,12 +40,12 @@ import psutil
 from .. import messages
 from ..config import RunConfig, dump_config
 from ..errors import OutOfMemory, UserError
-from ..launch.procgroup import run_group
+from ..runtime.procgroup import run_group
 from ..measure.summary import RunSummary
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from ..strategies import strategy_class
 
-# Function-local imports below are lazy on purpose: launch.distributed and planner.py import torch (and the planner
+# Function-local imports below are lazy on purpose: runtime.distributed and planner.py import torch (and the planner
 # transformers when it reads a model), which this module does not need until `auto` is resolved.
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
@@ -62,7 +62,7 @@ def check_auto(cfg: RunConfig, dp_world: int) -> None:
     if cfg.nodes > 1:
         raise UserError("--micro-batch auto runs its trials on one node; this job has several",
                         "find the micro batch once on one node with the same GPUs per node, then pass --micro-batch N")
-    from ..launch.distributed import in_launched_job
+    from ..runtime.distributed import in_launched_job
 
     if in_launched_job():
         raise UserError("--micro-batch auto needs shardlab's own launcher (it starts trial runs before the job), "
@@ -208,7 +208,7 @@ def resolve_auto_micro_batch(cfg: RunConfig, device_type: str | None = None, npr
                              workdir: str | Path | None = None) -> tuple[RunConfig, AutoBatchResult]:
     """Replace ``micro_batch: auto`` by the largest micro batch that runs (module docstring). Returns the
     config with the number filled in and what was tried. ``trial`` replaces the subprocess (tests)."""
-    from ..launch.distributed import pick_device_type, processes_per_node
+    from ..runtime.distributed import pick_device_type, processes_per_node
 
     if cfg.micro_batch != "auto":
         raise ValueError("resolve_auto_micro_batch needs micro_batch 'auto'")

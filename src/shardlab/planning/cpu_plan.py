@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..strategies.spec import all_specs, speed_order
+from ..specs.registry import all_specs, speed_order
 from .memory import HOST_HEADROOM, host_fits
 from .run_plan import check_host_ram, predict_run
 

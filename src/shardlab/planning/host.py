@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ..measure.compile_stats import INPROCESS_COMPILE_RSS_BYTES, compile_pool_bytes, compile_workers
 from ..strategies.memory import EngineMemory, Run, memory_model
-from ..strategies.spec import spec
-from .memory import HEAP_TRIM_BYTES, PROCESS_RSS_BYTES, GiB, StrategyPlan
+from ..specs.registry import spec
+from ..runtime.process import HEAP_TRIM_BYTES
+from .memory import PROCESS_RSS_BYTES, GiB, StrategyPlan
 
 # Resident memory of one GPU training process besides the buffers below (python, torch, the CUDA libraries'
 # host side, data): bloom-560m zero2_offload, bf16, 1 GPU (benchmarks/results/*-h200x4-session2/
@@ -40,7 +41,7 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
         states[f"inductor compile workers ({workers} processes)"] = compile_pool_bytes(workers)
     if run.device == "cuda" and cfg.optimizer == "adamw8bit":
         # torchao compiles its step in this process (no worker pool: compile_stats.limit_compile_workers); inductor's
-        # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (training/warm_8bit.py)
+        # autotuning copies nothing to the host: shardlab runs it before training, its clones on the GPU (loop/warm_8bit.py)
         states["torch.compile in the process (torchao's compiled 8-bit step)"] = float(INPROCESS_COMPILE_RSS_BYTES)
     detail = {k: v * g for k, v in states.items()}
     detail[build_label] = build * g
@@ -72,7 +73,7 @@ CPU_LAUNCHER_RSS_BYTES = int(0.44 * GiB)
 # allocations (StrategyPlan.gpu_peak on a CPU). Measured (benchmarks/results/*-cpu-host-model): gpt2 fp32, one
 # rank, seq 256 micro 2 (dp, zero2, zero3, fsdp) and seq 512 micro 4 (dp), the resident high-water mark against the
 # same run's live peak (MALLOC_MMAP_THRESHOLD_=65536, where freed memory leaves the resident set):
-#   - the heap kept for reuse (launch.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57
+#   - the heap kept for reuse (runtime.distributed.reuse_freed_heap, steps 12-22% shorter): +0.81, +2.26, +2.08, +1.57
 #     and +1.55 GiB, 0.24-0.70 x the live peak; the top of the heap is trimmed above HEAP_TRIM_BYTES (2 GiB) of free
 #     memory, so what it keeps stays within that and the interior fragmentation (at most 0.26 GiB measured);
 #   - glibc's default: +0.55, +0.99, +1.14, +0.96 and +0.87 GiB, 0.14-0.33 x.

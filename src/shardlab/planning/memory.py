@@ -12,10 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# The M_TRIM_THRESHOLD launch.distributed.reuse_freed_heap gives glibc on CPU runs: free memory at the top of the heap
-# goes back to the system only above it (so planning.host.heap_kept_bytes can bound what the heap keeps)
-HEAP_TRIM_BYTES = 2**31 - 1
-
 GiB = 2**30
 
 # The CUDA context (driver, kernels' modules, cuBLAS workspace) is outside the torch allocator:

@@ -67,7 +67,7 @@ from ..errors import UserError
 from ..layout import data_parallel_size, model_family
 from ..training.loss import resolve_loss_kernel
 from ..strategies.memory import LayerBytes, NotApplicable, Run, memory_model
-from ..strategies.spec import all_specs, find, names, spec, speed_order
+from ..specs.registry import all_specs, find, names, spec, speed_order
 from .memory import (
     CUDA_CONTEXT_BYTES,
     HOST_HEADROOM,
@@ -105,7 +105,7 @@ from ..training.optim import arithmetic, autocasts, resolve_precision
 # zero3_offload 9.5% (--offload-ratio 0.7; 18.3% fully offloaded on a larger host); zero2_offload 24.8% on that larger
 # host, so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
 # reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
-# Each strategy's rank is its spec's speed_rank (strategies/specs/); these are read from there.
+# Each strategy's rank is its spec's speed_rank (specs/); these are read from there.
 SPEED_ORDER = speed_order()
 MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}
 
@@ -227,7 +227,7 @@ def model_state_bytes_per_param(strategy: str, d: int, precision: str = "bf16") 
 
 
 def eval_batch_per_rank(cfg: RunConfig, strategy: str, micro: int, accum: int, dp: int, eval_blocks: int | None) -> int:
-    """Rows of one eval forward on one rank (training.trainer._loaders): the eval batch is the micro batch (a whole
+    """Rows of one eval forward on one rank (loop.trainer._loaders): the eval batch is the micro batch (a whole
     step's micro-batches where the strategy evaluates whole steps), and DistributedSampler gives every rank
     ceil(blocks / ranks) rows (drop_last=False pads). With ``eval_blocks`` unknown (the launcher plans before the data
     is read) a full eval batch: what an eval split of at least ``dp`` batches uses. 0 when there is no eval split."""

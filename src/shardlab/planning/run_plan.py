@@ -26,7 +26,7 @@ from .. import messages
 from ..config import RunConfig
 from ..errors import UserError
 from ..measure.records import read_json, write_text_atomic
-from ..strategies.spec import spec, speed_order
+from ..specs.registry import spec, speed_order
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB, host_fits
 from .microbatch import largest_that_fits, micro_candidates
 
@@ -81,7 +81,7 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
         from ..layout import data_parallel_size
 
         # The heap is kept for reuse between steps (faster) where the run fits with it, else glibc's default
-        # (launch.distributed.heap_reuse); under an explicit host-RAM budget always glibc's default
+        # (runtime.distributed.heap_reuse); under an explicit host-RAM budget always glibc's default
         sp, total = predict_cpu_run(run_cfg, nproc, reuse_heap=False)
         reuse = cfg.cpu_memory_budget_gb is None
         if reuse:  # the same allocations, with what the kept heap holds
@@ -289,7 +289,7 @@ def warning_line(record: dict[str, Any]) -> str | None:
 
 def heap_line(cfg: RunConfig, record: dict[str, Any]) -> str | None:
     """A CPU run that fits this node only if freed memory goes back to the system between steps says so: its steps are
-    slower than with the heap kept (launch.distributed.heap_reuse)."""
+    slower than with the heap kept (runtime.distributed.heap_reuse)."""
     if record.get("heap_reuse") is not False or cfg.cpu_memory_budget_gb is not None:
         return None
     return (f"host RAM is tight for this run ({record['cpu_gib']:.1f} GiB planned of {record['host_ram_gib']:.1f}): freed "

@@ -26,7 +26,7 @@ def eight_bit_state_bytes(k: int) -> int:
 
 def eight_bit_warmup_bytes(k: int, weight_bytes: int) -> int:
     """GPU bytes above the weights while shardlab compiles and autotunes torchao's 8-bit step for one parameter shape
-    of `k` elements before training (training/warm_8bit.py): a scratch copy of the weight, its gradient and its two
+    of `k` elements before training (loop/warm_8bit.py): a scratch copy of the weight, its gradient and its two
     moments, the autotuner's clones of what the step mutates (the weight and the moments), and the compiled step's own
     temporaries, measured as two weight-sized and two fp32 tensors of the shape. Measured on an H100/H200
     (benchmarks/results/*-h100-8bit-warmup): bloom-7b1's embedding with bf16 weights 21.17 GiB above the
@@ -111,7 +111,7 @@ def _moments(run: Run, held: Held, model: EngineMemory, act: Activations, mode: 
                     f"eval forward ({eval_rows} rows a rank: their logits and one loss chunk)"))
     if run.device == "cuda" and cfg.optimizer == "adamw8bit":
         # shardlab compiles and autotunes torchao's 8-bit step before training, one parameter shape at a time, beside
-        # the weights alone (training/warm_8bit.py): the moments and gradients of the run do not exist yet
+        # the weights alone (loop/warm_8bit.py): the moments and gradients of the run do not exist yet
         warm = max(eight_bit_warmup_bytes(k, 2 if run.bf16_master else 4) for k in model.optimizer_shapes(run))
         out.append((held.params + sum(held.persistent.values()) + warm,
                     "compiling the 8-bit step before training (a scratch weight, gradient, moments, the autotuner's "

@@ -20,7 +20,7 @@ import yaml
 from ..config import config_from_dict
 from ..dotted import get_dotted
 from ..errors import UserError
-from ..strategies.spec import DEFAULT_STRATEGY
+from ..specs.registry import DEFAULT_STRATEGY
 from ..measure.records import read_jsonl
 from ..measure.summary import RunSummary
 

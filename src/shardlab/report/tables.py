@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import yaml
 
-from ..strategies.spec import lookup
+from ..specs.registry import lookup
 from .load import Cell, Run, Spread, spread
 
 FOOTING = ("precision", "global_batch", "seq_len", "tokens")

@@ -1,15 +1,16 @@
-"""Strategies: the short names users type -> their spec (spec.py) and the class that implements them.
+"""Strategies: the short names users type -> their spec (shardlab/specs/) and the class that implements them.
 
 One file per engine (ddp.py, deepspeed_zero.py, fsdp.py, ...), as Lightning Fabric does; each name's
-facts are declared once in specs/. This package imports no torch until a class is asked for.
+facts are declared once in shardlab/specs/, below config and the training pieces, which read them.
+This package imports no torch until a class is asked for.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import spec as registry  # the module: `shardlab.strategies.spec` must stay the module, not its function
-from .spec import names
+from ..specs import registry  # the module, as `strategies.registry`
+from ..specs.registry import names
 
 if TYPE_CHECKING:
     from .base import Strategy

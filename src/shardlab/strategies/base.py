@@ -22,10 +22,10 @@ from .. import messages
 from ..training import attention_backend, loss, optim, sdpa_causal
 from ..config import RunConfig
 from ..errors import UserError
-from ..launch.distributed import DistEnv, bind_threads_to_rank_cores
+from ..runtime.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
 from ..training.optim import Precision
-from .spec import StrategySpec, spec
+from ..specs.registry import StrategySpec, spec
 from ..measure.timesplit import StepSplit
 
 # Lazy imports below: transformers (training.models) loads with the model, not with the strategy class (preflight and
@@ -47,7 +47,7 @@ def summed(count: int, device: torch.device, group=None) -> torch.Tensor:
 
 class Strategy(ABC):
     # The capability flags (supports_compile, uses_autocast, own_loss, eval_whole_steps, supports_8bit,
-    # supports_in_backward) are the run's StrategySpec's (strategies/specs/): one class serves several names.
+    # supports_in_backward) are the run's StrategySpec's (specs/): one class serves several names.
     # Optimizer steps not applied: non-finite gradients, or fp16 loss-scale overflows (counted apart too).
     skipped_steps: int = 0
     overflow_steps: int = 0

@@ -18,7 +18,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from ..training.optim import resolve_precision
 from .deepspeed_schema import same_setting
-from .spec import spec
+from ..specs.registry import spec
 
 # Lazy import below: hjson only for a user JSON, inside read_user_json's error handling.
 

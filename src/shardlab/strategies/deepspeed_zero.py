@@ -19,17 +19,17 @@ from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError
 from .base import Strategy
-from .spec import all_specs, spec
+from ..specs.registry import all_specs, spec
 from ..compat.zero3_release_cache import apply_release_cache_fix
 from .deepspeed_json import adopt_user_json, merge_user_config, read_user_json  # noqa: F401  (adopt: re-exported)
 from .. import compat
 from ..compat import zero3_one_rank
-from .specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
+from ..specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 
 # Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
 # or a DeepSpeed checkpoint read.
 
-# Derived from the specs (strategies/specs/deepspeed_zero.py owns each name's stage).
+# Derived from the specs (specs/deepspeed_zero.py owns each name's stage).
 STAGE = {s.name: s.zero_stage for s in all_specs() if s.engine == "deepspeed"}
 CKPT_TAG = "deepspeed"
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import compat
-from .spec import spec
+from ..specs.registry import spec
 from .torch_optim import TorchOptimizerStrategy
 
 # Lazy imports below: transformers (training.models, compiling) and torch.distributed's fsdp/checkpoint modules load

@@ -221,7 +221,7 @@ def layout(cfg: RunConfig) -> dict[str, Any] | None:
     compute dtype its weights were quantised from. None for full fine-tuning."""
     if cfg.peft.method is None:
         return None
-    from ..launch.distributed import pick_device_type
+    from ..runtime.distributed import pick_device_type
     from .models import resolve_preset
     from .optim import resolve_precision
 

@@ -28,7 +28,7 @@ import os
 import torch
 from torch import nn
 
-from ..strategies.spec import spec
+from ..specs.registry import spec
 from .models import transformer_blocks
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..strategies.spec import StrategySpec, spec
+from ..specs.registry import StrategySpec, spec
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def autotuned_in_first_step(optimizer: str) -> bool:
     torchao's compiled 8-bit step copies the tensors it mutates (the weight and its moments) to pinned host memory where
     GPU clones would raise the peak (torch/_inductor/runtime/triton_heuristics.py ``copy_args_to_cpu_if_needed``):
     "released 8.0 GiB" at bloom-7b1 (benchmarks/results/*-h100-big-model, call 4). shardlab now autotunes that
-    step before training with the clones on the GPU (training/warm_8bit.py), so this finds nothing unless the warm-up
+    step before training with the clones on the GPU (loop/warm_8bit.py), so this finds nothing unless the warm-up
     could not run; summary.json's pinned_released_gib shows which. Not for every run: FSDP2's CPU offload copies each
     step's gradients into pinned blocks it frees and reuses, and emptying the cache after its first step made bloom-7b1's
     second step pin 28.4 GiB again (23.6 s against 13.2, call 5)."""

@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from ...errors import UserError
-from ..spec import StrategySpec
+from ...specs.registry import StrategySpec
 
 if TYPE_CHECKING:  # the planner's types: read here, never imported at run time (planning imports strategies)
     from ...config import RunConfig

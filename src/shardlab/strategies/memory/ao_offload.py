@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..spec import StrategySpec
+from ...specs.registry import StrategySpec
 from . import EngineMemory, Held, Run, States, built_on_meta, pinned_bytes
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..spec import StrategySpec
+from ...specs.registry import StrategySpec
 from . import EngineMemory, Held, Run, States, built_on_meta, cpu_adamw_temp_bytes, torch_adam_bytes
 
 TIED = "end of backward (all gradients + the tied embedding's second gradient)"

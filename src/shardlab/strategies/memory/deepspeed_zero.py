@@ -11,8 +11,8 @@ from fractions import Fraction
 
 from ..deepspeed_zero import (block_leaves, contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm,
                               sized_buckets, twin_flow_gpu_sub_groups, zero3_sub_groups)
-from ..spec import StrategySpec
-from ..specs.deepspeed_zero import NVME_BYTES_PER_PARAM
+from ...specs.registry import StrategySpec
+from ...specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 from . import EngineMemory, Held, Run, States, built_on_meta, cpu_adamw_temp_bytes, pinned_bytes
 
 # DeepSpeed's default AIO swap buffers for ZeRO-Infinity (deepspeed/runtime/swap_tensor/constants.py &

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 from ..fsdp import (accumulated_grad_bytes_per_param, by_module_build_bytes, params_gathered_through_backward,
                     random_init_by_module, units)
-from ..spec import StrategySpec
+from ...specs.registry import StrategySpec
 from . import EngineMemory, Held, Run, States, cpu_adamw_temp_bytes, pinned_bytes, torch_adam_bytes
 
 REDUCE = "end of backward (FSDP2's reduce-scatter: the largest unit's unsharded gradients and their fp32 reduce-scatter input)"

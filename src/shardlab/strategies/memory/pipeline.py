@@ -52,7 +52,7 @@ from types import SimpleNamespace
 
 from ...layout import LayoutError, ParallelLayout, data_parallel_size
 from ...pipesim.schedules import device_orders
-from ..spec import StrategySpec
+from ...specs.registry import StrategySpec
 from . import EngineMemory, NotApplicable, PerGpu, Run, States, cpu_adamw_temp_bytes
 
 BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 weights, grads, AdamW m and v

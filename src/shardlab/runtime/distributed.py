@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..planning.memory import HEAP_TRIM_BYTES
-from .supervise import NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free supervise.py, used here and by others
+from .process import HEAP_TRIM_BYTES, NODE_AGENT_ENV, in_launched_job  # noqa: F401 - owned by the torch-free process.py, used here and by others
 
 if TYPE_CHECKING:
     from ..config import RunConfig

@@ -1,6 +1,6 @@
 """`fsdp` (strategies/fsdp.py): PyTorch FSDP2, every model state sharded on the GPUs."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 register(StrategySpec(
     name="fsdp", engine="fsdp2", order=9, impl=".fsdp:FSDPStrategy", memory=".memory.fsdp:FSDPMemory",

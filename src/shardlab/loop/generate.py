@@ -89,8 +89,8 @@ def model_dir(name: str) -> str:
 def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, adapter directory
     (its base model rebuilt, the adapter loaded by peft), preset or hub id."""
-    from . import adapters
-    from .models import TOKENIZER_FILES, build_model, load_tokenizer
+    from ..training import adapters
+    from ..training.models import TOKENIZER_FILES, build_model, load_tokenizer
 
     source = model_dir(name)
     if adapters.is_adapter_dir(Path(source)):
@@ -169,8 +169,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ..launch.distributed import pick_device_type
-    from .models import max_positions
+    from ..runtime.distributed import pick_device_type
+    from ..training.models import max_positions
 
     _check_args(args)
     device = pick_device_type(args.device)

@@ -44,7 +44,7 @@ def pin_decision(cfg, device_type: str, local_rank: int = 0, local_world: int = 
     """(the CPU to pin this rank's training thread to, or None; why). `cores`: the CPUs this rank may run on
     (default: the calling thread's mask), split among the node's ranks as bind_threads_to_rank_cores splits them
     (distributed.rank_share)."""
-    from ..strategies.spec import spec
+    from ..specs.registry import spec
 
     mode = cfg.pin_thread
     if mode == "off":

@@ -1,6 +1,6 @@
 """`dp` (strategies/ddp.py): torch DDP, everything replicated."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 register(StrategySpec(
     name="dp", engine="ddp", order=0, impl=".ddp:DDPStrategy", memory=".memory.ddp:DDPMemory",

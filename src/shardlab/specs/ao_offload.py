@@ -1,6 +1,6 @@
 """`ao_offload` (strategies/ao_offload.py): torchao's CPUOffloadOptimizer on one GPU."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 register(StrategySpec(
     name="ao_offload", engine="torchao", order=11, impl=".ao_offload:AOOffloadStrategy",

@@ -1,7 +1,7 @@
 """`fsdp_offload`: FSDP2 with CPUOffloadPolicy. The engine is fsdp's (strategies/fsdp.py reads the offload
 fields of this spec), so the name needs nothing but this declaration."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 register(StrategySpec(
     name="fsdp_offload", engine="fsdp2", order=10, impl=".fsdp:FSDPStrategy",

@@ -1,6 +1,6 @@
 """zero0-3, their ZeRO-Offload variants and `infinity` (strategies/deepspeed_zero.py): one engine, many names."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 # ZeRO-Infinity keeps fp32 master + Adam m and v (12 B) and a 16-bit param copy (2 B) per parameter on NVMe.
 # Here (light) so that the planner and the engine's NVMe check read one number.
@@ -18,7 +18,7 @@ register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with 
                       checkpoint_format="deepspeed_stage0", speed_rank=1, oom_next="zero2", **_DS))
 # Speed ranks: benchmarks/results/h100-foundation.md (tok/s, gpt2-medium, 1 x H100) for zero2, zero3, zero2_offload;
 # the rest placed by reasoning (planner.py keeps the measured figures). pin_measured: zero1-3 ran pinned
-# (launch/pin.py; benchmarks/results/*-h100-zero3-pin/); zero0 was not measured.
+# (runtime/pin.py; benchmarks/results/*-h100-zero3-pin/); zero0 was not measured.
 for stage, rank, measured, nxt in ((1, 2, False, "zero2"), (2, 3, True, "zero3"), (3, 5, True, "zero3_offload")):
     register(StrategySpec(name=f"zero{stage}", order=1 + stage, zero_stage=stage, sharded=_SHARDED[stage],
                           help=f"DeepSpeed ZeRO-{stage}: {' + '.join(sorted(_SHARDED[stage]))} sharded across GPUs",

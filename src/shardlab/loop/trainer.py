@@ -40,28 +40,29 @@ from tqdm.auto import tqdm
 from .. import messages
 from .. import compat
 from ..checkpoint import store as checkpoint, reshard
-from ..launch import faults, guards, pin
+from ..runtime import faults, guards, pin
 from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
-from . import adapters, compiling, head_padding, optim, pinned, warm_8bit
+from ..training import adapters, compiling, head_padding, optim, pinned
+from . import warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
-from ..launch.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
-from .batches import DevicePrefetcher, to_device, without_trivial_mask
-from .early_stopping import EvalTracker
+from ..runtime.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
+from ..training.batches import DevicePrefetcher, to_device, without_trivial_mask
+from ..training.early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import ParallelLayout, local_world_size
-from .optim import Precision, resolve_precision
-from ..launch.preemption import Preempted, StopSignals
+from ..training.optim import Precision, resolve_precision
+from ..runtime.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
-from .sampling import SeekableDistributedSampler
+from ..training.sampling import SeekableDistributedSampler
 from ..strategies import strategy_class
-from ..strategies.spec import StrategySpec, lookup, spec
+from ..specs.registry import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
-from .models import build_hf_config, describe_weights, model_summary, offline_tokenizer_problem, run_tokenizer, synthetic_vocab
+from ..training.models import build_hf_config, describe_weights, model_summary, offline_tokenizer_problem, run_tokenizer, synthetic_vocab
 
 # Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 
@@ -220,7 +221,7 @@ class Trainer:
         self.config_text: str | None = None
         self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)
         self.pinned_released: dict[str, float] = {}  # GiB of cached pinned host memory given back, by moment
-        self.warm_8bit: dict[str, Any] | None = None  # training/warm_8bit.py: what compiling the 8-bit step beforehand did
+        self.warm_8bit: dict[str, Any] | None = None  # loop/warm_8bit.py: what compiling the 8-bit step beforehand did
         self.adapter: dict[str, Any] | None = None  # --peft: the adapters' settings and parameter counts (adapters.summary)
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -517,7 +518,7 @@ class Trainer:
             log0(self.env, f"step {step}: non-finite {what} but finite gradients; update applied")
 
     def _warm_8bit(self, strategy) -> None:
-        """torchao's 8-bit step compiled and autotuned before training (training/warm_8bit.py: why)."""
+        """torchao's 8-bit step compiled and autotuned before training (loop/warm_8bit.py: why)."""
         try:
             self.warm_8bit = warm_8bit.warm(strategy.optimizer, self.cfg)
         except torch.OutOfMemoryError as e:  # the first step autotunes instead, as without the warm-up
@@ -540,7 +541,7 @@ class Trainer:
 
     def _pin_thread(self, strategy) -> dict[str, Any]:
         """After the first step: pin this rank's training thread and autograd's device threads to one CPU of the rank's
-        cores where cfg.pin_thread says so (launch/pin.py: why, and what keeps the full set). What was done, for
+        cores where cfg.pin_thread says so (runtime/pin.py: why, and what keeps the full set). What was done, for
         summary.json's thread_pin."""
         cfg, env = self.cfg, self.env
         cores = strategy.bound_cores or None  # a rank bound to its share already: the pin stays inside it

@@ -25,7 +25,7 @@ import torch
 
 from ..compat.autotune import clones_on_device
 from ..config import RunConfig
-from . import optim
+from ..training import optim
 
 GIB = 2**30
 

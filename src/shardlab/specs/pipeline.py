@@ -1,6 +1,6 @@
 """`pipeline` (strategies/pipeline.py): torch.distributed.pipelining, layers split across GPUs."""
 
-from ..spec import StrategySpec, register
+from .registry import StrategySpec, register
 
 register(StrategySpec(
     name="pipeline", engine="pipelining", order=12, impl=".pipeline:PipelineStrategy",

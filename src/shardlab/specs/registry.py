@@ -7,14 +7,13 @@ Light on purpose: no torch, no deepspeed, no config import, so that ``config.py`
 can read the registry without the seconds those imports cost (and without an import cycle).
 The implementation class is named as ``"module:Class"`` and imported only by ``spec.load()``.
 
-Where the specs are declared: one small module per strategy implementation under
-``strategies/specs/`` (``specs/ddp.py`` for ``ddp.py``, ...), found by listing that package. They
+Where the specs are declared: one small module per strategy implementation beside this one in
+``specs/`` (``specs/ddp.py`` for ``strategies/ddp.py``, ...), found by listing this package. They
 cannot sit at the top of the implementation files themselves: importing those imports torch (and
 DeepSpeed's), which ``shardlab --help`` and config validation must not pay. Listing the package,
 rather than naming its modules here, keeps "a new strategy = its implementation (+ its spec file,
 + its memory model under ``strategies/memory/``)" with no edit to this file; a new name served by an existing engine (as
-``fsdp_offload`` is) is its spec file alone.
-"""
+``fsdp_offload`` is) is its spec file alone."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from typing import Literal
 from ..errors import UserError
 
 # Engine names differ from strategy names on purpose ("fsdp2", not "fsdp"): a comparison with one is never
-# mistaken for the other (tests/test_registry.py greps for the strategy names outside strategies/).
+# mistaken for the other (tests/test_registry.py greps for the strategy names outside strategies/ and specs/).
 Engine = Literal["ddp", "deepspeed", "fsdp2", "torchao", "pipelining"]
 State = Literal["params", "grads", "optimizer"]
 Place = Literal["cpu", "nvme"]
@@ -41,6 +40,8 @@ CheckpointFormat = Literal["torch_dcp", "deepspeed_zero", "deepspeed_stage0", "d
 
 # What a fresh config runs when no strategy is given.
 DEFAULT_STRATEGY = "dp"
+# The package a spec's `impl` is relative to: named, not imported (it sits above this one in the layers).
+IMPL_PACKAGE = "shardlab.strategies"
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class StrategySpec:
     name: str
     engine: Engine
     help: str  # one line, for --help and listings
-    impl: str  # "module:Class" of the implementation, relative to shardlab.strategies; imported lazily
+    impl: str  # "module:Class" of the implementation, relative to shardlab.strategies (IMPL_PACKAGE); imported lazily
     memory: str  # "module:Class" of its memory model (strategies/memory/: what it holds, which the planner asks), lazily
     order: int  # position in config.STRATEGIES, --help and the planner's tables
     zero_stage: int | None = None  # DeepSpeed's zero_optimization.stage
@@ -74,7 +75,7 @@ class StrategySpec:
     # Rank in the planner's speed order (lower = faster); None: not ranked (its speed is not comparable).
     speed_rank: int | None = None
     speed_measured: bool = False  # the rank comes from a measurement, not from reasoning
-    pin_measured: bool = False  # pinning the training thread was measured not to slow it (launch/pin.py: pin_thread auto)
+    pin_measured: bool = False  # pinning the training thread was measured not to slow it (runtime/pin.py: pin_thread auto)
     oom_next: str = "zero3"  # what an out-of-memory run of this strategy suggests next
 
     @property
@@ -89,7 +90,7 @@ class StrategySpec:
     def load(self) -> type:
         """The implementation class (imports its module: torch and the engine's libraries)."""
         module, cls = self.impl.split(":")
-        return getattr(importlib.import_module(module, __package__), cls)
+        return getattr(importlib.import_module(module, IMPL_PACKAGE), cls)
 
 
 _REGISTRY: dict[str, StrategySpec] = {}
@@ -108,14 +109,14 @@ def unregister(name: str) -> None:
 
 
 def _discover() -> None:
-    """Import every module of strategies/specs once: each registers the names it declares."""
+    """Import every module of this package once: each spec module registers the names it declares."""
     global _discovered
     if _discovered:
         return
     _discovered = True
-    from . import specs  # here, not at the top: every spec module imports this one
+    from .. import specs  # here, not at the top: every spec module imports this one
 
-    for info in pkgutil.iter_modules(specs.__path__):
+    for info in pkgutil.iter_modules(specs.__path__):  # this module too: already imported, a no-op
         importlib.import_module(f"{specs.__name__}.{info.name}")
 
 

@@ -3,6 +3,8 @@
 # ZeRO-2 (on 1 GPU, and on 2 GPUs when there are two), against an uninterrupted ZeRO-3 run with the same
 # global batch. The lr is constant after warm-up: the first half stops at --max-steps HALF, and a decaying
 # schedule would be sized to that half, not to the whole run. Writes $OUT/elastic-resume.{json,md}; copy them to benchmarks/results/.
+# Not through the bench's runner (`shardlab bench --cells`): the resumed runs continue the first half's checkpoint in
+# that run's own directory (--resume auto), and the runner gives every run a fresh directory of its own.
 # Usage (repo root, on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_elastic_resume.sh
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"

@@ -10,52 +10,50 @@
 #   PYTHONPATH=src python3 -c "from shardlab.training.models import load_tokenizer; from shardlab.config import RunConfig; \
 #     load_tokenizer(RunConfig(model='tiny-llama')).save_pretrained('.smollm2-tokenizer')"
 # Then (repo root, GPU machine, carry .whl and .smollm2-tokenizer):
-#   bash benchmarks/gpu_modern_archs.sh
-# Results: one run directory per run under $OUT/runs/, the table in $OUT/modern_archs.md (+ .json).
+#   bash benchmarks/gpu_modern_archs.sh          # STEPS=15 MICRO=4 BUDGET_S=550
+# The runs are the lines of benchmarks/cells/modern-archs.txt (150 s each), run by the bench's runner (`shardlab bench
+# --cells`, into /tmp/modern-archs: a fresh process per run, failures recorded with their reason, no run started that
+# would not end within BUDGET_S seconds of the first one's start; finished runs are kept, so the same call on the same
+# machine continues with the cells left).
+# Results: the table in $OUT/modern_archs.md (+ .json), the bench directory (bench.json, every run's directory and
+# log, no weights) in $OUT/runs.tar.gz.
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/runs"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 TOK="${TOK:-$PWD/.smollm2-tokenizer}"
 [[ -f "$TOK/tokenizer.json" ]] || { echo "no tokenizer in $TOK: see the header of this script"; exit 1; }
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-STEPS="${STEPS:-15}"; MICRO="${MICRO:-4}"
+STEPS="${STEPS:-15}"; MICRO="${MICRO:-4}"; BUDGET_S="${BUDGET_S:-550}"
 TOKENS=$(( (STEPS + 3) * MICRO * 1024 * 11 / 10 ))
-COMMON=(--tokenizer "$TOK" --seq-len 1024 --precision bf16 --micro-batch "$MICRO" --max-steps "$STEPS"
-        --dataset synthetic --set "dataset.synthetic_tokens=$TOKENS" --set dataset.eval_samples=4 --no-export --log-every 5)
+COMMON="--tokenizer $TOK --seq-len 1024 --precision bf16 --micro-batch $MICRO --max-steps $STEPS
+  --dataset synthetic --set dataset.synthetic_tokens=$TOKENS --set dataset.eval_samples=4 --no-export --log-every 5"
+B=/tmp/modern-archs
 T0=$(date +%s)
-
-run() {  # run LABEL ARGS...   (skipped once the 8-minute budget is nearly spent)
-  local label=$1; shift
-  if (( $(date +%s) - T0 > 400 )); then echo "=== $label skipped (time budget)"; return; fi
-  echo "=== $label"
-  timeout 150 python3 -m shardlab train "${COMMON[@]}" "$@" --output-dir "$OUT/runs/$label" > "$OUT/runs/$label.log" 2>&1
-  echo "=== $label rc=$? $(( $(date +%s) - T0 )) s; $(grep -E 'tokens_per_s |gpu_mem_peak_gib|^error' "$OUT/runs/$label.log" | tr -s ' │' ' ' | tr '\n' ';')"
-}
-
-for model in qwen2.5-0.5b llama-3.2-1b smollm2-1.7b; do
-  for strategy in dp fsdp; do
-    run "$model-$strategy-eager" --model "$model" --strategy "$strategy"
-    run "$model-$strategy-compile" --model "$model" --strategy "$strategy" --compile
-  done
-done
+python3 -m shardlab bench --cells benchmarks/cells/modern-archs.txt --cell-flags "$COMMON" --budget-s "$BUDGET_S" \
+  --no-report --output-dir "$B"
 python3 -m shardlab plan --model llama-2-7b --gpus 1 --seq-len 1024 --micro-batch "$MICRO" --precision bf16 --json \
   > "$OUT/plan-llama-2-7b.json" 2> "$OUT/plan-llama-2-7b.err"
 
-python3 - "$OUT" <<'EOF'
+python3 - "$B" "$OUT" <<'EOF_PY'
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-rows = []
-for d in sorted((out / "runs").iterdir()):
-    s = d / "summary.json"
-    if not d.is_dir() or not s.is_file():
-        continue
-    j = json.loads(s.read_text())
-    plan = j.get("plan") or {}
-    pred, meas = plan.get("gpu_peak_gib"), j.get("gpu_mem_peak_gib")
-    rows.append({"run": d.name, "model": j.get("model"), "strategy": j.get("strategy"), "compile": "compile" in d.name,
-                 "tokens_per_s": j.get("tokens_per_s"), "mfu": j.get("mfu"), "plan_peak_gib": pred, "measured_peak_gib": meas,
-                 "plan_error": (pred / meas - 1) if pred and meas else None, "final_loss": j.get("final_loss")})
+b, out = Path(sys.argv[1]), Path(sys.argv[2])
+rows, failed = [], []
+for cell in json.loads((b / "bench.json").read_text())["cells"]:
+    for rec in cell["repeats"]:
+        s = b / rec.get("run_dir", "-") / "summary.json"
+        if rec["status"] != "ok" or not s.is_file():
+            failed.append(f"{cell['label']}: {rec['status']} ({rec.get('kind', '')}): {rec.get('reason')}")
+            continue
+        j = json.loads(s.read_text())
+        plan = j.get("plan") or {}
+        pred, meas = plan.get("gpu_peak_gib"), j.get("gpu_mem_peak_gib")
+        rows.append({"run": cell["label"], "model": j.get("model"), "strategy": j.get("strategy"), "compile": "compile" in cell["label"],
+                     "tokens_per_s": j.get("tokens_per_s"), "mfu": j.get("mfu"), "plan_peak_gib": pred, "measured_peak_gib": meas,
+                     "plan_error": (pred / meas - 1) if pred and meas else None, "final_loss": j.get("final_train_loss")})
+    if not cell["repeats"]:
+        failed.append(f"{cell['label']}: not started (time budget)")
+rows.sort(key=lambda r: r["run"])
 (out / "modern_archs.json").write_text(json.dumps(rows, indent=1))
 fmt = lambda x, f: "-" if x is None else format(x, f)
 lines = ["| run | tok/s | MFU | plan peak GiB | measured peak GiB | plan error |", "|---|---:|---:|---:|---:|---:|"]
@@ -69,6 +67,7 @@ if p7.is_file() and p7.stat().st_size:
         if k in ("dp", "fsdp", "zero3_offload"))]
 (out / "modern_archs.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
-EOF
-for f in "$OUT"/runs/*.log; do grep -l -E "Traceback|^error" "$f" >/dev/null && { echo "--- $f"; grep -E "error|Error" "$f" | tail -3; }; done
+print("".join(f"\n--- {f}" for f in failed))
+EOF_PY
+tar -czf "$OUT/runs.tar.gz" -C "$B" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' .
 echo "total $(( $(date +%s) - T0 )) s"

@@ -2,6 +2,8 @@
 # One device call (issue 2): profile shardlab's dp step and the bare eager loop on the same GPU,
 # and time the bare loop with each of shardlab's differences switched on alone.
 #   bash benchmarks/gpu_profile_dp.sh        (repo root, GPU machine, .whl carried)
+# Its one `shardlab train` is a single profiled run whose point is the trace (compared op by op with the bare loop's),
+# not a list of cells, so it does not go through the bench's runner.
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source benchmarks/gpu_env.sh

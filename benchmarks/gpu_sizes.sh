@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Issue 15: "gpt2 and gpt2-large reported too": shardlab dp --compile against the bare compiled loop (bare_reference.py)
 # at other GPT-2 sizes, same micro batch, seq 1024, bf16, synthetic tokens, no clipping; one device call (carry: [".whl"]):
-#   SIZES="gpt2:16 large:16" bash benchmarks/gpu_sizes.sh
+#   SIZES="gpt2:16 large:16" bash benchmarks/gpu_sizes.sh        # REPEATS=1, T=300 seconds per shardlab run
 # Per size: the bare loop (20 steps after 5 warm-up) then shardlab (20 steps; steady-state median), REPEATS times
-# interleaved. Results: $OUT/sizes/{log.txt,bare.jsonl,shardlab.jsonl,sizes.md}.
+# interleaved. Each size's shardlab runs are one cell of its own bench (`shardlab bench --cells`, a one-line file written
+# here, into /tmp/sizes/MODEL: a fresh process per run, its own time limit, failures recorded with their reason), continued
+# with one more repeat each round (the repeats finished in this call are kept).
+# Results: $OUT/sizes/{log.txt,bare.jsonl,shardlab.jsonl,sizes.md}.
 set -euo pipefail
 OUT="${OUT:-/tmp/out}"; R="$OUT/sizes"; mkdir -p "$R"; REPEATS="${REPEATS:-1}"
 exec > >(tee -a "$R/log.txt") 2>&1
 source benchmarks/gpu_env.sh
+rm -rf /tmp/sizes  # each shardlab run beside the bare one of its round: none kept from an earlier call
 for rep in $(seq 1 "$REPEATS"); do
   for sm in ${SIZES:-gpt2:16 large:16}; do
     size=${sm%%:*}; micro=${sm##*:}; model=gpt2; [[ $size != gpt2 ]] && model=gpt2-$size
@@ -15,14 +19,17 @@ for rep in $(seq 1 "$REPEATS"); do
     python3 benchmarks/bare_reference.py --all --modes "compile-bf16:$micro" --model-size "$size" --warmup 5 --steps 20 \
       --out "$R/bare.jsonl" --timeout 300 | grep -v "^{" || echo "bare FAILED"
     tokens=$(( 22 * micro * 1024 * 108 / 100 ))
-    python3 -m shardlab train --model "$model" --seq-len 1024 --precision bf16 --strategy dp --micro-batch "$micro" --grad-accum 1 \
-      --max-steps 20 --dataset synthetic --set "dataset.synthetic_tokens=$tokens" --eval-split 0.02 --set max_grad_norm=null \
-      --no-export --log-every 10 --output-dir "/tmp/sizes-$model" --overwrite --compile > "/tmp/sizes-$model.log" 2>&1 \
-      || { echo "$model FAILED"; tail -5 "/tmp/sizes-$model.log"; continue; }
+    B="/tmp/sizes/$model"; mkdir -p "$B"
+    echo "$model ${T:-300} --model $model --seq-len 1024 --precision bf16 --strategy dp --micro-batch $micro --grad-accum 1" \
+      "--max-steps 20 --dataset synthetic --set dataset.synthetic_tokens=$tokens --eval-split 0.02 --set max_grad_norm=null" \
+      "--no-export --log-every 10 --compile" > "$B/cells.txt"
+    python3 -m shardlab bench --cells "$B/cells.txt" --repeats "$rep" --no-report --output-dir "$B"
+    run="$B/runs/$model/r$rep"
+    [[ -f "$run/summary.json" ]] || { echo "$model FAILED"; tail -5 "$B/logs/$model-r$rep.log" || true; continue; }
     python3 -c "
-import json; s = json.load(open('/tmp/sizes-$model/summary.json')); p = s.get('plan') or {}
+import json, sys; s = json.load(open(sys.argv[1])); p = s.get('plan') or {}
 keep = ('model', 'micro_batch', 'tokens_per_s', 'mfu', 'gpu_mem_peak_gib', 'compile_time_s', 'time_to_first_step_s', 'device_name')
-print(json.dumps({**{k: s.get(k) for k in keep}, 'planned_gpu_peak_gib': p.get('gpu_peak_gib')}))" | tee -a "$R/shardlab.jsonl"
+print(json.dumps({**{k: s.get(k) for k in keep}, 'planned_gpu_peak_gib': p.get('gpu_peak_gib')}))" "$run/summary.json" | tee -a "$R/shardlab.jsonl"
   done
 done
 python3 - "$R" <<'PY' | tee "$R/sizes.md"

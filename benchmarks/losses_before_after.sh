@@ -4,6 +4,9 @@
 #   git worktree add /tmp/before ea637e3
 #   bash benchmarks/losses_before_after.sh /tmp/before/src $PWD/src /tmp/cmp
 # then compare /tmp/cmp/{before,now}-<strategy>/metrics.jsonl (results: benchmarks/results/2026-11-25-cpu-losses-before-after/).
+# Not through the bench's runner (`shardlab bench --cells`): each tree's `shardlab train` must read the flags itself,
+# while the runner hands every run a config file written by the tree the bench runs from (and the older tree has no
+# `bench --cells`). A CPU script: it sources no benchmarks/gpu_env.sh.
 set -uo pipefail
 BEFORE="$1"; NOW="$2"; OUT="${3:-/tmp/cmp}"; mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1

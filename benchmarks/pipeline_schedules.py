@@ -6,7 +6,8 @@ worst GPU's peak memory measured beside `shardlab plan`'s.
 
     python3 benchmarks/pipeline_schedules.py RUN_DIR... [--out page.md] [--json rows.json]
 
-A directory without summary.json is named as not finished; several runs of one label (repeats) are listed each.
+A directory without summary.json is named as not finished; several runs of one label (repeats) are listed each. A
+`shardlab bench` run directory (BENCH_DIR/runs/LABEL/rK) is named by its cell's label, with rK when it has repeats.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from bench_runs import run_name  # a bench's runs/LABEL/rK is named LABEL (rK with repeats)
 
 
 def load(run_dir: Path) -> dict | None:
@@ -24,7 +27,7 @@ def load(run_dir: Path) -> dict | None:
     pp = s.get("pipeline") or {}
     plan = s.get("plan") or {}
     return {
-        "run": run_dir.name, "model": s["model"], "gpus": s["world_size"], "precision": s["precision"], "seq_len": s["seq_len"],
+        "run": run_name(run_dir), "model": s["model"], "gpus": s["world_size"], "precision": s["precision"], "seq_len": s["seq_len"],
         "global_batch": s["global_batch"], "micro_batch": s["micro_batch"], "tokens_per_s": s.get("tokens_per_s"),
         "final_loss": s.get("final_train_loss"), "peak_gib": s.get("gpu_mem_peak_gib"), "planned_gib": plan.get("gpu_peak_gib"),
         "schedule": pp.get("schedule"), "microbatches": pp.get("microbatches"), "split": pp.get("split"),

@@ -7,6 +7,8 @@ with the run's own per-stage forward/backward times). Runs that compare at diffe
 global batch or sequence length are flagged.
 
     python3 benchmarks/pipeline_vs_zero.py RUN_DIR... --out page.md [--json rows.json]
+
+A run is named by its directory, or for a `shardlab bench` run directory (BENCH_DIR/runs/LABEL/rK) by its cell's label.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench_runs import run_name  # a bench's runs/LABEL/rK is named LABEL (rK with repeats)
+
 
 def load(run_dir: Path) -> dict | None:
     path = run_dir / "summary.json"
@@ -22,7 +26,7 @@ def load(run_dir: Path) -> dict | None:
         return None
     s = json.loads(path.read_text())
     cfg_path = run_dir / "config.yaml"
-    label = run_dir.name
+    label = run_name(run_dir)
     row = {
         "run": label, "strategy": s["strategy"], "gpus": s["world_size"], "precision": s["precision"],
         "model": s["model"], "seq_len": s["seq_len"], "global_batch": s["global_batch"], "micro_batch": s["micro_batch"],

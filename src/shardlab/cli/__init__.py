@@ -31,7 +31,6 @@ from ..bench.cli import add_bench_parser, add_report_parser, cmd_bench, cmd_repo
 from ..launch.failures import report_errors  # worker.py's too; callers also import it from here
 from ..launch.supervise import exit_as, supervise, wanted
 from ..pipesim.cli import add_pipeline_parser, cmd_pipeline as run_pipeline
-from ..strategies import strategy_class
 from ..specs.registry import spec
 from ..loop.generate import add_generate_parser, cmd_generate
 from .cluster import add_cluster_parsers, cmd_export, cmd_slurm
@@ -232,18 +231,18 @@ def _dry_run(cfg) -> None:
     from ..launch.nodes import single_machine_note
     from ..launch.run_lock import check_no_live_run
     from ..training.cpu_bf16 import slow_bf16_note
-    from ..training.optim import resolve_precision
 
-    quiet_engines(pick_device_type(cfg.device))  # DeepSpeed, imported to check a user's JSON, names its accelerator otherwise
+    device_type = pick_device_type(cfg.device)
+    quiet_engines(device_type)  # DeepSpeed, imported to check a user's JSON, names its accelerator otherwise
     for note in (single_machine_note(cfg), weights_not_kept_note(cfg)):
         if note:
             print(f"# {note}")
-    cfg = with_user_deepspeed_json(cfg, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
-    cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes)
+    cfg = with_user_deepspeed_json(cfg, device_type, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
+    cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, device_type) * cfg.nodes)
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
-    device_type, nproc = preflight(cfg)
-    slow = slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)
+    run = preflight(cfg, device_type)
+    slow = slow_bf16_note(run.precision.name, device_type)
     if slow:
         print(f"# {slow}")
     for check in (lambda c: check_no_live_run(c.output_dir), stale_run_files, check_tokenizer):
@@ -251,15 +250,15 @@ def _dry_run(cfg) -> None:
             check(cfg)
         except UserError as err:  # a dry run writes nothing: say what `train` would refuse
             print(f"# note: `train` would refuse this: {err}")
-    world = nproc * cfg.nodes
     if cfg.micro_batch == "auto":  # no trials in a dry run: show where the search would start
         from ..planning.autobatch import cpu_budget_bytes, plan_start, with_micro_batch
 
-        start, note = plan_start(cfg, device_type, nproc, world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
+        start, note = plan_start(cfg, device_type, run.nproc, run.world, None if device_type == "cuda" else cpu_budget_bytes(cfg))
         print(f"# micro_batch auto: the search would start at {start} ({note}); `train` confirms it with short trial runs")
-        cfg = with_micro_batch(cfg, start)
+        run = run.with_config(with_micro_batch(cfg, start))
+        cfg = run.cfg
 
-    micro, accum, glob = cfg.resolve_batch(strategy_class(cfg.strategy).data_parallel_size(cfg, world))  # a pipeline's stages share one batch
+    micro, accum, glob, world = run.micro, run.accum, run.global_batch, run.world  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if spec(cfg.strategy).engine == "deepspeed":
         from ..strategies.deepspeed_zero import resolved_ds_config
@@ -267,7 +266,7 @@ def _dry_run(cfg) -> None:
         from ..planning.planner import arch_from_hf_config
         from ..training.models import build_hf_config
 
-        precision = resolve_precision(cfg.precision, device_type).name
+        precision = run.precision.name
         arch = arch_from_hf_config(build_hf_config(cfg), name=cfg.model)  # the model's size and width size the buckets
         # The leaf classes (one-rank ZeRO-3) repeat DeepSpeed's own defaults, read from DeepSpeed, which logs its
         # accelerator to stdout on first use: to stderr here, so that the output stays YAML then JSON.

@@ -9,6 +9,8 @@ or `srun` (RANK / SLURM_PROCID set) the current process simply becomes the worke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -29,9 +31,9 @@ from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
 from ..runtime.distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
 from ..errors import UserError
-from ..layout import ParallelLayout, model_layers
+from ..layout import model_layers
 from ..training.cpu_bf16 import slow_bf16_note
-from ..training.optim import resolve_precision
+from ..resolved import ResolvedRun, resolve_run
 from ..strategies import strategy_class
 from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
@@ -51,40 +53,36 @@ from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_ki
 # runs it, torch.distributed.elastic only when workers are spawned; `shardlab train --dry-run` needs none of the last two.
 
 
-def preflight(cfg: RunConfig) -> tuple[str, int]:
-    """Checks that need no engine, done once in the launching process so users get errors before any spawn."""
+def preflight(cfg: RunConfig, device_type: str | None = None) -> ResolvedRun:
+    """The run resolved (resolved.py) and the checks that need no engine, done once in the launching process so users
+    get errors before any spawn. ``device_type``: as the caller picked it to settle the config."""
     check_switch()  # SHARDLAB_PATCHES names known patches (compat/)
-    device_type = pick_device_type(cfg.device)
-    resolve_precision(cfg.precision, device_type)
-    nproc = processes_per_node(cfg, device_type)
-    world = launched_world_size() or nproc * cfg.nodes
     from ..training.models import build_hf_config, causal_lm_class, resolve_attn_implementation
 
     hf_config = build_hf_config(cfg)  # unknown model, offline hub id, seq_len above max positions: fail before spawning
+    # the device, precision, dp x pipeline shape and batch the workers will use, refused here before any spawn; batch
+    # sizes a --deepspeed-config set are said as the JSON's
+    run = resolve_run(cfg, layers=model_layers(hf_config), explain=explain_batch_error, device_type=device_type)
+    device_type = run.device_type
     if cfg.attn_implementation != "auto":  # an explicit choice this machine or model cannot honour (no flash_attn...)
         resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))
-    # The dp x pipeline shape the workers will build from the same config (layout.py), refused here before any spawn.
-    try:
-        dp_world = ParallelLayout.from_config(cfg, world, layers=model_layers(hf_config)).dp_size
-        accum = (cfg.grad_accum or 1) if cfg.micro_batch == "auto" else cfg.resolve_batch(dp_world)[1]
-    except UserError as err:  # batch sizes a --deepspeed-config set: said as the JSON's
-        raise explain_batch_error(cfg, err) from None
+    accum = (cfg.grad_accum or 1) if cfg.micro_batch == "auto" else run.accum
     if cfg.micro_batch == "auto":
         if cfg.peft.method:  # the GPU plan models adapters; the CPU plan does not, and no trial search has run with them
             where = "the CPU plan does not model adapters yet" if device_type != "cuda" else "its trial search is not tested with adapters yet"
             raise UserError(f"--micro-batch auto with --peft: {where}",
                             "pass --micro-batch N (`shardlab plan --peft ...` on the GPU machine gives the largest that fits)")
-        check_auto(cfg, dp_world)
+        check_auto(cfg, run.dp_size)
     # what the strategy cannot run (its optimizer, offload, precision, compile, DeepSpeed JSON, NVMe path): refused in
     # one line by the strategy itself
-    strategy_class(cfg.strategy).check_options(cfg, world, accum, device_type)
+    strategy_class(cfg.strategy).check_options(cfg, run.world, accum, device_type)
 
     from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
 
     check_trusted(cfg, say=messages.info)  # a checkpoint not written here is screened before anything reads it (trust.py)
     check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
-    check_resume(cfg, world, dp_world)
-    return device_type, nproc
+    check_resume(cfg, run.world, run.dp_size)
+    return run
 
 
 def check_output_dir(path: str) -> None:
@@ -153,11 +151,12 @@ def _train(cfg: RunConfig, force: bool):
     note = single_machine_note(cfg)
     if note and not in_launched_job():
         messages.info(note)
-    quiet_engines(pick_device_type(cfg.device))  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
-    cfg = with_user_deepspeed_json(cfg)
-    cfg = with_pipeline_microbatches(cfg)
-    device_type, nproc = preflight(cfg)
-    for note in (weights_not_kept_note(cfg), slow_bf16_note(resolve_precision(cfg.precision, device_type).name, device_type)):
+    device_type = pick_device_type(cfg.device)
+    quiet_engines(device_type)  # before preflight: checking a user's DeepSpeed JSON imports DeepSpeed
+    cfg = with_user_deepspeed_json(cfg, device_type)
+    cfg = with_pipeline_microbatches(cfg, device_type)
+    run = preflight(cfg, device_type)  # the run resolved once: everything below reads it
+    for note in (weights_not_kept_note(cfg), slow_bf16_note(run.precision.name, run.device_type)):
         if note and messages.rank_zero() and cfg.node_rank == 0:
             messages.info(note)
     check_output_dir(cfg.output_dir)  # train's own: `plan --device cpu` runs preflight for every strategy, writing nothing
@@ -167,7 +166,7 @@ def _train(cfg: RunConfig, force: bool):
     # A live run in output_dir is refused, --overwrite or not; held until this run ends (run_lock.py).
     user_pid = os.getppid() if os.environ.get(SUPERVISED_ENV) else os.getpid()  # the `shardlab train` the user started
     with OutputDirLock(cfg.output_dir, user_pid) if _owns_output_dir(cfg) else contextlib.nullcontext():
-        return _run(cfg, force, device_type, nproc)
+        return _run(run, force)
 
 
 def _owns_output_dir(cfg: RunConfig) -> bool:
@@ -175,38 +174,39 @@ def _owns_output_dir(cfg: RunConfig) -> bool:
     return messages.rank_zero() and cfg.node_rank == 0
 
 
-def _run(cfg: RunConfig, force: bool, device_type: str, nproc: int):
+def _run(run: ResolvedRun, force: bool):
+    cfg = run.cfg
     clear_stale_run_files(cfg)  # another run in output_dir: refused unless --overwrite or a real resume
     cfg = cfg.model_copy(update={"overwrite": False})  # done: an action, not a setting to record in config.yaml or replay
+    run = dataclasses.replace(run, cfg=cfg)
     auto = None
     if cfg.micro_batch == "auto":  # short trial runs, each a fresh process, before this run starts
-
-        cfg, auto = resolve_auto_micro_batch(cfg, device_type, nproc)
+        cfg, auto = resolve_auto_micro_batch(cfg, run.device_type, run.nproc)
+        run = run.with_config(cfg)
     plan = None
     if messages.rank_zero():  # the rank that writes summary.json
-
-        per_node = max(1, (launched_world_size() or nproc * cfg.nodes) // cfg.nodes)  # torchrun/srun decide the world
-        if cfg.peft.method and device_type != "cuda":  # the CPU plan counts no adapters: no figure rather than a wrong one
-            plan = {**dict.fromkeys(PLAN_KEYS), "strategy": cfg.strategy, "device": device_type,
+        per_node = max(1, run.world // cfg.nodes)  # torchrun/srun decide the world
+        if cfg.peft.method and run.device_type != "cuda":  # the CPU plan counts no adapters: no figure rather than a wrong one
+            plan = {**dict.fromkeys(PLAN_KEYS), "strategy": cfg.strategy, "device": run.device_type,
                     "error": "the CPU plan does not model adapters yet"}
             messages.info("no memory plan for this run: the CPU plan does not model adapters (--peft) yet")
         else:
-            plan = plan_for_run(cfg, device_type, per_node, auto)  # warns on a GPU when it will not fit; in summary.json
+            plan = plan_for_run(run, per_node, auto)  # warns on a GPU when it will not fit; in summary.json
             if not force:
-                check_host_ram(cfg, plan, device_type, per_node)  # refuses what the OOM killer would end minutes in
+                check_host_ram(cfg, plan, run.device_type, per_node)  # refuses what the OOM killer would end minutes in
 
         record_plan(plan)  # for the supervising `shardlab train` process, should this one be killed
 
     result = None
     kills_before = oom_kills()
     try:
-        with watch(cfg, device_type, nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
-            if in_launched_job() or nproc * cfg.nodes == 1:
+        with watch(cfg, run.device_type, run.nproc, in_launched_job()) as watched:  # GPU and process-tree memory over the whole run
+            if in_launched_job() or run.nproc * cfg.nodes == 1:
                 from ..loop.trainer import run_worker
 
-                result = run_worker(cfg, plan=plan)
+                result = run_worker(run, plan=plan)
             else:
-                spawn(cfg, nproc, plan)
+                spawn(run, plan)
     except WorkerFailed as err:
         if err.exitcode != 128 + signal.SIGKILL:
             raise
@@ -260,19 +260,19 @@ def clear_stale_run_files(cfg: RunConfig) -> None:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def with_user_deepspeed_json(cfg: RunConfig, say=None) -> RunConfig:
+def with_user_deepspeed_json(cfg: RunConfig, device_type: str, say=None) -> RunConfig:
     """The strategy and precision a --deepspeed-config decides (adopt_user_json), said once."""
-    cfg, notes = adopt_user_json(cfg, pick_device_type(cfg.device))
+    cfg, notes = adopt_user_json(cfg, device_type)
     for note in notes if messages.rank_zero() else ():
         (say or (messages.info))(note)
     return cfg
 
 
-def with_pipeline_microbatches(cfg: RunConfig) -> RunConfig:
+def with_pipeline_microbatches(cfg: RunConfig, device_type: str) -> RunConfig:
     """RunConfig.with_pipeline_microbatches for this machine's world size, said once (rank 0 / the launching process)."""
     if spec(cfg.strategy).engine != "pipelining" or cfg.grad_accum is not None:
         return cfg
-    world = launched_world_size() or processes_per_node(cfg, pick_device_type(cfg.device)) * cfg.nodes
+    world = launched_world_size() or processes_per_node(cfg, device_type) * cfg.nodes
     cfg, note = cfg.with_pipeline_microbatches(world)
     if note and messages.rank_zero():
         messages.info(note)
@@ -294,16 +294,20 @@ def quiet_engines(device_type: str) -> None:
 RENDEZVOUS_TIMEOUT_S = 600
 
 
-def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
+def spawn(run: ResolvedRun, plan: dict | None = None) -> None:
+    """Start this node's ranks; each reads the config and the resolved run (``ResolvedRun.record``) written here."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    cfg, nproc = run.cfg, run.nproc
     port = cfg.master_port
     if cfg.nodes == 1 and port == RunConfig.model_fields["master_port"].default:
         port = free_port()  # two single-node jobs on one machine must not fight over 29500
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         cfg_file = Path(tmp) / "config.yaml"
         cfg_file.write_text(dump_config(cfg, given_only=True))
+        resolved_file = Path(tmp) / "resolved.json"
+        resolved_file.write_text(json.dumps(run.record()))
         plan_args = []
         if plan is not None:
             plan_args = [str(write_record(plan, Path(tmp) / "plan.json"))]
@@ -321,7 +325,7 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
         )
         if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # torch >= 2.8
             launch.signals_to_handle = "SIGHUP,SIGQUIT"  # SIGTERM and SIGINT are forwarded by ForwardToWorkers
-        start = worker_start_method(pick_device_type(cfg.device))
+        start = worker_start_method(run.device_type)
         how = "forked from this launcher" if start == "fork" else "fresh interpreters"
         wait = f"; waiting up to {RENDEZVOUS_TIMEOUT_S} s for all {cfg.nodes} nodes to join" if cfg.nodes > 1 else ""
         messages.info(f"launching {nproc} worker(s) ({how}) on node {cfg.node_rank} of {cfg.nodes} "
@@ -335,9 +339,9 @@ def spawn(cfg: RunConfig, nproc: int, plan: dict | None = None) -> None:
                     preimport_for_workers(cfg)
                     one_line_fork_failures()
                     launch.start_method = "fork"
-                    elastic_launch(launch, forked_main)(str(cfg_file), *plan_args)
+                    elastic_launch(launch, forked_main)(str(cfg_file), str(resolved_file), *plan_args)
                 else:
-                    elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), *plan_args)
+                    elastic_launch(launch, sys.executable)("-m", "shardlab.launch.worker", str(cfg_file), str(resolved_file), *plan_args)
         # the nodes' rendezvous: not all of them started in time (node 0 waits for clients: DistStoreError; another
         # node cannot reach node 0: DistNetworkError). Raised by the agent here, before any worker exists.
         except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError) as err:

@@ -1,13 +1,16 @@
-"""`python -m shardlab.launch.worker CONFIG.yaml [PLAN.json]`: the body of one spawned worker process (GPU runs);
-`forked_main`: the same body in a rank forked from the launcher (CPU runs, launcher.worker_start_method)."""
+"""`python -m shardlab.launch.worker CONFIG.yaml RESOLVED.json [PLAN.json]`: the body of one spawned worker process (GPU
+runs); `forked_main`: the same body in a rank forked from the launcher (CPU runs, launcher.worker_start_method). The
+rank runs the config as the launcher resolved it (RESOLVED.json: shardlab.resolved.ResolvedRun.record)."""
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from .failures import report_errors
 from ..config import load_config
@@ -24,8 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         from ..planning.run_plan import read_record
         from ..loop.trainer import run_worker
+        from ..resolved import ResolvedRun
 
-        run_worker(load_config(argv[0]), plan=read_record(argv[1]) if len(argv) > 1 else None)
+        run = ResolvedRun.from_record(load_config(argv[0]), json.loads(Path(argv[1]).read_text()))
+        run_worker(run, plan=read_record(argv[2]) if len(argv) > 2 else None)
     return status.code
 
 

@@ -48,12 +48,12 @@ from . import warm_8bit
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
 from ..data.blocks import IGNORE
-from ..runtime.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, pick_device_type, reuse_freed_heap, shutdown_distributed
+from ..runtime.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, reuse_freed_heap, shutdown_distributed
 from ..training.batches import DevicePrefetcher, to_device, without_trivial_mask
 from ..training.early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
-from ..layout import ParallelLayout, local_world_size
-from ..training.optim import Precision, resolve_precision
+from ..layout import local_world_size
+from ..resolved import Precision, ResolvedRun, resolve_run
 from ..runtime.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
 from ..training.sampling import SeekableDistributedSampler
@@ -202,18 +202,20 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, plan: dict[str, Any] | None = None):
-        self.cfg = cfg
+    def __init__(self, run: ResolvedRun | RunConfig, plan: dict[str, Any] | None = None):
+        """``run``: as the launcher resolved it (resolved.py); a bare config (a library call, a test) is resolved here."""
+        run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+        cfg = self.cfg = run.cfg
         self.startup = StartupClock()
         self.plan = plan  # the launcher's memory prediction (run_plan.py), written into summary.json as-is
-        self.device_type = pick_device_type(cfg.device)
-        self.precision = resolve_precision(cfg.precision, self.device_type)
+        self.device_type, self.precision = run.device_type, run.precision
         self.env = init_distributed(self.device_type, cfg.dist_timeout_s)
-        # Ranks that see different data: all of them, except pipeline stages, which share theirs. The launcher's
-        # preflight built (and checked) this same layout from the same config.
-        self.parallel = ParallelLayout.from_config(cfg, self.env.world_size)
+        if self.env.world_size != run.world:  # a launcher that started another world than the one resolved: a bug
+            raise RuntimeError(f"resolved for a world of {run.world}, started in one of {self.env.world_size}")
+        # Ranks that see different data: all of them, except pipeline stages, which share theirs.
+        self.parallel = run.layout
         self.dp_size, self.dp_rank = self.parallel.dp_size, self.parallel.dp_rank(self.env.rank)
-        self.micro, self.accum, self.global_batch = cfg.resolve_batch(self.dp_size)
+        self.micro, self.accum, self.global_batch = run.micro, run.accum, run.global_batch
         self.run_dir = Path(cfg.output_dir)
         self.step_losses: list[float] = []
         self.layout = reshard.layout(cfg, self.env.world_size, self.dp_size, self.micro, self.accum, self.global_batch)
@@ -811,8 +813,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
-def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
-    """Entry point of one worker process (also the whole run when there is one process)."""
+def run_worker(run: ResolvedRun | RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
+    """Entry point of one worker process (also the whole run when there is one process). ``run``: as the launcher
+    resolved it; a bare config (a library call, a test) is resolved here, once."""
+    run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+    cfg = run.cfg
     # A rank killed by a native fault (SIGSEGV, SIGABRT from a C++ terminate) prints its Python stacks
     # first, so "rank 1 was killed by SIGABRT" comes with where it was.
     faulthandler.enable(all_threads=True)
@@ -820,8 +825,8 @@ def run_worker(cfg: RunConfig, plan: dict[str, Any] | None = None) -> RunResult:
     compat.start_run()  # summary.json's patches are this run's
     try:
         # why: its docstring (faster CPU steps, a higher resident peak: only where the plan says the run fits with it)
-        with reuse_freed_heap(heap_reuse(cfg, pick_device_type(cfg.device), plan)):
-            trainer = Trainer(cfg, plan)
+        with reuse_freed_heap(heap_reuse(cfg, run.device_type, plan)):
+            trainer = Trainer(run, plan)
             try:
                 return trainer.run()
             except torch.OutOfMemoryError:  # model placement, engine setup, the loop or the export

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
@@ -32,6 +32,9 @@ from .microbatch import largest_that_fits, micro_candidates
 
 # Function-local imports below are lazy on purpose: torch, training.optim and planner.py (torch, transformers) load
 # only when a prediction is made; the worker (read_record) and the CLI (host_ram_gib) import this module without them.
+
+if TYPE_CHECKING:
+    from ..resolved import ResolvedRun
 
 PLAN_KEYS = ("gpu_peak_gib", "cpu_gib", "fits", "strategy")
 
@@ -53,13 +56,13 @@ def host_ram_gib() -> float:
 
 
 def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: float | None = None,
-                host_ram: float | None = None, eval_blocks: int | None = None) -> dict[str, Any]:
+                host_ram: float | None = None, eval_blocks: int | None = None, precision: str | None = None) -> dict[str, Any]:
     """The plan record of ``cfg`` (an integer micro batch) on ``nproc`` ranks per node of ``device_type``.
     ``gpu_memory`` / ``host_ram`` in GiB: detected when omitted. ``eval_blocks``: the eval split's size, when known
     (``with_eval_split``)."""
     record: dict[str, Any] = {"gpu_peak_gib": None, "cpu_gib": None, "fits": None, "strategy": cfg.strategy, "device": device_type}
     try:
-        record.update(_predict(cfg, device_type, nproc, gpu_memory, host_ram, eval_blocks))
+        record.update(_predict(cfg, device_type, nproc, gpu_memory, host_ram, eval_blocks, precision))
     except UserError as err:
         record["error"] = err.message
     except Exception as err:  # noqa: BLE001 - a planner bug must not stop a training run; it is recorded instead
@@ -68,13 +71,13 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None,
-             eval_blocks: int | None = None) -> dict[str, Any]:
-    from ..training.optim import resolve_precision
+             eval_blocks: int | None = None, precision: str | None = None) -> dict[str, Any]:
+    from ..resolved import resolve_precision
     from .host import cpu_run_bytes, heap_kept_bytes
     from .planner import compile_is_modelled, plan, predict_cpu_run
 
-    # preflight has checked an explicit precision against the GPU already; 'auto' is resolved as the run resolves it
-    precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
+    if precision is None:  # a config no run resolved (other strategies, trial shapes): 'auto' as a run would resolve it
+        precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
     run_cfg = cfg.model_copy(update={"gpus": nproc, "precision": precision})
     host_ram = host_ram if host_ram is not None else host_ram_gib()
     if device_type == "cpu":
@@ -296,9 +299,11 @@ def heap_line(cfg: RunConfig, record: dict[str, Any]) -> str | None:
             "memory goes back to the system between steps, which makes CPU steps slower than with it kept (14-28% measured)")
 
 
-def plan_for_run(cfg: RunConfig, device_type: str, nproc: int, auto=None, log=None) -> dict[str, Any]:
-    """What the launcher does before spawning: predict, warn on a GPU when it does not fit, return the record."""
-    record = predict_run(cfg, device_type, nproc)
+def plan_for_run(run: ResolvedRun, nproc: int, auto=None, log=None) -> dict[str, Any]:
+    """What the launcher does before spawning: predict the resolved run on ``nproc`` ranks per node, warn on a GPU when
+    it does not fit, return the record."""
+    cfg, device_type = run.cfg, run.device_type
+    record = predict_run(cfg, device_type, nproc, precision=run.precision.name)
     if auto is not None:
         record["micro_batch_auto"] = auto.to_dict()
     line = warning_line(record) if device_type == "cuda" else heap_line(cfg, record)

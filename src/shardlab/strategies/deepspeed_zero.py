@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import messages
+from ..resolved import resolve_precision
 from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError
@@ -459,7 +460,7 @@ class DeepSpeedStrategy(Strategy):
             from .deepspeed_schema import check_with_deepspeed
 
             micro, accum, _ = cfg.resolve_batch(world)
-            ds = resolved_ds_config(cfg, optim.resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
+            ds = resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
             check_with_deepspeed(ds, Path(cfg.deepspeed_config).name)  # every key DeepSpeed would refuse in each rank
         if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
             from transformers import AutoModelForCausalLM

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..compat.stage_timer import time_stages
 from ..measure import metrics
+from ..resolved import resolve_precision
 from ..training import attention_backend, optim
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
@@ -359,7 +360,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
     @classmethod
     def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
         super().check_options(cfg, world, accum, device_type)
-        if optim.resolve_precision(cfg.precision, device_type).name == "fp16":
+        if resolve_precision(cfg.precision, device_type).name == "fp16":
             # A GradScaler per stage would decide on overflow from its own stage's gradients only.
             raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
                             "use --precision bf16 (or fp32)")

@@ -1,4 +1,4 @@
-"""Precision choice, optimizer parameter groups and the learning-rate schedule.
+"""Optimizer parameter groups, the optimizers and the learning-rate schedule (the precision: shardlab.resolved).
 
 Shared by every strategy so that a strategy changes memory, not the mathematics:
 the same decay/no-decay split, the same AdamW hyper-parameters, the same schedule.
@@ -9,49 +9,14 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..config import RunConfig
 from ..errors import UserError
+from ..resolved import resolve_precision
 from ..specs.registry import StrategySpec, spec
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str  # "bf16" | "fp16" | "fp32"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
-
-    @property
-    def is_mixed(self) -> bool:
-        return self.name != "fp32"
-
-
-def resolve_precision(requested: str, device_type: str, bf16_supported: bool | None = None) -> Precision:
-    """'auto' is bf16 on GPUs that have it, else fp16 on older GPUs, and fp32 on CPU.
-
-    CPU defaults to fp32 because CPU bf16 matmuls are slow on most machines and
-    fp16 autocast is not a CPU training mode.
-    """
-    if device_type == "cuda" and bf16_supported is None:
-        bf16_supported = torch.cuda.is_bf16_supported()
-    if requested == "auto":
-        if device_type == "cuda":
-            return Precision("bf16" if bf16_supported else "fp16")
-        return Precision("fp32")
-    if requested == "bf16" and device_type == "cuda" and not bf16_supported:
-        raise UserError(
-            "bf16 requested but this GPU does not support bfloat16 (it needs compute capability 8.0+, e.g. A100/H100)",
-            "use --precision fp16 (dynamic loss scaling) or --precision fp32",
-        )
-    if requested == "fp16" and device_type == "cpu":
-        raise UserError("fp16 training is not supported on CPU", "use --precision fp32 or bf16 on CPU")
-    return Precision(requested)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

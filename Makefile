@@ -1,7 +1,7 @@
 # shardlab developer entry points.
 #
 #   make demo       set up (once), then fine-tune SmolLM2-135M-Instruct on the offline CPython-docs corpus into runs/demo
-#   make test       set up for the tests (once), then lint, the fast tier, and the slow tier if it passed
+#   make test       set up for the tests (once), then lint, then both tiers in one pytest session
 #   make lint       ruff (pyflakes, bugbear, complexity) and import-linter (package layers); pyproject.toml configures both
 #   make test-fast  the fast tier alone (unit tests and three single-rank trainings; a few minutes)
 #   make setup      install shardlab and its dependencies into the current Python (idempotent)
@@ -32,20 +32,20 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The two tiers (tests/conftest.py says which test goes where); the slowest 20 tests are listed each time.
 PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
-# Both tiers on 2 pytest-xdist workers, each confined to its share of the cores (affinity and OMP_NUM_THREADS,
-# tests/conftest.py); a module's tests that share a module fixture stay on one worker. 2-core box, 2026-11-27, fresh
-# clone: `.ci/run` 18:37 (fast tier 2:38, slow tier 15:09); before the workers were confined, 22:37 (3:06 + 18:36).
-# Earlier: slow tier 17:21 on 2 workers and 17:07 on 3 (the CPUs were 99% busy: more workers do not help).
-# SLOW_PARALLEL= / FAST_PARALLEL= (empty) run a tier serially.
-SLOW_PARALLEL ?= -n 2 --dist loadgroup
-FAST_PARALLEL ?= -n 2 --dist loadgroup
+# On 2 pytest-xdist workers, each confined to its share of the cores (affinity and OMP_NUM_THREADS, tests/conftest.py);
+# a module's tests that share a module fixture stay on one worker. `make test` runs both tiers in one session, so the
+# slow tier finds what the fast one built (the session's inductor graphs, tokenized data, the zygote): two sessions
+# built them twice. 2-core box, fresh clone: `.ci/run` 17:52 with two sessions (fast 2:14, slow 15:02); earlier, before
+# the workers were confined, 22:37. 3 workers do not help (slow tier 17:21 on 2, 17:07 on 3: the CPUs are 99% busy).
+# PARALLEL= (empty) runs serially.
+PARALLEL ?= -n 2 --dist loadgroup
 
 .PHONY: help setup setup-test demo lint test test-fast docs gpu-wheelhouse clean
 
 help:
 	@echo "make demo            fine-tune SmolLM2-135M-Instruct on the offline corpus (examples/demo-smollm2.yaml -> runs/demo)"
 	@echo "make lint            ruff and import-linter over this checkout (a second or two; make test runs it first)"
-	@echo "make test            run the test suite: lint, the fast tier (pytest -m 'not slow'), then, if it passed, the slow tier"
+	@echo "make test            run the test suite: lint, then every test (both tiers) in one pytest session"
 	@echo "make test-fast       run the fast tier alone"
 	@echo "make setup           install shardlab into $(PYTHON) (done once, automatically)"
 	@echo "make setup-test      also install what the tests need: pytest, libaio-dev, chromium, SLURM (done once by make test)"
@@ -123,11 +123,10 @@ lint: $(TEST_STAMP)
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 test: lint
-	$(PYTEST) -m "not slow" $(FAST_PARALLEL)
-	$(PYTEST) -m slow $(SLOW_PARALLEL)
+	$(PYTEST) $(PARALLEL)
 
 test-fast: lint
-	$(PYTEST) -m "not slow" $(FAST_PARALLEL)
+	$(PYTEST) -m "not slow" $(PARALLEL)
 
 # The docs site: the pages under docs/, plus what tools/docs/hooks.py generates from the code and committed runs.
 # --strict: a broken link or anchor fails the build. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0.

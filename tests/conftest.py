@@ -8,12 +8,12 @@ imported shardlab, torch, transformers and DeepSpeed once, instead of importing 
 on 2 cores); it is the training process itself, without `shardlab train`'s supervising parent, whose own
 behaviour tests/test_never_silent.py checks with real interpreters.
 
-Two tiers (`make test` runs the fast one first and stops if it fails; `make test-fast` runs it alone):
+Two tiers (`make test` runs both in one session; `make test-fast` runs the fast one alone):
   fast  `pytest -m "not slow"`: unit tests, preflight errors, report tables from committed run
         directories, and one single-rank training each of dp, zero2 and fsdp. The whole tier must stay
         within 5 minutes on 2 CPU cores.
   slow  `pytest -m slow`: everything else.
-`make test` runs each tier on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): much of the slow tier's time is spent
+`make test` runs on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): much of the slow tier's time is spent
 waiting on processes; `pytest_collection_modifyitems` below keeps a module's tests that share a module fixture on one
 worker.
 The rule for a new test: if it spawns more than one rank (--gpus N>1, torchrun, two nodes, a pipeline),
@@ -52,7 +52,7 @@ RUN_TIMEOUT_S = 420
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs the tiers on 2 workers): tests that share a
+    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs on 2 workers): tests that share a
     module-, class- or package-scoped fixture (a training run, a SLURM cluster, a bench that several tests read) run
     on one worker, so the fixture is built once and not once per worker. A group is a connected set: two tests that
     share any such fixture, directly or through a third test, are in the same group; a module whose fixtures form

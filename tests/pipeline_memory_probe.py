@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from shardlab.config import load_config
 from shardlab.runtime.distributed import init_distributed, shutdown_distributed
 from shardlab.training.models import build_model
-from shardlab.resolved import Precision
+from shardlab.runtime.resolved import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
 from shardlab.training.batches import DevicePrefetcher
 from shardlab.loop.trainer import apply_dropout

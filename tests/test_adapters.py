@@ -38,7 +38,7 @@ def built(strategy: str, env, cfg: RunConfig, total_steps: int = 10, precision: 
     """The strategy with the adapters applied as the trainer applies them, set up for ``total_steps``."""
     from shardlab.strategies import strategy_class
     from shardlab.training import adapters
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.loop.trainer import apply_dropout
 
     torch.manual_seed(cfg.seed)

@@ -246,7 +246,7 @@ def test_stop_signals_only_set_flags():
 
 def strategy(precision: str, **cfg):
     from shardlab.runtime.distributed import DistEnv
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.strategies.ddp import DDPStrategy
 
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ def test_dp_gradients_are_views_of_ddps_buckets(gloo_rank):
 
     from shardlab.runtime.distributed import DistEnv
     from shardlab.strategies.ddp import DDPStrategy
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

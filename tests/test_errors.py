@@ -207,7 +207,7 @@ def test_cuda_oom_is_reported_with_next_steps(results):
 
 
 def test_bf16_on_a_gpu_without_it():
-    from shardlab.resolved import resolve_precision
+    from shardlab.runtime.resolved import resolve_precision
 
     with pytest.raises(UserError, match="bf16") as err:
         resolve_precision("bf16", "cuda", bf16_supported=False)

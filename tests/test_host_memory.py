@@ -15,7 +15,7 @@ GiB = 2**30
 
 
 def _fsdp_weights(cfg: RunConfig, env) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(cfg, env, Precision("fp32"), 1, 1)
@@ -71,7 +71,7 @@ def rank_main(rank, world, port, models, out, save):
     from shardlab.config import RunConfig
     from shardlab.runtime.distributed import DistEnv, reuse_freed_heap
     from shardlab.strategies.fsdp import FSDPStrategy
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -165,7 +165,7 @@ def test_fsdp_setup_reshards_after_forward_as_resolved(one_rank, strategy, given
     (nothing to shard across), resharded under parameter offload; an explicit setting as given."""
     from shardlab.strategies.fsdp import FSDPStrategy
     from shardlab.training.models import transformer_blocks
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
 
     cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=64,
                     strategy_options={"fsdp_reshard_after_forward": given})
@@ -209,7 +209,7 @@ def test_16bit_build_is_the_fp32_build_rounded(name):
 def test_deepspeed_builds_what_the_engine_keeps(one_rank):
     """ZeRO-1/2 with bf16: the module in bf16 (the engine casts it anyway and makes its fp32 master from the
     bf16 weights), never an fp32 copy. ZeRO-3: built inside zero.Init, every parameter a partition."""
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
 
     cfg = RunConfig(model="tiny-gpt2", strategy="zero2_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1)
@@ -228,7 +228,7 @@ def test_deepspeed_builds_what_the_engine_keeps(one_rank):
 def test_zero3_sub_groups_are_sized_from_the_partitioned_model(one_rank):
     """Under zero.Init every p.numel() is 0 (the full size is p.ds_numel): setup's bucket sizing must count ds_numel,
     else ZeRO-3 got DeepSpeed's 1e9 sub_group_size instead of sized_buckets' tenth of the model."""
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy, model_numel
 
     cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64, micro_batch=1, grad_accum=1)
@@ -245,7 +245,7 @@ import torch.distributed as dist
 from shardlab.config import RunConfig
 from shardlab.runtime.distributed import DistEnv, free_port
 from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
-from shardlab.resolved import Precision
+from shardlab.runtime.resolved import Precision
 import torch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -296,7 +296,7 @@ from allocations import peak_allocated
 from shardlab.config import RunConfig
 from shardlab.runtime.distributed import DistEnv, free_port
 from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
-from shardlab.resolved import Precision
+from shardlab.runtime.resolved import Precision
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
 cfg = RunConfig(model="tiny-gpt2", strategy=sys.argv[1], device="cpu", seq_len=64, micro_batch=2, grad_accum=1,

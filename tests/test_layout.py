@@ -209,7 +209,7 @@ def test_pipeline_strategy_groups_are_the_layouts(monkeypatch):
 
     import shardlab.strategies.pipeline as pipeline
     from shardlab.runtime.distributed import DistEnv
-    from shardlab.resolved import resolve_precision
+    from shardlab.runtime.resolved import resolve_precision
 
     made = []
     monkeypatch.setattr(pipeline.dist, "new_group", lambda ranks: made.append(list(ranks)) or tuple(ranks))

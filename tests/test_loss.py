@@ -126,7 +126,7 @@ def test_eval_forward_passes_no_labels_and_holds_one_chunk(monkeypatch, tiny):
     from shardlab.config import RunConfig
     from shardlab.runtime.distributed import DistEnv
     from shardlab.strategies import strategy_class
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
 
     cfg = RunConfig(model="tiny-gpt2", device="cpu", precision="fp32", loss_kernel="hf", eval_loss_chunk_mib=1)
     strategy = strategy_class("dp")(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), Precision("fp32"), 1, 3)

@@ -25,7 +25,7 @@ from shardlab.strategies import strategy_class
 from shardlab.specs.registry import all_specs, spec
 from shardlab.training import loss
 from shardlab.training.models import build_model
-from shardlab.resolved import Precision
+from shardlab.runtime.resolved import Precision
 
 
 @pytest.fixture

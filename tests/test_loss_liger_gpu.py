@@ -17,7 +17,7 @@ from shardlab.runtime.distributed import DistEnv
 from shardlab.strategies import strategy_class
 from shardlab.training import loss
 from shardlab.training.models import build_model
-from shardlab.resolved import Precision
+from shardlab.runtime.resolved import Precision
 
 try:
     import liger_kernel  # noqa: F401

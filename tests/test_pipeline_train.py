@@ -178,7 +178,7 @@ def test_pipeline_stages_compute_in_the_runs_precision(monkeypatch, precision):
     from shardlab.config import RunConfig
     from shardlab.runtime.distributed import DistEnv
     from shardlab.training.models import build_model
-    from shardlab.resolved import Precision
+    from shardlab.runtime.resolved import Precision
     from shardlab.strategies import strategy_class
 
     class Built(Exception):

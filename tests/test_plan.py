@@ -600,7 +600,7 @@ def test_the_run_and_the_plan_take_autocast_from_one_owner(name):
     from shardlab.planning.planner import compute_mode
     from shardlab.strategies.base import Strategy
     from shardlab.specs.registry import spec
-    from shardlab.resolved import resolve_precision
+    from shardlab.runtime.resolved import resolve_precision
 
     for precision in ("bf16", "fp32"):
         for master in ("fp32", "bf16"):

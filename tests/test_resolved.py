@@ -1,4 +1,4 @@
-"""A run is resolved once (shardlab.resolved): the launching process decides device, precision, processes, layout and
+"""A run is resolved once (shardlab.runtime.resolved): the launching process decides device, precision, processes, layout and
 batch; the ranks it spawns run what it decided (the record beside their config) instead of deciding again."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from shardlab.config import RunConfig, dump_config
 from shardlab.errors import UserError
 from shardlab.layout import ParallelLayout
-from shardlab.resolved import ResolvedRun, resolve_run
+from shardlab.runtime.resolved import ResolvedRun, resolve_run
 from shardlab.runtime.distributed import free_port
 
 

@@ -33,7 +33,7 @@ from ..runtime.distributed import free_port, in_launched_job, launched_world_siz
 from ..errors import UserError
 from ..layout import model_layers
 from ..training.cpu_bf16 import slow_bf16_note
-from ..resolved import ResolvedRun, resolve_run
+from ..runtime.resolved import ResolvedRun, resolve_run
 from ..strategies import strategy_class
 from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
@@ -54,7 +54,7 @@ from .supervise import SUPERVISED_ENV, mark_nodes_joining, note_for_kill, oom_ki
 
 
 def preflight(cfg: RunConfig, device_type: str | None = None) -> ResolvedRun:
-    """The run resolved (resolved.py) and the checks that need no engine, done once in the launching process so users
+    """The run resolved (runtime/resolved.py) and the checks that need no engine, done once in the launching process so users
     get errors before any spawn. ``device_type``: as the caller picked it to settle the config."""
     check_switch()  # SHARDLAB_PATCHES names known patches (compat/)
     from ..training.models import build_hf_config, causal_lm_class, resolve_attn_implementation

@@ -1,6 +1,6 @@
 """`python -m shardlab.launch.worker CONFIG.yaml RESOLVED.json [PLAN.json]`: the body of one spawned worker process (GPU
 runs); `forked_main`: the same body in a rank forked from the launcher (CPU runs, launcher.worker_start_method). The
-rank runs the config as the launcher resolved it (RESOLVED.json: shardlab.resolved.ResolvedRun.record)."""
+rank runs the config as the launcher resolved it (RESOLVED.json: shardlab.runtime.resolved.ResolvedRun.record)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     with report_errors() as status:
         from ..planning.run_plan import read_record
         from ..loop.trainer import run_worker
-        from ..resolved import ResolvedRun
+        from ..runtime.resolved import ResolvedRun
 
         run = ResolvedRun.from_record(load_config(argv[0]), json.loads(Path(argv[1]).read_text()))
         run_worker(run, plan=read_record(argv[2]) if len(argv) > 2 else None)

@@ -53,7 +53,7 @@ from ..training.batches import DevicePrefetcher, to_device, without_trivial_mask
 from ..training.early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import local_world_size
-from ..resolved import Precision, ResolvedRun, resolve_run
+from ..runtime.resolved import Precision, ResolvedRun, resolve_run
 from ..runtime.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
 from ..training.sampling import SeekableDistributedSampler
@@ -203,7 +203,7 @@ def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
 
 class Trainer:
     def __init__(self, run: ResolvedRun | RunConfig, plan: dict[str, Any] | None = None):
-        """``run``: as the launcher resolved it (resolved.py); a bare config (a library call, a test) is resolved here."""
+        """``run``: as the launcher resolved it (runtime/resolved.py); a bare config (a library call, a test) is resolved here."""
         run = run if isinstance(run, ResolvedRun) else resolve_run(run)
         cfg = self.cfg = run.cfg
         self.startup = StartupClock()

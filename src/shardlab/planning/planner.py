@@ -92,7 +92,7 @@ from .step import eight_bit_state_bytes, eight_bit_warmup_bytes, eval_loss_bytes
 from ..strategies.deepspeed_zero import sized_buckets, zero3_leaf_classes
 from ..training.compiling import scope
 from ..training.optim import arithmetic, autocasts
-from ..resolved import resolve_precision
+from ..runtime.resolved import resolve_precision
 
 # Lazy imports below: transformers (training.models) loads only when a model's config is read, and strategies/pipeline.py
 # (torch.distributed) only when a pipeline's parts are counted; the memory formulas need neither.

@@ -34,7 +34,7 @@ from .microbatch import largest_that_fits, micro_candidates
 # only when a prediction is made; the worker (read_record) and the CLI (host_ram_gib) import this module without them.
 
 if TYPE_CHECKING:
-    from ..resolved import ResolvedRun
+    from ..runtime.resolved import ResolvedRun
 
 PLAN_KEYS = ("gpu_peak_gib", "cpu_gib", "fits", "strategy")
 
@@ -72,7 +72,7 @@ def predict_run(cfg: RunConfig, device_type: str, nproc: int, *, gpu_memory: flo
 
 def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None, host_ram: float | None,
              eval_blocks: int | None = None, precision: str | None = None) -> dict[str, Any]:
-    from ..resolved import resolve_precision
+    from ..runtime.resolved import resolve_precision
     from .host import cpu_run_bytes, heap_kept_bytes
     from .planner import compile_is_modelled, plan, predict_cpu_run
 

@@ -1,6 +1,7 @@
 """What a running process needs about itself, below the engines and the loop that call it and the launcher above them.
 
     distributed.py   rank, world size, device; process-group setup and teardown; the CPU heap kept for reuse
+    resolved.py      the run this process runs: the config and what this machine makes of it, decided once
     process.py       torch-free facts: whether a launcher made this process a rank, the heap threshold
     preemption.py    SIGTERM/SIGUSR1: graceful end and on-demand checkpoints
     guards.py        a dead or hung peer rank: fail fast, in one line

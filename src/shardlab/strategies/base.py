@@ -24,7 +24,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from ..runtime.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
-from ..resolved import Precision
+from ..runtime.resolved import Precision
 from ..specs.registry import StrategySpec, spec
 from ..measure.timesplit import StepSplit
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..resolved import resolve_precision
+from ..runtime.resolved import resolve_precision
 from .deepspeed_schema import same_setting
 from ..specs.registry import spec
 

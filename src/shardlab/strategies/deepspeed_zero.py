@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import messages
-from ..resolved import resolve_precision
+from ..runtime.resolved import resolve_precision
 from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..compat.stage_timer import time_stages
 from ..measure import metrics
-from ..resolved import resolve_precision
+from ..runtime.resolved import resolve_precision
 from ..training import attention_backend, optim
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family

@@ -223,7 +223,7 @@ def layout(cfg: RunConfig) -> dict[str, Any] | None:
         return None
     from ..runtime.distributed import pick_device_type
     from .models import resolve_preset
-    from ..resolved import resolve_precision
+    from ..runtime.resolved import resolve_precision
 
     p = cfg.peft
     device = pick_device_type(cfg.device)

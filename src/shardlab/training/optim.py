@@ -1,4 +1,4 @@
-"""Optimizer parameter groups, the optimizers and the learning-rate schedule (the precision: shardlab.resolved).
+"""Optimizer parameter groups, the optimizers and the learning-rate schedule (the precision: shardlab.runtime.resolved).
 
 Shared by every strategy so that a strategy changes memory, not the mathematics:
 the same decay/no-decay split, the same AdamW hyper-parameters, the same schedule.
@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..resolved import resolve_precision
+from ..runtime.resolved import resolve_precision
 from ..specs.registry import StrategySpec, spec
 
 

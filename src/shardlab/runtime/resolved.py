@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from .config import RunConfig
-from .errors import UserError
-from .layout import ParallelLayout
-from .runtime.distributed import launched_world_size, pick_device_type, processes_per_node
-from .specs.registry import StrategySpec, spec
+from ..config import RunConfig
+from ..errors import UserError
+from ..layout import ParallelLayout
+from ..specs.registry import StrategySpec, spec
+from .distributed import launched_world_size, pick_device_type, processes_per_node
 
 
 @dataclass(frozen=True)

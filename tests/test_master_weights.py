@@ -10,6 +10,7 @@ from shardlab.config import DatasetConfig, RunConfig
 from shardlab.data import build_datasets
 from shardlab.errors import UserError
 from shardlab.planning import planner
+from shardlab.runtime.resolved import assumed_run
 from shardlab.strategies import strategy_class
 from shardlab.training import optim
 from shardlab.training.models import load_tokenizer
@@ -20,7 +21,7 @@ BF16 = {"precision": "bf16", "optimizer": "adamw8bit", "master_weights": "bf16"}
 
 def check(strategy="dp", device="cpu", **kw):
     cfg = RunConfig(strategy=strategy, **kw)
-    strategy_class(strategy).check_options(cfg, 1, 1, device)
+    strategy_class(strategy).check_options(assumed_run(cfg, device, world=1, accum=1))
 
 
 @pytest.mark.parametrize(("strategy", "kw", "needle"), [

@@ -14,6 +14,7 @@ from torch import nn
 from shardlab.training import optim
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
+from shardlab.runtime.resolved import assumed_run
 from shardlab.strategies import strategy_class
 from shardlab.strategies.deepspeed_zero import build_ds_config
 from test_train_e2e import assert_same_losses, train_args
@@ -21,7 +22,7 @@ from test_train_e2e import assert_same_losses, train_args
 
 def check(strategy="dp", world=1, accum=1, device="cpu", **kw):
     cfg = RunConfig(strategy=strategy, **kw)
-    strategy_class(strategy).check_options(cfg, world, accum, device)
+    strategy_class(strategy).check_options(assumed_run(cfg, device, world=world, accum=accum))
 
 
 @pytest.mark.parametrize(

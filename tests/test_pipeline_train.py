@@ -285,13 +285,15 @@ def test_zbv_refused_where_torch_lacks_it(monkeypatch):
     from shardlab.errors import UserError
 
     cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", strategy_options={"pp_schedule": "zbv"})
-    strategy.PipelineStrategy.check_options(cfg, 1, 2, "cpu")
+    from shardlab.runtime.resolved import assumed_run
+
+    strategy.PipelineStrategy.check_options(assumed_run(cfg, "cpu", world=1, accum=2))
     with pytest.raises(UserError, match="--chunks 3"):
-        strategy.PipelineStrategy.check_options(cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(
-            update={"pp_chunks": 3}, deep=True)}), 1, 2, "cpu")
+        strategy.PipelineStrategy.check_options(assumed_run(cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(
+            update={"pp_chunks": 3}, deep=True)}), "cpu", world=1, accum=2))
     monkeypatch.setattr(strategy, "zbv_schedule_class", lambda: None)
     with pytest.raises(UserError, match="needs torch's ScheduleZBVZeroBubble"):
-        strategy.PipelineStrategy.check_options(cfg, 1, 2, "cpu")
+        strategy.PipelineStrategy.check_options(assumed_run(cfg, "cpu", world=1, accum=2))
 
 
 @pytest.mark.slow
@@ -350,11 +352,12 @@ def test_pipeline_refuses_fp16_on_gpus(monkeypatch):
     from shardlab.errors import UserError
     from shardlab.strategies import strategy_class
 
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    from shardlab.runtime.resolved import assumed_run
+
     cfg = RunConfig(model="tiny-gpt2", strategy="pipeline", precision="fp16")
     with pytest.raises(UserError, match="fp16 is not supported with strategy 'pipeline'"):
-        strategy_class("pipeline").check_options(cfg, 2, 2, "cuda")
-    strategy_class("pipeline").check_options(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), 2, 2, "cuda")
+        strategy_class("pipeline").check_options(assumed_run(cfg, "cuda", world=2, accum=2))
+    strategy_class("pipeline").check_options(assumed_run(cfg.model_copy(update={"precision": "bf16", "grad_accum": 2}), "cuda", world=2, accum=2))
 
 
 @pytest.mark.slow

@@ -66,7 +66,6 @@ def preflight(cfg: RunConfig, device_type: str | None = None) -> ResolvedRun:
     device_type = run.device_type
     if cfg.attn_implementation != "auto":  # an explicit choice this machine or model cannot honour (no flash_attn...)
         resolve_attn_implementation(cfg.attn_implementation, device_type, causal_lm_class(hf_config))
-    accum = (cfg.grad_accum or 1) if cfg.micro_batch == "auto" else run.accum
     if cfg.micro_batch == "auto":
         if cfg.peft.method:  # the GPU plan models adapters; the CPU plan does not, and no trial search has run with them
             where = "the CPU plan does not model adapters yet" if device_type != "cuda" else "its trial search is not tested with adapters yet"
@@ -75,7 +74,7 @@ def preflight(cfg: RunConfig, device_type: str | None = None) -> ResolvedRun:
         check_auto(cfg, run.dp_size)
     # what the strategy cannot run (its optimizer, offload, precision, compile, DeepSpeed JSON, NVMe path): refused in
     # one line by the strategy itself
-    strategy_class(cfg.strategy).check_options(cfg, run.world, accum, device_type)
+    strategy_class(cfg.strategy).check_options(run)
 
     from ..checkpoint.same_model import check_same_model  # reads model configs (transformers), as above
 

@@ -113,6 +113,19 @@ def resolve_run(cfg: RunConfig, layers: int | None = None,
         raise explain(cfg, err) from None
 
 
+def assumed_run(cfg: RunConfig, device_type: str, world: int = 1, accum: int | None = None) -> ResolvedRun:
+    """The run ``cfg`` would be on a machine this process is not on (``device_type``, ``world`` ranks; a GPU assumed to
+    have bf16), for checks and plans made elsewhere than on the machine; ``accum``: the accumulation to assume."""
+    precision = resolve_precision(cfg.precision, device_type, bf16_supported=True if device_type == "cuda" else None)
+    layout = ParallelLayout.from_config(cfg, world, check_schedule=False)
+    if accum is None and cfg.micro_batch != "auto":
+        micro, accum, glob = cfg.resolve_batch(layout.dp_size)
+    else:
+        micro = None if cfg.micro_batch == "auto" else cfg.micro_batch
+        glob = None if micro is None else micro * (accum or 1) * layout.dp_size
+    return ResolvedRun(cfg, device_type, precision, max(1, world // cfg.nodes), world, layout, micro, accum, glob)
+
+
 def _resolve(cfg: RunConfig, device_type: str, precision: Precision, nproc: int, world: int,
              layers: int | None = None) -> ResolvedRun:
     layout = ParallelLayout.from_config(cfg, world, layers=layers)
@@ -122,4 +135,4 @@ def _resolve(cfg: RunConfig, device_type: str, precision: Precision, nproc: int,
     return ResolvedRun(cfg, device_type, precision, nproc, world, layout, micro, accum, glob)
 
 
-__all__ = ["Precision", "resolve_precision", "ResolvedRun", "resolve_run"]
+__all__ = ["Precision", "resolve_precision", "ResolvedRun", "resolve_run", "assumed_run"]

@@ -31,10 +31,11 @@ class AOOffloadStrategy(DDPStrategy):
         return True
 
     @classmethod
-    def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
-        super().check_options(cfg, world, accum, device_type)
+    def check_options(cls, run) -> None:
+        super().check_options(run)
+        cfg, world = run.cfg, run.world
         optim.torchao_optim()
-        if device_type != "cuda":
+        if run.device_type != "cuda":
             raise UserError("strategy 'ao_offload' needs a CUDA GPU (torchao's CPUOffloadOptimizer offloads from CUDA/XPU only)",
                             "run it on a GPU, or use fsdp_offload / zero2_offload on CPU")
         if world > 1:

@@ -24,7 +24,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from ..runtime.distributed import DistEnv, bind_threads_to_rank_cores
 from ..layout import data_parallel_size, local_world_size
-from ..runtime.resolved import Precision
+from ..runtime.resolved import Precision, ResolvedRun
 from ..specs.registry import StrategySpec, spec
 from ..measure.timesplit import StepSplit
 
@@ -141,9 +141,10 @@ class Strategy(ABC):
     takes_pipeline_options = False
 
     @classmethod
-    def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
-        """One-line refusals of settings this strategy cannot honour; run before any process is spawned."""
-        s = spec(cfg.strategy)
+    def check_options(cls, run: ResolvedRun) -> None:
+        """One-line refusals of settings this strategy cannot honour in the resolved ``run``; run before any process is
+        spawned."""
+        cfg, world, accum, device_type, s = run.cfg, run.world, run.accum or run.cfg.grad_accum or 1, run.device_type, run.spec
         opts = cfg.strategy_options
         # DeepSpeed's partial offload and ZenFlow, asked of a strategy that has neither (dp, fsdp, pipeline included)
         if opts.offload_ratio < 1.0 and not (s.engine == "deepspeed" and s.offload_params == "cpu"):
@@ -151,7 +152,7 @@ class Strategy(ABC):
                             "use --strategy zero3_offload, or drop --offload-ratio")
         if opts.zenflow and not s.supports_zenflow:
             raise UserError(f"--zenflow needs strategy zero1_offload or zero2_offload, not {cfg.strategy!r}", "use --strategy zero2_offload")
-        optim.check_optimizer_options(cfg, s, world, accum, device_type)
+        optim.check_optimizer_options(cfg, s, world, accum, device_type, run.precision.name)
         if cfg.peft.method:
             from ..training import adapters
 

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from .. import messages
-from ..runtime.resolved import resolve_precision
 from ..training import optim
 from ..config import RunConfig
 from ..errors import UserError
@@ -449,9 +448,10 @@ class DeepSpeedStrategy(Strategy):
         return offload_kind(cfg.strategy) is not None
 
     @classmethod
-    def check_options(cls, cfg: RunConfig, world: int, accum: int, device_type: str) -> None:
-        super().check_options(cfg, world, accum, device_type)  # offload_ratio and zenflow on the wrong strategy: there
-        opts, s = cfg.strategy_options, spec(cfg.strategy)
+    def check_options(cls, run) -> None:
+        super().check_options(run)  # offload_ratio and zenflow on the wrong strategy: there
+        cfg, world, device_type = run.cfg, run.world, run.device_type
+        opts, s = cfg.strategy_options, run.spec
         if opts.zenflow and device_type != "cuda":
             raise UserError("--zenflow needs a CUDA GPU (its important-column step runs there)", "drop --zenflow on CPU")
         if cfg.nan_policy == "skip" and s.zero_stage == 0:
@@ -459,8 +459,7 @@ class DeepSpeedStrategy(Strategy):
         if cfg.deepspeed_config and cfg.micro_batch != "auto":  # its mistakes now, not once per rank after the spawn
             from .deepspeed_schema import check_with_deepspeed
 
-            micro, accum, _ = cfg.resolve_batch(world)
-            ds = resolved_ds_config(cfg, resolve_precision(cfg.precision, device_type).name, micro, accum, world, device_type)
+            ds = resolved_ds_config(cfg, run.precision.name, run.micro, run.accum, world, device_type)
             check_with_deepspeed(ds, Path(cfg.deepspeed_config).name)  # every key DeepSpeed would refuse in each rank
         if s.offload_params == "nvme":  # NVMe path missing, not writable or too small: before any run dir exists
             from transformers import AutoModelForCausalLM

@@ -39,7 +39,6 @@ from torch import nn
 
 from ..compat.stage_timer import time_stages
 from ..measure import metrics
-from ..runtime.resolved import resolve_precision
 from ..training import attention_backend, optim
 from ..errors import UserError
 from ..layout import ParallelLayout, model_family
@@ -358,9 +357,10 @@ class PipelineStrategy(TorchOptimizerStrategy):
         return build_model(self.cfg)
 
     @classmethod
-    def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
-        super().check_options(cfg, world, accum, device_type)
-        if resolve_precision(cfg.precision, device_type).name == "fp16":
+    def check_options(cls, run) -> None:
+        super().check_options(run)
+        cfg = run.cfg
+        if run.precision.name == "fp16":
             # A GradScaler per stage would decide on overflow from its own stage's gradients only.
             raise UserError("fp16 is not supported with strategy 'pipeline' (its loss scaling would need every stage to agree on overflow)",
                             "use --precision bf16 (or fp32)")

@@ -39,8 +39,9 @@ class TorchOptimizerStrategy(Strategy):
     plain_tensor_params = False
 
     @classmethod
-    def check_options(cls, cfg, world: int, accum: int, device_type: str) -> None:
-        super().check_options(cfg, world, accum, device_type)
+    def check_options(cls, run) -> None:
+        super().check_options(run)
+        cfg = run.cfg
         if cfg.save_every or cfg.save_each_epoch or cfg.resume:
             check_checkpointable(cfg)
 

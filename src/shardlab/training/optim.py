@@ -15,7 +15,6 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..runtime.resolved import resolve_precision
 from ..specs.registry import StrategySpec, spec
 
 
@@ -100,7 +99,7 @@ def arithmetic(cfg: RunConfig) -> str:
     return base
 
 
-def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: int, device_type: str) -> None:
+def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: int, device_type: str, precision: str) -> None:
     """One-line refusals of optimizer options a strategy or a setting cannot honour (launch preflight and setup)."""
     strategy = s.name
     if cfg.optimizer == "adamw8bit":
@@ -108,7 +107,7 @@ def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: 
             raise UserError(f"--optimizer adamw8bit is not supported with strategy {strategy!r}", "use --strategy dp or fsdp")
         torchao_optim()
     if cfg.master_weights == "bf16":
-        check_bf16_master(cfg, s, device_type)
+        check_bf16_master(cfg, s, precision)
     if not cfg.optimizer_in_backward:
         return
     if not s.supports_in_backward:
@@ -131,7 +130,7 @@ def check_optimizer_options(cfg: RunConfig, s: StrategySpec, world: int, accum: 
                         "use --precision bf16 or fp32")
 
 
-def check_bf16_master(cfg: RunConfig, s: StrategySpec, device_type: str) -> None:
+def check_bf16_master(cfg: RunConfig, s: StrategySpec, precision: str) -> None:
     """--master-weights bf16: only where the weights stay plain tensors the optimizer rounds into (dp), with an
     optimizer that rounds stochastically (torch's AdamW on bf16 weights keeps bf16 moments and drops every update
     smaller than half a bf16 step), and with bf16 compute (the weights are bf16: fp32 or fp16 compute would be a cast
@@ -142,8 +141,8 @@ def check_bf16_master(cfg: RunConfig, s: StrategySpec, device_type: str) -> None
         raise UserError("--master-weights bf16 needs --optimizer adamw8bit (torchao's AdamW8bit rounds each update into the "
                         "bf16 weights stochastically; torch's AdamW would lose updates smaller than bf16's step)",
                         "add --optimizer adamw8bit, or drop --master-weights bf16")
-    if resolve_precision(cfg.precision, device_type).name != "bf16":
-        raise UserError(f"--master-weights bf16 needs bf16 compute, not {resolve_precision(cfg.precision, device_type).name}",
+    if precision != "bf16":
+        raise UserError(f"--master-weights bf16 needs bf16 compute, not {precision}",
                         "pass --precision bf16")
 
 

@@ -74,10 +74,6 @@ class StrategyOptions(_Strict):
         description="infinity: swap directory on local NVMe (no default: infinity needs it)")
     nvme_min_free_gb: float = Field(0.0, ge=0.0, description="infinity: extra free space to demand beyond the estimate")
     overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
-    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="dp and fsdp on several ranks: the dtype gradients are reduced in (dp: DDP's bf16 compression hook; "
-        "fsdp: MixedPrecisionPolicy.reduce_dtype); bf16 halves the bytes on the wire and rounds the sum to bf16")
-    ddp_bucket_cap_mb: float | None = Field(None, gt=0, description="dp: DDP's gradient bucket size in MB (default: torch's, 25)")
     contiguous_gradients: bool | None = Field(
         None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
         "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work; on otherwise)")

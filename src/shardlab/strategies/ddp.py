@@ -36,13 +36,7 @@ class DDPStrategy(TorchOptimizerStrategy):
             # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient beside the buckets.
             # zero_grad(set_to_none=True) drops the views; backward then makes each gradient afresh, DDP copies it into
             # its bucket and points .grad back at the bucket, so only one parameter's fresh gradient exists at a time.
-            opts = self.cfg.strategy_options
-            bucket = {"bucket_cap_mb": opts.ddp_bucket_cap_mb} if opts.ddp_bucket_cap_mb else {}
-            wrapped = DistributedDataParallel(wrapped, device_ids=device_ids, gradient_as_bucket_view=True, **bucket)
-            if opts.grad_reduce_dtype == "bf16":  # DDP's own hook: each bucket all-reduced in bf16, then cast back
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
-                wrapped.register_comm_hook(None, bf16_compress_hook)
+            wrapped = DistributedDataParallel(wrapped, device_ids=device_ids, gradient_as_bucket_view=True)
         if whole_graph:  # outside DDP, so its bucketed all-reduce hooks stay eager
             wrapped = compiling.compile_module(wrapped, self.cfg)
         self.model = wrapped

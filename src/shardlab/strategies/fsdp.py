@@ -208,8 +208,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(self.cfg, self.env.world_size)}
         if self.precision.is_mixed:  # (--peft lora: a bf16 frozen base and fp32 adapters in one unit is fine, as FSDP2
             # wants one dtype among a unit's trainable parameters only, and gathers every parameter in param_dtype)
-            reduce = torch.bfloat16 if self.cfg.strategy_options.grad_reduce_dtype == "bf16" else torch.float32
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=reduce)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         if self.cpu_optimizer(self.cfg):
             # Pinning needs an accelerator; on a CPU-only run the "offload" is a no-op move anyway.
             pin = self.cfg.strategy_options.pin_memory and self.env.device.type == "cuda"

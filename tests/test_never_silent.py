@@ -113,6 +113,17 @@ def test_a_log_file_gets_one_plain_line_per_log_every_steps(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_bug_in_a_forked_rank_prints_its_traceback(tmp_path):
+    """A rank forked from the launcher (CPU runs) that raises something other than a user error: its traceback reaches
+    stderr, as an exec'd rank's interpreter prints it; torch's fork context alone kept only the exit code."""
+    code, _, stderr, _ = _train_to_files(tmp_path, ["--gpus", "2", "--max-steps", "3"], env={"SHARDLAB_FAULTS": "raise@2:1"})
+    assert code == 1, stderr[-3000:]
+    assert "Traceback (most recent call last)" in stderr
+    assert "RuntimeError: deliberate fault in step 2 on rank 1 (SHARDLAB_FAULTS)" in stderr
+    assert "error: a worker process failed with exit code 1 (rank 1" in stderr
+
+
+@pytest.mark.slow
 def test_a_sigkilled_single_process_run_is_reported_by_its_supervisor(tmp_path):
     # kill_in_save: the training process SIGKILLs itself while writing the checkpoint of step 2, as the OOM killer would.
     code, stdout, stderr, out = _train_to_files(tmp_path, ["--max-steps", "3", "--save-every", "2"], {"SHARDLAB_FAULTS": "kill_in_save@2"})

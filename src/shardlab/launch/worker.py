@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from .failures import report_errors
@@ -52,7 +53,12 @@ def forked_main(*argv: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
     name_process(f"shardlab-r{os.environ.get('RANK', '?')}")
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except Exception:  # a bug: its traceback, as an exec'd rank's interpreter prints it (the fork's parent records only
+        traceback.print_exc()  # its exit code)
+        sys.stderr.flush()
+        code = 1
     atexit._run_exitfuncs()
     if code:
         exit_process(code)

@@ -7,6 +7,7 @@ SHARDLAB_FAULTS is a comma-separated list of
     kill@STEP[:RANK]           the rank SIGKILLs itself in its first training forward of STEP (mid-step, as the
                                kernel's OOM killer would): the crash tests' first kill, at a known step, with no
                                polling from outside
+    raise@STEP[:RANK]          the rank raises a RuntimeError there instead: a bug, whose traceback must reach the user
 RANK defaults to every rank. Nothing here runs unless the variable is set.
 """
 
@@ -36,7 +37,7 @@ def arm(model, rank: int, done_steps: int, accum: int) -> None:
     """nan_loss: NaN logits from the LM head in the training forwards of the chosen step, so that the
     loss *and* every gradient are NaN, as after a real overflow; kill: SIGKILL in that step's first
     training forward. Eval forwards are left alone."""
-    if ENV not in os.environ or not any(kind in os.environ[ENV] for kind in ("nan_loss", "kill@")):
+    if ENV not in os.environ or not any(kind in os.environ[ENV] for kind in ("nan_loss", "kill@", "raise@")):
         return
     head = model.get_output_embeddings()
     calls = {"n": 0}
@@ -48,6 +49,8 @@ def arm(model, rank: int, done_steps: int, accum: int) -> None:
         calls["n"] += 1
         if _wanted("kill", step, rank):
             os.kill(os.getpid(), signal.SIGKILL)
+        if _wanted("raise", step, rank):
+            raise RuntimeError(f"deliberate fault in step {step} on rank {rank} ({ENV})")
         return output * float("nan") if _wanted("nan_loss", step, rank) else output
 
     head.register_forward_hook(hook)

@@ -160,7 +160,13 @@ def _export_adapter(ckpt: Path, cfg: RunConfig, out: Path, merge: bool, tokenize
     (peft's merge_and_unload): a plain transformers model."""
     from ..training import adapters
 
-    saved = (checkpoint.read_state(ckpt).get("layout") or {}).get("adapter") or adapters.layout(cfg)
+    saved = (checkpoint.read_state(ckpt).get("layout") or {}).get("adapter")
+    if saved is None:  # a checkpoint written before adapters were recorded: this machine's reading of the config
+        from ..runtime.distributed import pick_device_type
+        from ..runtime.resolved import resolve_precision
+
+        device = pick_device_type(cfg.device)
+        saved = adapters.layout(cfg, device, resolve_precision(cfg.precision, device).name)
     cfg = cfg.model_copy(update={"model": saved["model"], "seed": cfg.seed if saved.get("seed") is None else saved["seed"]})
     if not merge:  # names and shapes are all an adapter directory needs: no base weights are built
         model = adapters.apply(_meta_model(cfg), cfg)

@@ -62,11 +62,12 @@ SUPPORTED = (
 )
 
 
-def layout(cfg, world_size: int, dp_size: int, micro: int, accum: int, global_batch: int) -> dict[str, Any]:
-    """How a run is laid out; stored in every checkpoint's trainer_state.json."""
-    return {"strategy": cfg.strategy, "world_size": world_size, "dp_size": dp_size, "micro_batch": micro,
-            "grad_accum": accum, "global_batch": global_batch, "pp_stages": cfg.strategy_options.pp_stages,
-            "weight_decay": cfg.weight_decay, "adapter": adapter_layout(cfg)}  # fmt: skip
+def layout(run) -> dict[str, Any]:
+    """How the resolved ``run`` is laid out; stored in every checkpoint's trainer_state.json."""
+    cfg = run.cfg
+    return {"strategy": cfg.strategy, "world_size": run.world, "dp_size": run.dp_size, "micro_batch": run.micro,
+            "grad_accum": run.accum, "global_batch": run.global_batch, "pp_stages": cfg.strategy_options.pp_stages,
+            "weight_decay": cfg.weight_decay, "adapter": adapter_layout(cfg, run.device_type, run.precision.name)}  # fmt: skip
 
 
 def check_kept_settings(saved: dict[str, Any], now: dict[str, Any]) -> None:

@@ -173,15 +173,15 @@ def check_trusted(cfg, say=print) -> None:
         trust.check_checkpoint(found, cfg.trust_checkpoint, f"--resume {cfg.resume}", say)
 
 
-def check_resume(cfg, world_size: int, dp_size: int) -> None:
-    """Before any process starts: the checkpoint `--resume` picks can be loaded by this run."""
+def check_resume(run) -> None:
+    """Before any process starts: the checkpoint `--resume` picks can be loaded by the resolved ``run``."""
+    cfg = run.cfg
     if not cfg.resume:
         return
     found = find_resume_dir(cfg.resume, Path(cfg.output_dir))
     saved = read_state(found).get("layout") if found is not None else None
     if saved:
-        micro, accum, glob = cfg.resolve_batch(dp_size)
-        reshard.check_pair(saved, reshard.layout(cfg, world_size, dp_size, micro, accum, glob))
+        reshard.check_pair(saved, reshard.layout(run))
 
 
 def load(strategy, directory: Path, layout: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -224,17 +224,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path, cfg=None) -> Path:
+def save_hf(hf_model, state: dict[str, torch.Tensor], tokenizer, final: Path, cfg=None, adapter=None) -> Path:
     """Write a `from_pretrained`-loadable directory atomically (tmp dir, then rename); its tokenizer's files too unless
     ``tokenizer`` is None (a run on synthetic data whose tokenizer is not installed: the model alone). A model with
-    adapters (--peft, ``cfg`` its run's config) is written as peft's adapter directory."""
+    adapters (--peft, ``cfg`` its run's config, ``adapter`` its record: adapters.layout) is written as peft's adapter
+    directory."""
     from ..training import adapters
 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.contiguous() for k, v in state.items()}
     if adapters.is_adapted(hf_model):
-        adapters.save_adapter(hf_model, state, tmp, cfg)
+        adapters.save_adapter(hf_model, state, tmp, cfg, adapter)
     else:
         hf_model.save_pretrained(tmp, state_dict=state)
     if tokenizer is not None:
@@ -250,6 +251,11 @@ def export_hf(strategy, tokenizer, output_dir: Path) -> Path | None:
     if not strategy.env.is_main:
         strategy.env.barrier()
         return None
-    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / EXPORT_DIR, strategy.cfg)
+    adapter = None
+    if adapted:
+        from ..training import adapters
+
+        adapter = adapters.layout(strategy.cfg, strategy.env.device.type, strategy.precision.name)
+    final = save_hf(strategy.hf_model, state, tokenizer, output_dir / EXPORT_DIR, strategy.cfg, adapter)
     strategy.env.barrier()
     return final

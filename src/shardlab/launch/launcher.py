@@ -80,7 +80,7 @@ def preflight(cfg: RunConfig, device_type: str | None = None) -> ResolvedRun:
 
     check_trusted(cfg, say=messages.info)  # a checkpoint not written here is screened before anything reads it (trust.py)
     check_same_model(cfg, hf_config)  # a checkpoint of another model, or one this layout cannot load: before anything starts
-    check_resume(cfg, run.world, run.dp_size)
+    check_resume(run)
     return run
 
 

@@ -218,7 +218,7 @@ class Trainer:
         self.micro, self.accum, self.global_batch = run.micro, run.accum, run.global_batch
         self.run_dir = Path(cfg.output_dir)
         self.step_losses: list[float] = []
-        self.layout = reshard.layout(cfg, self.env.world_size, self.dp_size, self.micro, self.accum, self.global_batch)
+        self.layout = reshard.layout(run)
         self.signals = StopSignals()
         self.config_text: str | None = None
         self.evals = EvalTracker(cfg.early_stopping_patience)  # initial, best and early stopping (restored on resume)

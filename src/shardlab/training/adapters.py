@@ -214,23 +214,21 @@ def describe(info: dict[str, Any]) -> str:
             f"({info['trainable_fraction']:.2%})")
 
 
-def layout(cfg: RunConfig) -> dict[str, Any] | None:
+def layout(cfg: RunConfig, device_type: str, precision: str) -> dict[str, Any] | None:
     """What a checkpoint of adapters only must be resumed (and exported) with, as it holds no base weights
     (reshard.layout): the adapter settings and what rebuilds the same base: the model, the seed and, for a random-init
     preset, the device type it is drawn on (a GPU's generator draws other numbers than the CPU's); for qlora the
     compute dtype its weights were quantised from. None for full fine-tuning."""
     if cfg.peft.method is None:
         return None
-    from ..runtime.distributed import pick_device_type
     from .models import resolve_preset
-    from ..runtime.resolved import resolve_precision
 
     p = cfg.peft
-    device = pick_device_type(cfg.device)
+    device = device_type
     drawn = resolve_preset(cfg.model) is not None  # a pretrained base does not depend on the seed
     return {"method": p.method, "r": p.r, "alpha": p.alpha, "dropout": p.dropout, "target_modules": p.target_modules,
             "model": cfg.model, "seed": cfg.seed if drawn else None, "base_drawn_on": device if drawn else None,
-            "compute_dtype": resolve_precision(cfg.precision, device).name if p.method == "qlora" else None}
+            "compute_dtype": precision if p.method == "qlora" else None}
 
 
 # ---- QLoRA: the base model's linear layers in 4-bit NF4 -----------------------------------------------------------
@@ -388,15 +386,14 @@ def rebuild_base(cfg: RunConfig, saved: dict[str, Any]) -> nn.Module:
 # ---- export -------------------------------------------------------------------------------------------------------
 
 
-def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], out: Path, cfg: RunConfig,
-                 saved: dict[str, Any] | None = None) -> None:
+def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], out: Path, cfg: RunConfig, saved: dict[str, Any]) -> None:
     """peft's adapter directory (adapter_config.json, adapter_model.safetensors) from ``state`` (the model's state dict,
-    or its adapter part), plus BASE_FILE: what rebuilds the base the adapter was trained on (``layout``'s record:
-    ``saved``, or this process's run)."""
+    or its adapter part), plus BASE_FILE: what rebuilds the base the adapter was trained on (``saved``: ``layout``'s
+    record)."""
     adapter = {k: v.contiguous() for k, v in state.items() if ".lora_" in k}
     # save_embedding_layers: only adapters train (peft would otherwise look the base model up on the hub to decide)
     model.save_pretrained(out, state_dict=adapter, save_embedding_layers=False)
-    base = {**(saved or layout(cfg)), "tokenizer": cfg.tokenizer, "trust_remote_code": cfg.trust_remote_code}
+    base = {**saved, "tokenizer": cfg.tokenizer, "trust_remote_code": cfg.trust_remote_code}
     (out / BASE_FILE).write_text(json.dumps(base, indent=1))
 
 

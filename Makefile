@@ -35,8 +35,9 @@ PYTEST := $(OFFLINE) $(PYTHON) -m pytest tests -q --durations=20
 # On 2 pytest-xdist workers, each confined to its share of the cores (affinity and OMP_NUM_THREADS, tests/conftest.py);
 # a module's tests that share a module fixture stay on one worker. `make test` runs both tiers in one session, so the
 # slow tier finds what the fast one built (the session's inductor graphs, tokenized data, the zygote): two sessions
-# built them twice. 2-core box, fresh clone: `.ci/run` 13:01 in one session (tests 12:40), 17:52 in two (fast 2:14,
-# slow 15:02); earlier, before the workers were confined, 22:37. 3 workers do not help (the CPUs are 99% busy).
+# built them twice. 2-core box, fresh clone: `.ci/run` 13:01-15:43 in one session (one commit, the machine's speed
+# varying by ~20% over hours), 17:52 in two (fast 2:14, slow 15:02); before the workers were confined, 22:37. 3 workers
+# do not help (the CPUs are 99% busy).
 # PARALLEL= (empty) runs serially.
 PARALLEL ?= -n 2 --dist loadgroup
 

@@ -110,6 +110,10 @@ def cmd_bench(args: argparse.Namespace, to_config=None) -> None:
         return
     state = bench(suites, out, overrides, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report,
                   interleave=args.interleave, budget_s=args.budget_s)
+    _say_done(state, out)
+
+
+def _say_done(state: dict, out: Path) -> None:
     failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
     print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
           + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")
@@ -136,9 +140,7 @@ def _bench_cells(args: argparse.Namespace, to_config) -> None:
         return
     state = bench([name], out, cells=cells, timeout=args.cell_timeout, rerun=args.rerun, report=not args.no_report,
                   interleave=bool(args.interleave), budget_s=args.budget_s)
-    failed = [c["label"] for c in state["cells"] if not any(r["status"] == "ok" for r in c["repeats"])]
-    print(f"[bench] {len(state['cells']) - len(failed)} of {len(state['cells'])} cells ran"
-          + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out}")
+    _say_done(state, out)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -29,11 +29,11 @@ from .buildlocks import clear_stale_build_locks
 from ..measure.compile_stats import limit_compile_workers, mark_start, use_persistent_cache
 from ..config import RunConfig, dump_config
 from .failures import WorkerFailed  # noqa: F401  (raised here; its home is torch-free for the supervisor)
-from ..runtime.distributed import free_port, in_launched_job, launched_world_size, pick_device_type, processes_per_node
+from ..runtime.distributed import free_port, in_launched_job, pick_device_type
 from ..errors import UserError
 from ..layout import model_layers
 from ..training.cpu_bf16 import slow_bf16_note
-from ..runtime.resolved import ResolvedRun, resolve_run
+from ..runtime.resolved import ResolvedRun, job_world, resolve_run
 from ..strategies import strategy_class
 from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
@@ -271,8 +271,7 @@ def with_pipeline_microbatches(cfg: RunConfig, device_type: str) -> RunConfig:
     """RunConfig.with_pipeline_microbatches for this machine's world size, said once (rank 0 / the launching process)."""
     if spec(cfg.strategy).engine != "pipelining" or cfg.grad_accum is not None:
         return cfg
-    world = launched_world_size() or processes_per_node(cfg, device_type) * cfg.nodes
-    cfg, note = cfg.with_pipeline_microbatches(world)
+    cfg, note = cfg.with_pipeline_microbatches(job_world(cfg, device_type))
     if note and messages.rank_zero():
         messages.info(note)
     return cfg

@@ -104,13 +104,18 @@ def resolve_run(cfg: RunConfig, layers: int | None = None,
     device_type = device_type or pick_device_type(cfg.device)
     precision = resolve_precision(cfg.precision, device_type)
     nproc = processes_per_node(cfg, device_type)
-    world = launched_world_size() or nproc * cfg.nodes
+    world = job_world(cfg, device_type)
     try:
         return _resolve(cfg, device_type, precision, nproc, world, layers)
     except UserError as err:
         if explain is None:
             raise
         raise explain(cfg, err) from None
+
+
+def job_world(cfg: RunConfig, device_type: str) -> int:
+    """Processes in the job: torchrun's or srun's world when they started this process, else per node x nodes."""
+    return launched_world_size() or processes_per_node(cfg, device_type) * cfg.nodes
 
 
 def assumed_run(cfg: RunConfig, device_type: str, world: int = 1, accum: int | None = None) -> ResolvedRun:
@@ -135,4 +140,4 @@ def _resolve(cfg: RunConfig, device_type: str, precision: Precision, nproc: int,
     return ResolvedRun(cfg, device_type, precision, nproc, world, layout, micro, accum, glob)
 
 
-__all__ = ["Precision", "resolve_precision", "ResolvedRun", "resolve_run", "assumed_run"]
+__all__ = ["Precision", "resolve_precision", "ResolvedRun", "resolve_run", "assumed_run", "job_world"]

@@ -62,8 +62,8 @@ def page(rows: list[dict], missing: list[str]) -> str:
         out.append(f"| {r['run']} | {split} | {r['stages_of_rank']} | {ms(r['virtual_stage_fwd_ms'])} | {ms(r['virtual_stage_bwd_ms'])} | "
                    f"{ms(r['virtual_stage_wgrad_ms'])} |")
     out += ["", "Simulated: `shardlab pipeline simulate` fed these per-virtual-stage times, no communication cost. Measured: "
-            "the wall time of the schedule's step (p2p and waits included), warm-up steps excluded; measured bubble = 1 - "
-            "busy / (GPUs x step). Planned: `shardlab plan`'s worst-GPU peak (allocated) for the run's config."]
+            "the wall time of the schedule's step (p2p and waits included) from the first stage's GPU starting it to the last "
+            "GPU ending it, warm-up steps excluded; measured bubble = 1 - busy / (GPUs x step). Planned: `shardlab plan`'s worst-GPU peak (allocated) for the run's config."]
     out += [f"\nNot finished (no summary.json): {d}" for d in missing]
     return "\n".join(out) + "\n"
 

@@ -43,6 +43,10 @@ def check_measured_vs_simulated(pp: dict, schedule: str, stages: int, microbatch
     sim = simulate(schedule, stages, microbatches, fwd=vf, bwd=vb, chunks=chunks, wgrad=wgrad)
     assert pp["simulated_step_ms"] == pytest.approx(sim.makespan, rel=1e-9)
     assert pp["simulated_bubble"] == pytest.approx(sim.metrics["bubble_fraction"], rel=1e-9)
+    # the step is the pipeline's (first stage's start to the last rank's end), each rank's end within it
+    assert max(pp["simulated_rank_end_ms"]) == pytest.approx(sim.makespan, rel=1e-9)
+    ends = pp["measured_rank_end_ms"]  # one host: the ranks share a clock
+    assert len(ends) == stages and all(0 < e <= 1.01 * pp["measured_step_ms"] for e in ends)
     # Each rank runs its forwards and backwards one after another inside the schedule's step, so the
     # measured step is at least the busiest rank's work, and so is the simulated one.
     busiest = max(microbatches * (f + b) for f, b in zip(fwd, bwd))
@@ -316,6 +320,49 @@ def test_split_balances_compute_with_the_head_on_the_last_stage():
     assert bounds[1][1] - bounds[1][0] == 2  # 22 blocks vs 2 blocks + head: max(22, 22)
     with pytest.raises(ValueError, match="only 2 layers"):  # the user meets ParallelLayout's LayoutError first
         stage_costs(2, 1.0, 0.0, 3)
+
+
+def recorded(tl, starts: list[float], clock0: float = 0.0) -> list[tuple[float, float, float]]:
+    """What each rank's train_step records of a simulated step: (start, end, work) on the shared clock, where rank d
+    entered the step at ``starts[d]`` (before its first input arrives: it only waits) and ends with its last action."""
+    return [(clock0 + starts[d], clock0 + max(e.end for e in tl.device_events(d)), sum(e.duration for e in tl.device_events(d)))
+            for d in range(tl.stages)]
+
+
+def test_measured_zbv_step_is_the_last_ranks_end_not_the_first_ranks():
+    """Under zbv on 2 ranks the first stage's rank (0) is done once the last input gradient reaches it, while rank 1
+    still runs its deferred W's: the step ends with rank 1. With the H200 gpt2-large times (ms per micro-batch, M = 8)
+    rank 0's own step is 858.5 (the 850 measured once as 'the step') and the pipeline's 925; the accounting gives the
+    simulator's step and bubble from what the ranks record, whatever the ranks' clocks read and wherever a rank entered."""
+    from shardlab.pipesim import simulate
+    from shardlab.strategies.pipeline import pipeline_step
+
+    fwd, bwd, w = [12.2, 11.9, 12.5, 11.1], [21.7, 45.4, 44.3, 17.9], [21.7, 30.0, 28.2, 7.8]
+    tl = simulate("zbv", 2, 8, fwd=fwd, bwd=bwd, wgrad=[x / b for x, b in zip(w, bwd)])
+    steps = [recorded(tl, [0.0, 3.0], clock0=5000.0), recorded(tl, [0.0, -4.0], clock0=9000.0)]  # rank 1 late, early
+    ranks = [[step[r] for step in steps] for r in range(2)]
+    got = pipeline_step(ranks, first=0, shared_clock=True)
+    assert got["step"] == pytest.approx(tl.makespan) and tl.makespan == pytest.approx(925.0)
+    assert got["bubble"] == pytest.approx(tl.metrics["bubble_fraction"])
+    assert got["rank_end"] == pytest.approx([858.5, 925.0])  # rank 0 ends 66.5 ms early
+    # without a shared clock the slowest rank's own step is all there is: off by when rank 1 entered, either way
+    own = [pipeline_step([[r[i]] for r in ranks], first=0, shared_clock=False)["step"] for i in range(2)]
+    assert own == pytest.approx([925.0 - 3.0, 925.0 + 4.0])
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)])
+def test_measured_step_and_bubble_are_the_simulators(schedule, chunks):
+    """Fed the ranks' records of a simulated step (unequal stages, 3 ranks), the measured step and bubble are the
+    simulated makespan and bubble: both sides define them alike (last end - first stage's start; 1 - work / (P x step))."""
+    from shardlab.pipesim import simulate
+    from shardlab.strategies.pipeline import pipeline_step
+
+    n = 3 * chunks
+    fwd, bwd = [1.0 + 0.3 * s for s in range(n)], [2.5 - 0.2 * s for s in range(n)]
+    tl = simulate(schedule, 3, 6, fwd=fwd, bwd=bwd, chunks=chunks, wgrad=0.4 if schedule == "zbv" else None)
+    got = pipeline_step([[r] for r in recorded(tl, [0.0, 0.5, 0.2])], first=0, shared_clock=True)
+    assert got["step"] == pytest.approx(tl.makespan)
+    assert got["bubble"] == pytest.approx(tl.metrics["bubble_fraction"])
 
 
 @pytest.mark.parametrize(

@@ -309,6 +309,46 @@ class StageTimer:
         self._marks.clear()
 
 
+def step_clock() -> float:
+    """Seconds on CLOCK_MONOTONIC, which every process of one host reads alike, so the ranks' step starts and ends
+    compare (perf_counter's reference point is undefined)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def step_clock_id() -> str:
+    """Which monotonic clock this process reads: the kernel's boot id (one per host and boot), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
+def pipeline_step(ranks: list[list[tuple[float, float, float]]], first: int, shared_clock: bool) -> dict:
+    """The measured step and bubble as the simulator defines them, from each rank's (start, end, work) per step.
+
+    The step runs from the first stage's rank starting it (every action waits, through the forwards, on that stage's
+    first one) to the LAST rank finishing, as the simulator's makespan does. One rank's own start-to-end is not the
+    step: under zbv the first stage's rank is done once the last input gradient reaches it, while the middle ranks
+    still run their deferred W's. Bubble = 1 - summed work / (ranks x step), the simulator's. Medians over steps;
+    on ranks without a shared clock, the slowest rank's own step.
+    """
+    spans, bubbles, ends = [], [], []
+    for step in zip(*ranks):
+        start = step[first][0]
+        span = max(e for _, e, _ in step) - start if shared_clock else max(e - s for s, e, _ in step)
+        if span <= 0:
+            continue
+        spans.append(span)
+        bubbles.append(max(0.0, 1 - sum(w for _, _, w in step) / (len(step) * span)))
+        ends.append([e - start for _, e, _ in step])
+    if not spans:
+        return {"step": float("nan"), "bubble": None, "rank_end": None}
+    rank_end = [statistics.median(e[r] for e in ends) for r in range(len(ranks))] if shared_clock else None
+    return {"step": statistics.median(spans), "bubble": statistics.median(bubbles), "rank_end": rank_end}
+
+
 # ---- names: a stage's tensors under the unsplit model's names ------------------------------------------
 
 
@@ -408,7 +448,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.model = nn.ModuleList(self.stage_modules)  # this rank's stages: train()/eval() and the optimizer
         self._build_optimizer(self.model, env.device.type, total_steps)
         self.timer = StageTimer(env.device)
-        self.schedule_times: list[float] = []
+        self.schedule_spans: list[tuple[float, float]] = []  # per step: (start, end) on step_clock()
         self.stages_timed = time_stages(zip(my_stages, pp_stages), self.timer.wrap)  # compat/stage_timer.py
         self.step_loss = StepLoss()
         loss_fn = self.timer.wrap(self.step_loss, n_stages - 1, "F") if self.stages_timed else self.step_loss
@@ -487,7 +527,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         self.step_loss.items = self.step_label_tokens(step.label_tokens) / self.dp_size
         self.timer.active = True
         metrics.sync(self.env.device)
-        t0 = time.perf_counter()
+        t0 = step_clock()
         try:
             if self.is_first:
                 self.schedule.step(inputs, **kwargs)
@@ -496,7 +536,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         finally:
             self.step_loss.items = None
         metrics.sync(self.env.device)
-        self.schedule_times.append(time.perf_counter() - t0)
+        self.schedule_spans.append((t0, step_clock()))
         self.timer.active = False
         self.timer.end_step()
         batches.preload()
@@ -555,7 +595,7 @@ class PipelineStrategy(TorchOptimizerStrategy):
         stage_fwd_ms / stage_bwd_ms: per rank (all its stages); virtual_stage_*: per virtual stage, what the
         simulator is fed (interleaved and zbv chunks are not equal: the split balances blocks plus head, and
         zbv's first stage has no input gradient); zbv adds each stage's weight-gradient (W) time."""
-        steps = list(zip(self.timer.steps, self.schedule_times))
+        steps = list(zip(self.timer.steps, self.schedule_spans))
         steady = steps[metrics.WARMUP_STEPS:] or steps
         M = self.grad_accum
         sched = self.cfg.strategy_options.pp_schedule
@@ -566,13 +606,12 @@ class PipelineStrategy(TorchOptimizerStrategy):
         def work(times: dict) -> float:  # this rank's compute in one step ("B" includes zbv's W)
             return sum(v for (_, k), v in times.items() if k in ("F", "B"))
 
-        # This rank's per-stage times of one step (its median-work step), its median step time and its median share
-        # of a step spent computing: each step's work lies inside that step's time, so these keep that order however
-        # noisy the steps are (separate medians of F, of B and of the step time need not: a busy machine broke it).
+        # This rank's per-stage times of one step (its median-work step), and every step's start, end and work: the
+        # step and the bubble come from whole steps across the ranks (pipeline_step), so each step's work lies inside
+        # that step however noisy the steps are (separate medians of F, of B and of the step time need not).
         mid = sorted(steady, key=lambda st: work(st[0]))[(len(steady) - 1) // 2][0] if steady else {}
         mine = {"stages": {s: {k: mid.get((s, k), 0.0) / M for k in ("F", "B", "W")} for s in self.my_stages},
-                "step": statistics.median(t for _, t in steady) if steady else float("nan"),
-                "busy": statistics.median(work(f) / t for f, t in steady if t > 0) if steady else 0.0}
+                "steps": [(t0, t1, work(f)) for f, (t0, t1) in steady], "clock": step_clock_id()}
         per_rank: list[dict] = [None] * self.n_ranks  # type: ignore[list-item]
         dist.all_gather_object(per_rank, mine, group=self.pp_group)
         stages = {s: t for rank in per_rank for s, t in rank["stages"].items()}
@@ -582,7 +621,9 @@ class PipelineStrategy(TorchOptimizerStrategy):
         split = sched == "zbv"
         wgrad = [min(1.0, stages[s]["W"] / bwd[s]) for s in range(n_stages)] if split else None
         sim = simulate(sched, self.n_ranks, M, fwd=fwd, bwd=bwd, chunks=self.chunks, wgrad=wgrad)
-        measured = max(r["step"] for r in per_rank)  # the step ends with its slowest rank's
+        shared = len({r["clock"] for r in per_rank}) == 1
+        first = next(i for i, r in enumerate(per_rank) if 0 in r["stages"])
+        measured = pipeline_step([r["steps"] for r in per_rank], first, shared)
         rank_fwd = [sum(fwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
         rank_bwd = [sum(bwd[s] for s in self.parallel.stages_of(r)) for r in range(self.n_ranks)]
         out = {
@@ -590,11 +631,15 @@ class PipelineStrategy(TorchOptimizerStrategy):
             "stage_fwd_ms": [1e3 * f for f in rank_fwd], "stage_bwd_ms": [1e3 * b for b in rank_bwd],
             "virtual_stage_fwd_ms": [1e3 * f for f in fwd], "virtual_stage_bwd_ms": [1e3 * b for b in bwd],
             "stages_of_rank": [self.parallel.stages_of(r) for r in range(self.n_ranks)],
-            "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured,
-            "simulated_bubble": sim.metrics["bubble_fraction"],
-            "measured_bubble": 1 - statistics.fmean(r["busy"] for r in per_rank) if measured > 0 else None,
-            "note": "simulated from the measured per-stage times with no communication cost; "
-                    "measured = wall time of the schedule's step (p2p and waits included), warm-up excluded",
+            "simulated_step_ms": 1e3 * sim.makespan, "measured_step_ms": 1e3 * measured["step"],
+            "simulated_bubble": sim.metrics["bubble_fraction"], "measured_bubble": measured["bubble"],
+            # when each rank ends its part of the step (from the step's start): under zbv the first rank ends early
+            "simulated_rank_end_ms": [1e3 * max(e.end for e in sim.device_events(d)) for d in range(self.n_ranks)],
+            "measured_rank_end_ms": [1e3 * e for e in measured["rank_end"]] if measured["rank_end"] else None,
+            "note": "simulated from the measured per-stage times with no communication cost; measured = wall time of "
+                    "the schedule's step (p2p and waits included) from the first stage's rank starting it to the last "
+                    "rank ending it" + ("" if shared else " (ranks on several hosts: the slowest rank's own step)")
+                    + ", warm-up excluded; bubble = 1 - the ranks' work / (ranks x step) in both",
         }
         if split:
             out["virtual_stage_wgrad_ms"] = [1e3 * stages[s]["W"] for s in range(n_stages)]

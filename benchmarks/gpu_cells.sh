@@ -10,7 +10,7 @@
 # read from the runs' own summary.json; the bench's report goes to $OUT/report.md.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-ROOT=/tmp/cells; mkdir -p "$ROOT"
+ROOT="${ROOT:-/tmp/cells}"; mkdir -p "$ROOT"  # another ROOT keeps a second cells file's runs apart
 exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/gpu_env.sh
 export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/diag

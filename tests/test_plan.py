@@ -255,12 +255,13 @@ def test_micro_batch_search_is_the_largest_fitting():
         assert (q.strategies["zero2"].gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(q.gpu_memory)) is fits
 
 
-def test_one_rank_zero3_plans_no_reduce_bucket():
-    """One-rank zero3 without offload defaults to contiguous_gradients off (deepspeed_zero.contiguous_gradients): no
-    reduce bucket (reduce_bucket_size x 2 B). gpt2-medium micro 8 on an H100: 17.91 GiB measured without the bucket,
-    planned 18.7 with it (benchmarks/results/2026-11-27-h100-zero3-combo/); two ranks keep it."""
+def test_zero3_plans_no_reduce_bucket():
+    """zero3 without offload defaults to contiguous_gradients off (deepspeed_zero.contiguous_gradients): no reduce
+    bucket (reduce_bucket_size x 2 B), on one rank or several. gpt2-medium micro 8 on an H100: 17.91 GiB measured
+    without the bucket, planned 18.7 with it (benchmarks/results/2026-11-27-h100-zero3-combo/); llama-3.2-1b's two-rank
+    code path on one H200: 35.78 GiB measured without, 36.72 with (benchmarks/results/2026-11-29-h200-zero3-two-rank-path/)."""
     bucket = 500_000_000 * 2 / GiB
-    for gpus, drop in ((1, bucket), (2, 0.0)):
+    for gpus, drop in ((1, bucket), (2, bucket)):
         cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=gpus)
         old = cfg.model_copy(update={"strategy_options": cfg.strategy_options.model_copy(update={"contiguous_gradients": True})})
         new_peak, old_peak = (plan(c, gpu_memory_gb=80, strategies=("zero3",)).strategies["zero3"].gpu_peak / GiB for c in (cfg, old))
@@ -428,8 +429,11 @@ def test_compiled_loss_keeps_only_16bit_logits_and_their_gradient():
 MEASURED_BUCKETS = dict(reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
                         stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000)
 MEASURED_ZERO3_GATHER = [
-    (dict(model="gpt2-large", gpus=2, micro_batch=4, grad_accum=4, loss_kernel="hf"), "zero3", 20.821),
-    (dict(model="gpt2-large", gpus=4, micro_batch=4, grad_accum=2, loss_kernel="hf"), "zero3", 17.9),
+    # measured with contiguous gradients, then the several-rank default
+    (dict(model="gpt2-large", gpus=2, micro_batch=4, grad_accum=4, loss_kernel="hf",
+          strategy_options={"contiguous_gradients": True}), "zero3", 20.821),
+    (dict(model="gpt2-large", gpus=4, micro_batch=4, grad_accum=2, loss_kernel="hf",
+          strategy_options={"contiguous_gradients": True}), "zero3", 17.9),
     (dict(model="gpt2-large", gpus=1, micro_batch=2, grad_accum=1, strategy_options=MEASURED_BUCKETS), "zero3_offload", 7.95),
     # measured with BLOOM's eager attention (before shardlab.compat.bloom_sdpa made sdpa its auto choice)
     (dict(model="bloom-560m", gpus=1, micro_batch=2, grad_accum=1, attn_implementation="eager", strategy_options=MEASURED_BUCKETS),

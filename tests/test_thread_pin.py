@@ -152,14 +152,14 @@ def test_leaf_class_is_the_decoder_block():
     assert zero3_leaf_classes(nn.Linear(2, 2)) == [] and zero3_leaf_classes(None) == []
 
 
-@pytest.mark.parametrize("strategy, world, one_rank, leaves", [
-    ("zero3", 1, True, True), ("zero3", 2, False, True), ("zero3_offload", 1, False, False), ("infinity", 1, False, False),
+@pytest.mark.parametrize("strategy, world, no_contiguous, leaves", [
+    ("zero3", 1, True, True), ("zero3", 2, True, True), ("zero3_offload", 1, False, False), ("infinity", 1, False, False),
     ("zero3_offload", 2, False, False), ("zero2", 1, False, False), ("zero1", 1, False, False),
 ])  # fmt: skip
-def test_zero3_without_offload_gets_block_leaves_and_one_rank_no_contiguous_gradients(strategy, world, one_rank, leaves, tmp_path):
+def test_zero3_without_offload_gets_block_leaves_and_no_contiguous_gradients(strategy, world, no_contiguous, leaves, tmp_path):
     cfg = RunConfig(strategy=strategy, strategy_options={"nvme_path": str(tmp_path)})
     zero = build_ds_config(cfg, "bf16", 8, 1, world, "cuda", 1000, 4, ["GPT2Block"])["zero_optimization"]
-    assert zero["contiguous_gradients"] is (not one_rank)
+    assert zero["contiguous_gradients"] is (not no_contiguous)
     assert ("leaf_module" in zero) == leaves
     if leaves:
         assert zero["leaf_module"]["classes"][-1] == "GPT2Block"  # after DeepSpeed's own default (MoE) leaves

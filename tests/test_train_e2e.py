@@ -153,6 +153,7 @@ def test_two_rank_losses_match_dp(runs, strategy):
     assert_same_losses(run, runs.strategy("dp", gpus=2))
     if strategy == "zero3":  # block leaves on several ranks too: each block gathered and hooked as one module
         assert run.summary["zero_optimization"]["leaf_module"]["classes"][-1] == "GPT2Block"
+        assert_zero3_norm_is_dps(run, runs.strategy("dp", gpus=2))
     if strategy == "zero2_offload":  # the workers read the config from a file and still size the buckets: hidden^2
         assert run.config["model"] == "tiny-gpt2" and run.summary["zero_optimization"]["reduce_bucket_size"] == 64**2
 
@@ -187,7 +188,18 @@ def test_fsdp_explicit_prefetch_matches_dp(runs):
 def test_three_ranks_match_dp(runs, strategy, extra):
     """Three ranks: ZeRO-3's block leaves and FSDP2's explicit prefetch with partitions that do not split evenly."""
     run = runs.get(f"{strategy}-3rank", train_args(strategy=strategy, gpus=3, steps=10, extra=extra))
-    assert_same_losses(run, runs.get("dp-3rank", train_args(strategy="dp", gpus=3, steps=10)))
+    dp = runs.get("dp-3rank", train_args(strategy="dp", gpus=3, steps=10))
+    assert_same_losses(run, dp)
+    if strategy == "zero3":
+        assert_zero3_norm_is_dps(run, dp)
+
+
+def assert_zero3_norm_is_dps(run, dp) -> None:
+    """ZeRO-3 on several ranks takes its gradient norm with compat/zero3_norm.py (each rank's partitions' squares,
+    all-reduced) and without contiguous gradients: the norm clipping reads is dp's (whole gradients, one rank each)."""
+    assert "foreach_norm" in run.summary["patches"] and run.summary["zero_optimization"]["contiguous_gradients"] is False
+    for a, b in zip(run.rows, dp.rows):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a["step"], a["grad_norm"], b["grad_norm"])
 
 
 # ---- ZeRO-Infinity (NVMe swap) ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """compat/zero3_one_rank.py: one-rank ZeRO-3 skips the step's release/re-gather of parameters that are views of
-their partitions, the reduce-scatter to itself, and the per-tensor norm kernels. They change host work, not the
-arithmetic: the same run with DeepSpeed's own path has the same losses and gradient norms."""
+their partitions and the reduce-scatter to itself (and, as on any number of ranks, compat/zero3_norm.py takes the norm
+without per-tensor kernels). They change host work, not the arithmetic: the same run with DeepSpeed's own path has the
+same losses and gradient norms."""
 
 from __future__ import annotations
 
@@ -31,34 +32,22 @@ def test_one_rank_reduce_scatter_returns_the_gradients_and_leaves_bigger_groups_
     assert installed(grads, "two") == "deepspeed's" and seen == ["two"]
 
 
-def test_the_norm_of_a_sub_group_is_deepspeeds_with_minus_one_when_not_finite():
-    class Opt:  # what foreach_norm reads of DeepSpeed's stage-3 optimizer
-        fp16_groups = [[None, None], [None]]
-        _get_norm_groups = None  # DeepSpeed's, replaced
-        averaged_gradients = {0: [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])], 1: [torch.tensor([1.0, float("inf")])]}
-
-    opt = Opt()
-    zero3_one_rank.foreach_norm(opt)
-    norms = opt._get_norm_groups()
-    assert norms[0].item() == pytest.approx(5.0) and norms[0].dtype == torch.float32
-    assert norms[1].item() == -1.0  # DeepSpeed's sentinel: is_invalid_grad_norm then skips or stops the step
-
-
 def test_an_engine_of_another_shape_runs_deepspeeds_path_and_says_so():
     class Engine:
         optimizer = SimpleNamespace(step=lambda: None)  # no fp16_groups, no _partition_all_parameters
 
     engine = Engine()
     lines = []
-    assert zero3_one_rank.apply(engine, ("keep_gathered", "foreach_norm"), lines.append) == []
+    assert zero3_one_rank.apply(engine, ("keep_gathered",), lines.append) == []
     assert vars(engine.optimizer).keys() == {"step", zero3_one_rank._MARK}  # nothing installed
-    assert len(lines) == 2 and all("not applied" in line and "fp16_groups" in line for line in lines)
+    assert len(lines) == 1 and "not applied" in lines[0] and "fp16_groups" in lines[0]
 
 
 @pytest.mark.slow  # two tiny zero3 runs (~25 s each on 2 cores)
 def test_the_shortcuts_change_no_loss_and_no_gradient_norm(shared_runs):
     fast = shared_runs.get(train_args(strategy="zero3", steps=8), name="zero3-shortcuts")
-    own = shared_runs.get(train_args(strategy="zero3", steps=8, extra=["--set", "strategy_options.zero3_one_rank_shortcuts=[]"]),
+    own = shared_runs.get(train_args(strategy="zero3", steps=8, extra=["--set", "strategy_options.zero3_one_rank_shortcuts=[]",
+                                                                      "--set", "strategy_options.zero3_foreach_norm=false"]),
                           name="zero3-deepspeeds-path")
     fast.check(), own.check()
     assert fast.summary["zero3_one_rank_shortcuts"] == list(zero3_one_rank.SHORTCUTS)
@@ -67,7 +56,7 @@ def test_the_shortcuts_change_no_loss_and_no_gradient_norm(shared_runs):
     # use, so those steps find them released and take DeepSpeed's own path
     assert 6 <= fast.summary["zero3_steps_kept_gathered"] <= 8
     assert "zero3_one_rank_shortcuts" not in own.summary
-    assert {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} <= set(fast.summary["patches"])
+    assert {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} <= set(fast.summary["patches"])  # the norm: zero3_norm
     assert not {"keep_gathered", "identity_reduce_scatter", "foreach_norm"} & set(own.summary["patches"])
     assert len(fast.rows) == len(own.rows) == 8
     for a, b in zip(fast.rows, own.rows):

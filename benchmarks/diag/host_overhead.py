@@ -5,7 +5,7 @@ layers and blocks) at a tiny width, so that a step's wall time is mostly framewo
 and the per-tensor operators that stay the same at any width, which is what a one-GPU step cannot hide once the
 strategy is host-bound (issue 15's zero3). On a GPU, ``--width 0`` keeps the preset's width.
 
-``--modes`` (zero3 on one rank) switches compat/zero3_one_rank.py's shortcuts between steps: step k runs mode
+``--modes`` (zero3 on one rank) switches the one-rank shortcuts and the foreach norm between steps: step k runs mode
 ``modes[(k // period) % len(modes)]``, so every mode sees the same stretches of the host CPU's speed (a one-GPU
 host's speed drifts by up to 1.7x for seconds at a time: 2026-11-27-h100-zero3-gc), and the comparison is within one
 process. A mode is "none", "all", or shortcut names joined by "+". A step's time is from its start to the next
@@ -43,7 +43,8 @@ def _switch(strategy, installed: dict) -> callable:
     assert installed == list(zero3_one_rank.SHORTCUTS), installed
 
     def to(mode: str) -> None:
-        on = set(zero3_one_rank.SHORTCUTS) if mode == "all" else set() if mode == "none" else set(mode.split("+"))
+        every = {*zero3_one_rank.SHORTCUTS, "foreach_norm"}  # the norm is compat/zero3_norm.py's, on any number of ranks
+        on = every if mode == "all" else set() if mode == "none" else set(mode.split("+"))
         opt._partition_all_parameters = short["pap"] if "keep_gathered" in on else own["pap"]
         opt._get_norm_groups = short["norm"] if "foreach_norm" in on else own["norm"]
         stage3.reduce_scatter_coalesced = rs_short if "identity_reduce_scatter" in on else rs_own
@@ -56,6 +57,7 @@ def main() -> None:  # noqa: C901 - a one-off diagnostic script, kept as it was 
     ap.add_argument("--like", default="gpt2-medium", help="the preset whose module tree is copied")
     ap.add_argument("--width", type=int, default=64, help="the model's width (0: the preset's own)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vocab", type=int, default=0, help="the model's vocabulary (0: the preset's own)")
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--strategy", default="zero3")
@@ -90,6 +92,8 @@ def main() -> None:  # noqa: C901 - a one-off diagnostic script, kept as it was 
         for k in ("intermediate_size",):
             if k in conf:
                 conf[k] = 4 * args.width
+        if args.vocab:
+            conf["vocab_size"] = args.vocab
         name = f"narrow-{args.like}"
         presets.PRESETS[name] = dataclasses.replace(base, name=name, config=conf, hub_id=None)
 

@@ -62,7 +62,7 @@ class DatasetConfig(_Strict):
 
 
 # compat/zero3_one_rank.py's shortcuts, by the names a config gives them (that module installs them)
-ZERO3_ONE_RANK_SHORTCUTS = ("keep_gathered", "identity_reduce_scatter", "foreach_norm")
+ZERO3_ONE_RANK_SHORTCUTS = ("keep_gathered", "identity_reduce_scatter")
 
 
 class StrategyOptions(_Strict):
@@ -75,11 +75,16 @@ class StrategyOptions(_Strict):
     nvme_min_free_gb: float = Field(0.0, ge=0.0, description="infinity: extra free space to demand beyond the estimate")
     overlap_comm: bool | None = Field(None, description="DeepSpeed overlap of gradient reduction with backward (default: on with >1 rank)")
     contiguous_gradients: bool | None = Field(
-        None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 on one rank without offload, where "
-        "there is no reduce-scatter to feed and the copy into the bucket is per-parameter host work; on otherwise)")
+        None, description="DeepSpeed's contiguous gradient buckets (default: off for zero3 without offload, where the copy "
+        "of every gradient into the bucket is device and host work that the reduce-scatter's own flattening copy repeats; "
+        "on otherwise)")
     zero3_one_rank_shortcuts: list[Literal[ZERO3_ONE_RANK_SHORTCUTS]] | None = Field(
         None, description="ZeRO-3 on one rank without offload: skip the step's work that only moves data between the rank "
-        "and itself (compat/zero3_one_rank.py: what each does). Default: all three; [] runs DeepSpeed's own path")
+        "and itself (compat/zero3_one_rank.py: what each does). Default: both; [] runs DeepSpeed's own path")
+    zero3_foreach_norm: bool = Field(
+        True, description="ZeRO-3 without optimizer offload, any number of ranks: take the gradient norm with one "
+        "multi-tensor kernel per dtype instead of one fp64 kernel per gradient tensor (compat/zero3_norm.py); false "
+        "runs DeepSpeed's own")
     zero3_block_leaves: bool | None = Field(
         None, description="ZeRO-3: make the model's decoder-block class a DeepSpeed leaf module (one fetch/release hook pair "
         "and one gather per block instead of per sub-module: ~9x fewer coordinator calls). Default: on without offload "

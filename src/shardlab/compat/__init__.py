@@ -67,7 +67,7 @@ class Patch:
 PATCHES: dict[str, Patch] = {p.name: p for p in (
     Patch("keep_gathered", "zero3_one_rank", "DeepSpeed ZeRO-3 optimizer's _partition_all_parameters and step",
           "object", "DeepSpeed releases and re-gathers every parameter each step", (DEEPSPEED,)),
-    Patch("foreach_norm", "zero3_one_rank", "DeepSpeed ZeRO-3 optimizer's _get_norm_groups",
+    Patch("foreach_norm", "zero3_norm", "DeepSpeed ZeRO-3 optimizer's _get_norm_groups",
           "object", "DeepSpeed's per-tensor gradient norms", (DEEPSPEED,)),
     Patch("identity_reduce_scatter", "zero3_one_rank", "deepspeed.runtime.zero.stage3.reduce_scatter_coalesced",
           "process", "DeepSpeed's reduce-scatter, also over a one-rank group", (DEEPSPEED,)),

@@ -14,9 +14,8 @@ ZeRO-3 partition is the whole parameter, and DeepSpeed's "gather" makes ``param.
    buffer and reduce-scatters it to the same rank (the identity). ``identity_reduce_scatter`` returns the gradients
    themselves, flattened, where the group has one rank; DeepSpeed then copies them into its gradient partitions as
    before.
-3. the gradient norm: one fp64 norm kernel (and two casts) per gradient tensor, then a stack, a sum and an all-reduce
-   over the one rank. ``foreach_norm`` computes the same fp64-accumulated L2 norm with ``torch._foreach_norm`` (one
-   multi-tensor kernel per dtype), and the same -1 for a non-finite norm.
+The gradient norm's per-tensor kernels, which one rank shared with several, are compat/zero3_norm.py's (any number of
+ranks).
 
 Each is installed on one engine (``apply``), or, for the reduce-scatter, on stage 3's module name for one-rank groups
 only (undone when the run ends: compat.restore_all); anything else in this DeepSpeed's shape leaves the engine as it
@@ -30,7 +29,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 
 from . import applied, enabled
 from ..config import ZERO3_ONE_RANK_SHORTCUTS as SHORTCUTS  # the names a config gives them, in this order
@@ -86,25 +84,6 @@ def keep_gathered(opt) -> None:
     opt.step = stepped
 
 
-def foreach_norm(opt) -> None:
-    """The gradient norm of each sub-group with one multi-tensor kernel, fp64-accumulated as DeepSpeed's (3. above)."""
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
-    _needs(opt, "fp16_groups", "averaged_gradients", "_get_norm_groups")
-
-    def norm_groups() -> list[torch.Tensor]:
-        out = []
-        for i in range(len(opt.fp16_groups)):
-            grads = list(opt.averaged_gradients[i])
-            dtype = get_norm_dtype()
-            norms = torch._foreach_norm(grads, 2.0, dtype=dtype) if grads else [torch.zeros((), dtype=dtype)]
-            total = torch.linalg.vector_norm(torch.stack(norms)).float()
-            out.append(torch.where(total.isfinite(), total, torch.full_like(total, -1.0)))
-        return out
-
-    opt._get_norm_groups = norm_groups
-
-
 def identity_reduce_scatter() -> None:
     """Stage 3's reduce_scatter_coalesced returns the inputs, flattened, for a one-rank group (2. above). Installed on
     the name stage3.py calls, once per process; groups of more ranks go to DeepSpeed's own."""
@@ -144,10 +123,6 @@ def apply(engine, shortcuts: tuple[str, ...] = SHORTCUTS, log: Callable[[str], N
         try:
             if name == "keep_gathered":
                 keep_gathered(opt)
-            elif name == "foreach_norm":
-                if getattr(opt, "offload_optimizer", False) or getattr(opt, "use_muon", False):
-                    continue
-                foreach_norm(opt)
             elif name == "identity_reduce_scatter":
                 identity_reduce_scatter()
             else:

@@ -168,8 +168,7 @@ FIELDS: dict[str, str] = {
 EXTRAS: dict[str, str] = dict(  # keyword form: these are summary keys, not strategy names compared (test_registry)
     zero_optimization="DeepSpeed strategies: the engine's ZeRO section as it ran (stage, bucket sizes, persistence, "
                       "overlap, offload), shardlab's choices and the user's JSON merged",
-    zero3_one_rank_shortcuts="ZeRO-3 on one rank: the shortcuts that ran (keep_gathered, identity_reduce_scatter, "
-                             "foreach_norm)",
+    zero3_one_rank_shortcuts="ZeRO-3 on one rank: the shortcuts that ran (keep_gathered, identity_reduce_scatter)",
     zero3_steps_kept_gathered="ZeRO-3 on one rank with keep_gathered: the steps whose parameters stayed gathered",
     pipeline="pipeline strategy: per-stage forward and backward times measured in this run, the measured schedule time "
              "and bubble, and what `shardlab pipeline simulate` predicts from those times",

@@ -23,7 +23,7 @@ from ..specs.registry import all_specs, spec
 from ..compat.zero3_release_cache import apply_release_cache_fix
 from .deepspeed_json import adopt_user_json, merge_user_config, read_user_json  # noqa: F401  (adopt: re-exported)
 from .. import compat
-from ..compat import zero3_one_rank
+from ..compat import zero3_norm, zero3_one_rank
 from ..specs.deepspeed_zero import NVME_BYTES_PER_PARAM  # noqa: F401  (re-exported: check_nvme_path, tests)
 
 # Lazy imports below: deepspeed (seconds to import, logs on import) and transformers load only when an engine is built
@@ -122,15 +122,17 @@ def one_rank_zero3(stage: int, world: int, offloads: bool) -> bool:
     return stage == 3 and world == 1 and not offloads
 
 
-def contiguous_gradients(opts, stage: int, world: int, offloads: bool) -> bool:
-    """DeepSpeed's contiguous_gradients, where the user left it unset: off for one-rank ZeRO-3 without offload, where it
-    only copies every gradient, parameter by parameter in each leaf's backward hook, into a bucket that nothing
-    reduces (and that bucket, reduce_bucket_size x 2 B, is 0.93 GiB of GPU memory: gpt2-medium 17.91 GiB measured
-    without it, 18.7 with); DeepSpeed's default (on) elsewhere. Measured with block leaves (zero3_leaf_classes):
-    benchmarks/results/*-h100-zero3-{blocks,combo,gc,pin}/."""
+def contiguous_gradients(opts, stage: int, offloads: bool) -> bool:
+    """DeepSpeed's contiguous_gradients, where the user left it unset: off for ZeRO-3 without offload, on otherwise
+    (DeepSpeed's default). ZeRO-3 copies every gradient, parameter by parameter in each leaf's backward hook, into the
+    bucket; on one rank nothing reduces it (and the bucket, reduce_bucket_size x 2 B, is 0.93 GiB of GPU memory:
+    gpt2-medium 17.91 GiB measured without it, 18.7 with; benchmarks/results/*-h100-zero3-{blocks,combo,gc,pin}/), and
+    on several ranks reduce_scatter_coalesced flattens the bucket's gradients into its own buffer again. Without it,
+    two-rank ZeRO-3's code path on one H200 ran 8% faster a step (llama-3.2-1b; *-h200-zero3-two-rank-path/). With
+    offload the bucket is what is copied to the host: kept."""
     if opts.contiguous_gradients is not None:
         return opts.contiguous_gradients
-    return not one_rank_zero3(stage, world, offloads)
+    return not (stage == 3 and not offloads)
 
 
 def block_leaves(opts, stage: int, offloads: bool, adapted: bool = False) -> bool:
@@ -269,7 +271,7 @@ def build_ds_config(
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": overlap_comm(opts, world, offload),
-        "contiguous_gradients": contiguous_gradients(opts, stage, world, spec(cfg.strategy).offloads),
+        "contiguous_gradients": contiguous_gradients(opts, stage, spec(cfg.strategy).offloads),
         "reduce_bucket_size": buckets["reduce_bucket_size"],
         "allgather_bucket_size": buckets["allgather_bucket_size"],
     }
@@ -544,6 +546,8 @@ class DeepSpeedStrategy(Strategy):
         shortcuts = one_rank_shortcuts(self.cfg.strategy_options, STAGE[self.cfg.strategy], self.env.world_size,
                                        spec(self.cfg.strategy).offloads)
         self.one_rank_shortcuts: list[str] = zero3_one_rank.apply(self.engine, shortcuts, log) if shortcuts else []
+        if STAGE[self.cfg.strategy] == 3 and self.cfg.strategy_options.zero3_foreach_norm:
+            zero3_norm.apply(self.engine, log)  # offloaded optimizers keep DeepSpeed's norm (zero3_norm.foreach_norm)
         if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place
             from ..training import compiling
 

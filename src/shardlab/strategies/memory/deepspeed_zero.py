@@ -116,7 +116,7 @@ class DeepSpeedMemory(EngineMemory):
         # On a CPU the bucket is host memory that becomes resident only as backward writes gradients into it, past the
         # activations' peak, and is freed at the end of backward (_release_ipg_buffers): gpt2 zero2 on one CPU rank
         # peaked at its states + activations in backward (benchmarks/results/*-cpu-host-model)
-        if contiguous_gradients(opts, s.zero_stage, d, s.offloads) and run.device != "cpu":
+        if contiguous_gradients(opts, s.zero_stage, s.offloads) and run.device != "cpu":
             # On a GPU the bucket (two under overlap_comm) is allocated by the first gradient hook of backward
             # (process_gradients -> setup_buckets) and freed at backward's end (_release_ipg_buffers), so it never meets
             # the logits at the start of backward. llama-3.2-1b micro 8 on H200s: 26.58 GiB measured on 2 GPUs, 33.48 on
@@ -152,7 +152,7 @@ class DeepSpeedMemory(EngineMemory):
         s, n, d, lo, opts = run.spec, run.n, run.world, run.lo, run.opts
         buckets = sized_buckets(opts, n, run.arch.hidden, s.offload_optimizer, d, s.offload_params is not None)
         rb = min(buckets["reduce_bucket_size"], n) if run.device == "cpu" else buckets["reduce_bucket_size"]  # written: resident
-        contiguous = contiguous_gradients(opts, 3, d, s.offloads)
+        contiguous = contiguous_gradients(opts, 3, s.offloads)
         if contiguous:
             h.persistent[f"ZeRO-3 reduce bucket {rb:,} x {lo} B"] = float(rb * lo)
         if not s.offloads:

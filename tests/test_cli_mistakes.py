@@ -109,6 +109,19 @@ def test_pipeline_without_microbatches_defaults_to_two_per_stage(tmp_path, capsy
     assert (resolved["micro_batch"], resolved["grad_accum"], resolved["global_batch"]) == (3, 2, 6)
 
 
+def test_a_dry_run_under_torchrun_resolves_torchruns_world(tmp_path, capsys, monkeypatch):
+    """torchrun (or srun) started this process: the dry run shows the batch `train` would run with in that world of 4
+    (two pipelines of 2 stages), not the one --gpus alone gives (1 process: no pipeline of 2 stages)."""
+    import yaml
+
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "4"), monkeypatch.setenv("LOCAL_RANK", "0")
+    code, out, err = run_cli(["train", "--strategy", "pipeline", "--stages", "2", "--device", "cpu", "--dry-run"],
+                             tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    resolved = yaml.safe_load(out.split("# DeepSpeed config")[0])
+    assert (resolved["micro_batch"], resolved["grad_accum"], resolved["global_batch"]) == (8, 4, 64)
+
+
 def test_pipeline_microbatch_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
     base = ["train", "--strategy", "pipeline", "--stages", "2", "--gpus", "2", "--device", "cpu", "--max-steps", "1"]
     assert_error(base + ["--microbatches", "1"], tmp_path, capsys, monkeypatch, "1f1b needs at least one micro-batch per stage",

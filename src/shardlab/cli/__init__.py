@@ -225,7 +225,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _dry_run(cfg) -> None:
-    from ..runtime.distributed import pick_device_type, processes_per_node
+    from ..runtime.distributed import pick_device_type
+    from ..runtime.resolved import job_world
     from ..launch.launcher import (check_tokenizer, preflight, quiet_engines, stale_run_files, weights_not_kept_note,
                                    with_user_deepspeed_json)
     from ..launch.nodes import single_machine_note
@@ -238,7 +239,7 @@ def _dry_run(cfg) -> None:
         if note:
             print(f"# {note}")
     cfg = with_user_deepspeed_json(cfg, device_type, say=lambda m: print(f"# {m}"))  # comments: the output stays YAML
-    cfg, note = cfg.with_pipeline_microbatches(processes_per_node(cfg, device_type) * cfg.nodes)
+    cfg, note = cfg.with_pipeline_microbatches(job_world(cfg, device_type))  # train's world: torchrun's or srun's too
     if note:
         print(f"# {note}")  # a YAML comment: the dry run's output stays a loadable config
     run = preflight(cfg, device_type)

@@ -546,8 +546,8 @@ class DeepSpeedStrategy(Strategy):
         shortcuts = one_rank_shortcuts(self.cfg.strategy_options, STAGE[self.cfg.strategy], self.env.world_size,
                                        spec(self.cfg.strategy).offloads)
         self.one_rank_shortcuts: list[str] = zero3_one_rank.apply(self.engine, shortcuts, log) if shortcuts else []
-        if STAGE[self.cfg.strategy] == 3 and self.cfg.strategy_options.zero3_foreach_norm:
-            zero3_norm.apply(self.engine, log)  # offloaded optimizers keep DeepSpeed's norm (zero3_norm.foreach_norm)
+        if STAGE[self.cfg.strategy] == 3 and self.cfg.strategy_options.zero3_foreach_norm and not spec(self.cfg.strategy).offload_optimizer:
+            zero3_norm.apply(self.engine, log)  # an offloaded optimizer takes its norm on the host path: DeepSpeed's
         if self.cfg.compile:  # DeepSpeed's own compile: torch.compile of the engine's module, its hooks left in place
             from ..training import compiling
 

@@ -21,3 +21,22 @@ if os.environ.get("SHARDLAB_DIAG_NO_CUDNN_SDP"):
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     print(f"[diag] cuDNN SDPA off; priority order {torch._C._get_sdp_priority_order()}", file=sys.stderr)
+
+if os.environ.get("SHARDLAB_DIAG_DDP_ONE_RANK"):
+    import dataclasses
+
+    import shardlab.strategies.ddp as _ddp
+
+    _ddp_setup = _ddp.DDPStrategy.setup
+
+    def _setup_with_ddp(self, model, total_steps):
+        env = self.env
+        always = type("DistributedEnv", (type(env),), {"is_distributed": property(lambda _: True)})
+        self.env = always(**{f.name: getattr(env, f.name) for f in dataclasses.fields(env)})
+        try:
+            _ddp_setup(self, model, total_steps)
+        finally:
+            self.env = env
+        print(f"[diag] dp on one rank wrapped in {type(self.model).__name__}", flush=True)
+
+    _ddp.DDPStrategy.setup = _setup_with_ddp

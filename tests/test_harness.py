@@ -82,6 +82,7 @@ def test_the_zygote_falls_back_to_a_real_interpreter_for_another_environment(tmp
     z.env = {"A": "1"}
     assert z.compatible({"A": "1", "PYTEST_CURRENT_TEST": "x", "PYTHONUNBUFFERED": "1"})
     assert not z.compatible({"A": "2"}) and not z.compatible({"A": "1", "B": "1"}) and not z.compatible({})
+    assert z.compatible({"A": "1", "SLURM_PROCID": "1", "MASTER_PORT": "29500"})  # a launcher's: read at run time
     z.env = {"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/session"}  # read on each cache lookup: another value forks
     assert z.compatible({"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/mine"}) and not z.compatible({"A": "1"})
     z.env = {"A": "1"}

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from zygote import run_shardlab
+from patience import patience
+from zygote import popen_shardlab, run_shardlab
 
 from shardlab.runtime.distributed import free_port
 
@@ -63,7 +64,9 @@ def test_joins_torchrun(reference, tmp_path):
 
 def test_joins_srun_from_slurm_variables(reference, tmp_path):
     """Two processes that carry only what `srun -n2` sets (SLURM_PROCID, SLURM_NTASKS, ...): they map it
-    onto torch's variables, pick node list's first host as master, and train as one world of two."""
+    onto torch's variables, pick node list's first host as master, and train as one world of two. Each is a
+    `shardlab train` forked from the session's zygote (tests/zygote.py: a launcher's variables are read at run time),
+    not two real interpreters importing torch side by side."""
     out = tmp_path / "srun"
     port = str(free_port())
     procs = []
@@ -71,10 +74,9 @@ def test_joins_srun_from_slurm_variables(reference, tmp_path):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_NODELIST="localhost",
                    MASTER_PORT=port)  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "shardlab", "train", *ARGS, "--output-dir", str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-    results = [p.communicate(timeout=TIMEOUT) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+        procs.append(popen_shardlab(["train", *ARGS, "--output-dir", str(out)], tmp_path / f"rank{rank}.stdout",
+                                    tmp_path / f"rank{rank}.stderr", env=env))  # fmt: skip
+    for rank, p in enumerate(procs):
+        assert p.wait(timeout=patience(TIMEOUT)) == 0, (tmp_path / f"rank{rank}.stderr").read_text()[-3000:]
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
     assert losses(out) == pytest.approx(reference, rel=1e-5)

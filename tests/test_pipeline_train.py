@@ -211,15 +211,9 @@ def test_pipeline_stages_compute_in_the_runs_precision(monkeypatch, precision):
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_matches_dp(root, train_cli):
-    from shardlab.training.models import gpt2_bpe_tokenizer
-
-    model_dir = root / "gpt2-4-layers"  # interleaving 2 chunks on 2 ranks needs 4 layers
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(GPT2Config(n_layer=4, n_embd=64, n_head=4)).save_pretrained(model_dir)
-    gpt2_bpe_tokenizer().save_pretrained(model_dir)
-    args = ["--model", str(model_dir), *ARGS, "--grad-accum", "4", "--no-export"]
-    dp = train_cli([*args, "--strategy", "dp"], root / "dp-4l")
+def test_interleaved_1f1b_matches_dp(root, train_cli, dp_4_layers):
+    model, dp = dp_4_layers  # interleaving 2 chunks on 2 ranks needs 4 layers
+    args = ["--model", model, *ARGS, "--grad-accum", "4", "--no-export"]
     pp = train_cli([*args, "--strategy", "pipeline", "--gpus", "2", "--schedule", "interleaved-1f1b", "--chunks", "2"], root / "pp-4l")
     assert_same_losses(pp, dp)
     assert "4 stages over 2 ranks" in pp.stdout
@@ -236,16 +230,24 @@ def gpt2_layers(path, n_layer: int):
     return path
 
 
+@pytest.fixture
+def dp_4_layers(shared_runs):
+    """A 4-layer GPT-2 (gpt2_layers) and dp's run on it at M = 4, built and trained once per pytest run for every xdist
+    worker (conftest.SharedRuns): the reference of the interleaved and the zbv schedules."""
+    model = shared_runs.root / "gpt2-4-layers"
+    args = ["--model", str(model), *ARGS, "--grad-accum", "4", "--strategy", "dp"]
+    return str(model), shared_runs.get(args, name="dp-4l", prepare=lambda: gpt2_layers(model, 4))
+
+
 @pytest.mark.slow
-def test_zbv_matches_dp_and_1f1b(root, train_cli):
+def test_zbv_matches_dp_and_1f1b(root, train_cli, dp_4_layers):
     """zbv (torch's ScheduleZBVZeroBubble) on 2 ranks: 4 stages in a V (rank 0 runs the first and the last, so the tied
     embedding is one Parameter in two of its stages), each backward split into I and W. With M = 4 it follows dp, exports
     dp's model and resumes from its own checkpoint; with M = 2 (fewer than torch's planned 2P-1 = 3 micro-batches: it
     drops the rest) it follows 1F1B at M = 2."""
-    model = str(gpt2_layers(root / "gpt2-4-layers", 4))  # 2 stages per rank on 2 ranks need 4 layers
+    model, dp = dp_4_layers  # 2 stages per rank on 2 ranks need 4 layers
     args = ["--model", model, *ARGS, "--grad-accum", "4"]
     zbv_args = [*args, "--strategy", "pipeline", "--gpus", "2", "--schedule", "zbv"]
-    dp = train_cli([*args, "--strategy", "dp"], root / "dp-4l")
     pp = train_cli([*zbv_args, "--save-every", "5"], root / "zbv-4l")
     assert_same_losses(pp, dp)
     assert "4 stages over 2 ranks in a V" in pp.stdout

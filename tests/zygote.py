@@ -58,6 +58,11 @@ PRELOAD = ("shardlab.cli", "shardlab.launch.launcher", "shardlab.loop.trainer", 
 # Variables that may differ between the zygote and a request: pytest's per-test bookkeeping, and shardlab's own,
 # which shardlab reads when it uses them, never at import (a test's SHARDLAB_FAULTS, SHARDLAB_COMPILE_BACKEND).
 IGNORED_ENV_PREFIXES = ("PYTEST_", "SHARDLAB_")
+# What a launcher (srun, torchrun) gives each process, read when a run sets up its process group or submits a job: no
+# PRELOAD module reads SLURM_* or these names at import (checked with a spy on os.environ), so a test's srun-like ranks
+# and its `shardlab slurm` (SLURM_CONF) fork like the others.
+LAUNCH_ENV_PREFIXES = ("SLURM_",)
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 UNBUFFERED = "PYTHONUNBUFFERED"
 # Variables a library reads when it works, not at import, whose value (not presence) may differ: inductor's cache
 # directory, which torch reads on every cache lookup (torch._inductor.runtime.cache_dir_utils.cache_dir). Of the import-
@@ -72,10 +77,12 @@ SOCKET = ""  # in the zygote: the path it serves on
 
 def env_mismatch(env: dict[str, str], base: dict[str, str], imports_set: dict[str, str]) -> list[str]:
     """The variables in which a request's environment differs from the zygote's start environment ``base`` in a way
-    the forked command could see: not PYTEST_*/SHARDLAB_* (read at run time), not PYTHONUNBUFFERED (the child's
-    streams are files it flushes), not another value of a RUNTIME_VALUE_ENV variable set in both, and not what the
-    imports themselves set (the child gets those as a fresh interpreter would: setdefault)."""
-    keys = {k for k in (*env, *base) if not k.startswith(IGNORED_ENV_PREFIXES) and k != UNBUFFERED
+    the forked command could see: not PYTEST_*/SHARDLAB_* (read at run time), not a launcher's (LAUNCH_ENV: read when
+    the process group starts), not PYTHONUNBUFFERED (the child's streams are files it flushes), not another value of a
+    RUNTIME_VALUE_ENV variable set in both, and not what the imports themselves set (the child gets those as a fresh
+    interpreter would: setdefault)."""
+    keys = {k for k in (*env, *base) if not k.startswith(IGNORED_ENV_PREFIXES + LAUNCH_ENV_PREFIXES)
+            and k != UNBUFFERED and k not in LAUNCH_ENV
             and not (k in RUNTIME_VALUE_ENV and k in env and k in base)}
     return sorted(k for k in keys if env.get(k) != base.get(k)
                   and not (k in imports_set and env.get(k) in (None, imports_set[k])))

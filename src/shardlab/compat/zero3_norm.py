@@ -9,8 +9,9 @@ of squares over the same group (skipped on one rank), and returns DeepSpeed's -1
 Installed on one engine's optimizer (``apply``) where DeepSpeed's own path would do only that: no optimizer offload
 (offload takes its norm on the host path), no Muon, no model-parallel or expert-parallel group (whose norms DeepSpeed
 counts differently). Any other shape leaves DeepSpeed's path and logs one line; so does a DeepSpeed outside the
-versions it was tested on (compat.PATCHES). tests/test_zero3_norm.py checks the norm against DeepSpeed's formula, and
-tests/test_zero3_one_rank.py and the two- and three-rank zero3 runs of tests/test_train_e2e.py that losses stay dp's.
+versions it was tested on (compat.PATCHES). tests/test_zero3_norm.py checks the norm against DeepSpeed's formula;
+tests/test_zero3_one_rank.py one rank against DeepSpeed's own norm; the two- and three-rank zero3 runs of
+tests/test_train_e2e.py that gradient norms and losses are dp's.
 """
 
 from __future__ import annotations

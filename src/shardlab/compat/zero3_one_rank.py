@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-
 from . import applied, enabled
 from ..config import ZERO3_ONE_RANK_SHORTCUTS as SHORTCUTS  # the names a config gives them, in this order
 

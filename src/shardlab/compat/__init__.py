@@ -187,6 +187,14 @@ def enabled(name: str) -> bool:
     return False
 
 
+def needs(opt, *names: str) -> None:
+    """Raise AttributeError naming what of ``names`` a dependency's optimizer ``opt`` lacks: its private code has another
+    shape than a patch was written for, and the patch must not go on."""
+    missing = [n for n in names if not hasattr(opt, n)]
+    if missing:
+        raise AttributeError(f"the optimizer has no {', '.join(missing)}")
+
+
 def applied(name: str, undo: Callable[[], None] | None = None) -> None:
     """Record that patch ``name`` is in place; ``undo`` (process-wide patches) puts the dependency's code back."""
     assert name in PATCHES, name

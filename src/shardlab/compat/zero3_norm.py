@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from . import applied, enabled
+from . import applied, enabled, needs
 
 NAME = "foreach_norm"
 _MARK = "_shardlab_foreach_norm"
@@ -31,22 +31,23 @@ def foreach_norm(opt) -> None:
     import deepspeed.comm as dist
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
-    missing = [n for n in ("fp16_groups", "averaged_gradients", "_get_norm_groups", "_get_param_partition_group") if not hasattr(opt, n)]
-    if missing:
-        raise AttributeError(f"the optimizer has no {', '.join(missing)}")
+    needs(opt, "fp16_groups", "averaged_gradients", "_get_norm_groups", "_get_param_partition_group")
     for attr in ("offload_optimizer", "use_muon", "model_parallel_group"):
         if getattr(opt, attr, None):
             raise ValueError(f"the optimizer has {attr} set, where DeepSpeed counts the norm another way")
+    dtype = get_norm_dtype()
+    # each sub-group's partition group (None is DeepSpeed's whole world) and whether it has more than one rank, whose
+    # squares are then added up: fixed for the engine's life, so found once here rather than every step
+    groups = [opt._get_param_partition_group(params[0]) if params else None for params in opt.fp16_groups]
+    summed = [bool(params) and dist.get_world_size(g) > 1 for g, params in zip(groups, opt.fp16_groups)]
 
     def norm_groups() -> list[torch.Tensor]:
         out = []
-        for i, params in enumerate(opt.fp16_groups):
+        for i, group in enumerate(groups):
             grads = list(opt.averaged_gradients[i])
-            dtype = get_norm_dtype()
             norms = torch._foreach_norm(grads, 2.0, dtype=dtype) if grads else [torch.zeros((), dtype=dtype)]
             squares = torch.stack(norms).square().sum()
-            group = opt._get_param_partition_group(params[0]) if params else None
-            if params and dist.get_world_size(group) > 1:  # each rank holds its own partitions: add them up
+            if summed[i]:
                 dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
             total = squares.sqrt().float()
             out.append(torch.where(total.isfinite(), total, torch.full_like(total, -1.0)))

@@ -29,16 +29,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from . import applied, enabled
+from . import applied, enabled, needs
 from ..config import ZERO3_ONE_RANK_SHORTCUTS as SHORTCUTS  # the names a config gives them, in this order
 
 _MARK = "_shardlab_one_rank"
-
-
-def _needs(opt, *names: str) -> None:
-    missing = [n for n in names if not hasattr(opt, n)]
-    if missing:
-        raise AttributeError(f"the optimizer has no {', '.join(missing)}")
 
 
 def _params(opt) -> list:
@@ -54,7 +48,7 @@ def keep_gathered(opt) -> None:
     """Step without releasing and re-gathering parameters that are views of their partitions (1. above)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    _needs(opt, "fp16_groups", "_partition_all_parameters", "step")
+    needs(opt, "fp16_groups", "_partition_all_parameters", "step")
     params = _params(opt)
     original = opt._partition_all_parameters
     step = opt.step

@@ -224,10 +224,9 @@ def layout(cfg: RunConfig, device_type: str, precision: str) -> dict[str, Any] |
     from .models import resolve_preset
 
     p = cfg.peft
-    device = device_type
     drawn = resolve_preset(cfg.model) is not None  # a pretrained base does not depend on the seed
     return {"method": p.method, "r": p.r, "alpha": p.alpha, "dropout": p.dropout, "target_modules": p.target_modules,
-            "model": cfg.model, "seed": cfg.seed if drawn else None, "base_drawn_on": device if drawn else None,
+            "model": cfg.model, "seed": cfg.seed if drawn else None, "base_drawn_on": device_type if drawn else None,
             "compute_dtype": precision if p.method == "qlora" else None}
 
 

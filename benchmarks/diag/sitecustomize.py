@@ -5,7 +5,12 @@ SHARDLAB_DIAG_NO_META=1  fsdp builds the ordinary (materialised) model instead o
                          to compare the two builds' training speed.
 SHARDLAB_DIAG_NO_CUDNN_SDP=1  torch.backends.cuda.enable_cudnn_sdp(False) in every process, and the SDPA priority
                          order printed once: DeepCompile (ZeRO-3) failed in inductor's code for the cuDNN attention
-                         op (benchmarks/results/2026-11-26-h100-speed, calls 7-8)."""
+                         op (benchmarks/results/2026-11-26-h100-speed, calls 7-8).
+SHARDLAB_DIAG_LAYERS=N   presets get N decoder layers (a big model's blocks on one GPU, at its own width).
+SHARDLAB_DIAG_NO_NVTX=1  DeepSpeed records no NVTX ranges (deepspeed.utils.nvtx.enable_nvtx), to price them.
+SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGatherCoalescedHandle) does not synchronise
+                         the stream in wait(): two ranks make no such sync, so the one-GPU emulation of the two-rank
+                         path (benchmarks/cells/h200-multirank-on-one.txt) overstates the host's time without this."""
 
 import os
 
@@ -40,3 +45,32 @@ if os.environ.get("SHARDLAB_DIAG_DDP_ONE_RANK"):
         print(f"[diag] dp on one rank wrapped in {type(self.model).__name__}", flush=True)
 
     _ddp.DDPStrategy.setup = _setup_with_ddp
+
+if os.environ.get("SHARDLAB_DIAG_LAYERS"):
+    import shardlab.training.models as _models
+
+    _preset_config = _models._preset_config
+
+    def _fewer_layers(preset):
+        config = _preset_config(preset)
+        config.num_hidden_layers = int(os.environ["SHARDLAB_DIAG_LAYERS"])
+        return config
+
+    _models._preset_config = _fewer_layers
+
+if os.environ.get("SHARDLAB_DIAG_NO_NVTX"):
+    import deepspeed.utils.nvtx as _nvtx
+
+    _nvtx.enable_nvtx = False
+
+if os.environ.get("SHARDLAB_DIAG_ONE_RANK_NO_SYNC"):
+    from deepspeed.runtime.zero.partition_parameters import NoGatherCoalescedHandle, ZeroParamStatus
+
+    def _wait_without_sync(self, **kwargs):
+        if self._NoGatherCoalescedHandle__complete:
+            return
+        for param in self._NoGatherCoalescedHandle__params:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        self._NoGatherCoalescedHandle__complete = True
+
+    NoGatherCoalescedHandle.wait = _wait_without_sync

@@ -79,6 +79,7 @@ def test_synthetic_ids_are_drawn_below_the_size_the_tokenizer_would_have():
     assert synthetic_vocab(RunConfig(model="tiny-gpt2"), 50257) == 50257
     assert synthetic_vocab(RunConfig(model="mistral-7b"), 32000) == 32000  # the tokenizer is larger than the model: capped
     assert synthetic_vocab(RunConfig(model="tiny-llama", tokenizer="some/dir"), 49152) is None
+    assert synthetic_vocab(RunConfig(model="Some/hub-id"), 32000) is None  # a hub model loads its own tokenizer
     # mistral-7b's offline tokenizer cannot serve it (larger than its vocabulary): text refused, synthetic without it
     assert "32000-token vocabulary" in str(offline_tokenizer_problem(RunConfig(model="mistral-7b")))
 
@@ -160,3 +161,29 @@ def test_a_fresh_interpreter_without_the_package(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
     assert "no tokenizer: tiny-llama tokenizes text with SmolLM2's tokenizer" in run.stdout
     assert not (tmp_path / "run" / "model" / "tokenizer.json").exists()
+
+
+def test_a_model_directory_without_a_tokenizer_trains_on_synthetic_ids(tmp_path, capfd, monkeypatch):
+    """A saved model (config.json and weights, no tokenizer files): synthetic ids below its own vocabulary, not a
+    ValueError in every rank after the spawn; a run on text is still refused before anything starts (test_input_mistakes)."""
+    import transformers
+
+    from shardlab.training.models import offline_tokenizer_problem, synthetic_vocab
+
+    model = tmp_path / "saved"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                                           num_key_value_heads=1, num_hidden_layers=2, vocab_size=300,
+                                                           max_position_embeddings=64)).save_pretrained(model)
+    cfg = RunConfig(model=str(model), dataset={"source": "synthetic"})
+    assert "no tokenizer files" in str(offline_tokenizer_problem(cfg)) and synthetic_vocab(cfg, 300) == 300
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["train", "--model", str(model), "--dataset", "synthetic", "--max-steps", "2", "--device", "cpu",
+                     "--seq-len", "32", "--micro-batch", "1", "--set", "dataset.synthetic_tokens=2000", "--output-dir", "run"])
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capfd.readouterr().out
+    assert code == 0, stdout[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    assert any("no tokenizer:" in line and "300 ids" in line for line in stdout.splitlines()), stdout[-3000:]

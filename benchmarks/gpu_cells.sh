@@ -7,7 +7,8 @@
 # Each non-comment line of CELLS_FILE is "<label> <timeout_s> [VAR=value ...] <shardlab train flags...>"
 # (src/shardlab/bench/cellfile.py). COMMON: flags added to every line. REPEATS (default 1) runs each line that many
 # times, interleaved; BUDGET_S starts no run that would not end within it. The table at the end ($OUT/cells.md) is
-# read from the runs' own summary.json; the bench's report goes to $OUT/report.md.
+# read from the runs' own summary.json; the bench's report goes to $OUT/report.md. SAVE_OPS=1 also saves DeepSpeed's
+# JIT-built ops into $OUT (benchmarks/gpu_ops_cache.sh: copy the file into .whl/ and later calls restore it).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 ROOT="${ROOT:-/tmp/cells}"; mkdir -p "$ROOT"  # another ROOT keeps a second cells file's runs apart
@@ -30,5 +31,6 @@ python3 -m shardlab bench "${ARGS[@]}"
 for t in "$ROOT"/runs/*/r*/profile/trace_rank*.json; do [[ -f "$t" ]] && python3 benchmarks/diag/trace_overlap.py "$t"; done
 python3 benchmarks/cells_table.py "$ROOT" | tee "$OUT/cells.md"
 [[ -f "$ROOT/report/report.md" ]] && cp "$ROOT/report/report.md" "$OUT/report.md"
+[[ "${SAVE_OPS:-0}" == 1 ]] && bash benchmarks/gpu_ops_cache.sh save "$OUT"  # for .whl/: the next calls skip the builds
 tar -czf "$OUT/cells.tar.gz" -C "$ROOT" --exclude='trace_rank*.json' --exclude='*.pt' --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.bin' .
 ls -la "$OUT"

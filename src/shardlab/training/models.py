@@ -823,11 +823,10 @@ def offline_tokenizer_problem(cfg: RunConfig) -> UserError | None:
     vocabulary: llama-2-*, mistral-7b), as the one-line error; None when it can, and for every other tokenizer
     (--tokenizer, hub ids, GGUF files), whose own errors load_tokenizer raises. A --model directory without tokenizer
     files is a problem too (model_dir_problem says it for runs on text)."""
-    kind, obj = _classify(cfg.model)
-    if cfg.tokenizer is None and kind == "dir" and not _has_any(obj, TOKENIZER_FILES):
-        return _no_tokenizer_in_dir(cfg.model)
     preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
     if preset is None:
+        if cfg.tokenizer is None and _tokenizerless_dir(cfg.model):
+            return _no_tokenizer_in_dir(cfg.model)
         return None
     if preset.tokenizer_vocab > preset.config["vocab_size"]:
         return _tokenizer_too_large(preset, preset.tokenizer_vocab)
@@ -854,7 +853,7 @@ def synthetic_vocab(cfg: RunConfig, model_vocab: int | None) -> int | None:
     vocabulary. None for any other model (it always loads its tokenizer)."""
     preset = resolve_preset(cfg.model) if cfg.tokenizer is None else None
     if preset is None:
-        return model_vocab if cfg.tokenizer is None and _classify(cfg.model)[0] == "dir" else None
+        return model_vocab if cfg.tokenizer is None and _tokenizerless_dir(cfg.model) else None
     return min(preset.tokenizer_vocab, model_vocab) if model_vocab is not None else preset.tokenizer_vocab
 
 
@@ -879,6 +878,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 
 def _has_any(directory: Path, patterns: tuple[str, ...]) -> bool:
     return any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
+def _tokenizerless_dir(model: str) -> bool:
+    """``--model`` is a directory that holds no tokenizer files."""
+    kind, obj = _classify(model)
+    return kind == "dir" and not _has_any(obj, TOKENIZER_FILES)
 
 
 def model_dir_problem(cfg: RunConfig) -> UserError | None:

@@ -8,6 +8,8 @@ SHARDLAB_DIAG_NO_CUDNN_SDP=1  torch.backends.cuda.enable_cudnn_sdp(False) in eve
                          op (benchmarks/results/2026-11-26-h100-speed, calls 7-8).
 SHARDLAB_DIAG_LAYERS=N   presets get N decoder layers (a big model's blocks on one GPU, at its own width).
 SHARDLAB_DIAG_NO_NVTX=1  DeepSpeed records no NVTX ranges (deepspeed.utils.nvtx.enable_nvtx), to price them.
+SHARDLAB_DIAG_DDP_KW='{"static_graph": true}'  extra keyword arguments (JSON) for dp's DistributedDataParallel: DDP's
+                         own knobs (static_graph, broadcast_buffers, bucket_cap_mb) priced before any becomes an option.
 SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGatherCoalescedHandle) does not synchronise
                          the stream in wait(): two ranks make no such sync, so the one-GPU emulation of the two-rank
                          path (benchmarks/cells/h200-multirank-on-one.txt) overstates the host's time without this."""
@@ -74,3 +76,17 @@ if os.environ.get("SHARDLAB_DIAG_ONE_RANK_NO_SYNC"):
         self._NoGatherCoalescedHandle__complete = True
 
     NoGatherCoalescedHandle.wait = _wait_without_sync
+
+if os.environ.get("SHARDLAB_DIAG_DDP_KW"):
+    import json
+
+    import shardlab.strategies.ddp as _ddp_kw
+
+    _extra = json.loads(os.environ["SHARDLAB_DIAG_DDP_KW"])
+
+    class _DDPWithKnobs(_ddp_kw.DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, **_extra})
+            print(f"[diag] DistributedDataParallel with {_extra}", flush=True)
+
+    _ddp_kw.DistributedDataParallel = _DDPWithKnobs

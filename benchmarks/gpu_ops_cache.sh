@@ -32,6 +32,7 @@ case "${1:-}" in
     dest="${2:?usage: gpu_ops_cache.sh save DIR}"
     out="$dest/ds-ops-$(key).tar.gz"
     dirs=()
+    [[ -d "$BUILD_ROOT" ]] || { echo "gpu_ops_cache: nothing built under $BUILD_ROOT"; exit 0; }
     for op in $OPS; do
       # torch's default root has a per-Python/CUDA subfolder (py312_cu130/<op>); TORCH_EXTENSIONS_DIR has <op> directly
       found="$(cd "$BUILD_ROOT" && find . -maxdepth 2 -type d -name "$op" | head -1)"

@@ -11,8 +11,9 @@ SHARDLAB_DIAG_NO_NVTX=1  DeepSpeed records no NVTX ranges (deepspeed.utils.nvtx.
 SHARDLAB_DIAG_DDP_KW='{"static_graph": true}'  extra keyword arguments (JSON) for dp's DistributedDataParallel: DDP's
                          own knobs (static_graph, broadcast_buffers, bucket_cap_mb) priced before any becomes an option.
 SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGatherCoalescedHandle) does not synchronise
-                         the stream in wait(): two ranks make no such sync, so the one-GPU emulation of the two-rank
-                         path (benchmarks/cells/h200-multirank-on-one.txt) overstates the host's time without this."""
+                         the stream in wait(), as two ranks' gathers do not: whether that sync makes the one-GPU
+                         emulation of the two-rank path (benchmarks/cells/h200-multirank-on-one.txt) slower. It did
+                         not (2026-11-29-h200-zero3-compile-scope: 7% faster with the sync)."""
 
 import os
 

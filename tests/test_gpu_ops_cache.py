@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -47,15 +46,16 @@ def test_a_restored_build_is_up_to_date_on_a_machine_with_newer_sources(tmp_path
     assert "saved fake_op" in saved.stdout, saved.stdout + saved.stderr
     assert len(list(whl.glob("ds-ops-*.tar.gz"))) == 1
 
+    built = (root / "fake_op" / "op.o").stat().st_mtime
+    later = (built + 60, built + 60)  # explicit times: a filesystem's clock granularity cannot tie them with the build
     shutil.rmtree(root)  # the next machine: no build, and sources installed after the build was made
-    time.sleep(0.05)
     for source in csrc.iterdir():
-        os.utime(source)
+        os.utime(source, later)
     restored = subprocess.run(["bash", str(SCRIPT), "restore"], env=env, capture_output=True, text=True, check=True)
     assert "restored" in restored.stdout, restored.stdout + restored.stderr
     assert "no work to do" in ninja(root / "fake_op", "-n")  # what torch's loader runs would rebuild nothing
 
-    os.utime(csrc / "op.c")  # a source changed after the restore: built again
+    os.utime(csrc / "op.c", later)  # a source changed after the restore: built again
     assert "no work to do" not in ninja(root / "fake_op", "-n")
 
 

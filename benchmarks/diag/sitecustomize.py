@@ -13,7 +13,9 @@ SHARDLAB_DIAG_DDP_KW='{"static_graph": true}'  extra keyword arguments (JSON) fo
 SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGatherCoalescedHandle) does not synchronise
                          the stream in wait(), as two ranks' gathers do not: whether that sync makes the one-GPU
                          emulation of the two-rank path (benchmarks/cells/h200-multirank-on-one.txt) slower. It did
-                         not (2026-11-29-h200-zero3-compile-scope: 7% faster with the sync)."""
+                         not (2026-11-29-h200-zero3-compile-scope: 7% faster with the sync).
+SHARDLAB_DIAG_RECOMPILE_LIMIT=N  torch._dynamo.config.recompile_limit (default 8): a frame compiled once per decoder
+                         layer (a guard on each layer's own attributes) runs eagerly from its ninth version on."""
 
 import os
 
@@ -91,3 +93,8 @@ if os.environ.get("SHARDLAB_DIAG_DDP_KW"):
             print(f"[diag] DistributedDataParallel with {_extra}", flush=True)
 
     _ddp_kw.DistributedDataParallel = _DDPWithKnobs
+
+if os.environ.get("SHARDLAB_DIAG_RECOMPILE_LIMIT"):
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = int(os.environ["SHARDLAB_DIAG_RECOMPILE_LIMIT"])

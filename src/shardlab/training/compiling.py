@@ -51,7 +51,7 @@ def room_for_each_block(model: nn.Module) -> None:
     at each module; the hooks and (on the GPU) a block's forward were compiled once per module or block (a guard on its
     own attributes, such as DeepSpeed's ds_id), and from dynamo's recompile_limit (8) on the rest ran eagerly: half of
     llama-3.2-1b's 16 layers under zero3 --compile, 15% slower than with every layer compiled
-    (benchmarks/results/2026-11-29-h200-zero3-recompile-limit). FSDP2's hooks and per-block compile recompiled nothing
+    (benchmarks/results/*-h200-zero3-recompile-limit). FSDP2's hooks and per-block compile recompiled nothing
     on the CPU; the room costs them nothing."""
     import torch._dynamo
 

@@ -118,7 +118,8 @@ def hf_worker(args) -> dict:
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
     from shardlab.config import RunConfig
-    from shardlab.training.models import build_model, load_tokenizer
+    from shardlab.training.models import build_model
+    from shardlab.training.tokenizing import load_tokenizer
 
     cfg = RunConfig(model=args.model, seq_len=args.seq, device=args.device, seed=args.seed)
     tok = load_tokenizer(cfg)

@@ -270,7 +270,7 @@ def runs(shared_runs):
 def eval_split(run):
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.training.models import load_tokenizer
+    from shardlab.training.tokenizing import load_tokenizer
 
     cfg = load_config(run.out / "config.yaml")
     return build_datasets(cfg.dataset, load_tokenizer(cfg), cfg.seq_len, cfg.seed).eval

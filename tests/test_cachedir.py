@@ -1,5 +1,5 @@
 """cachedir.built_once: a cached directory built by one process while the others wait (the ranks of a run all need the
-same GGUF part at once: training/models._gguf_cache builds every part through it), never half-visible, and never
+same GGUF part at once: training/gguf_files.gguf_cache builds every part through it), never half-visible, and never
 blocked by a builder that died. Checked with plain builders: a GGUF part's build costs each process tens of seconds of
 imports, which the slow tier cannot spare (two processes parsing SmolLM2's 'info' part built it once, 28 s, 2026-11-27)."""
 

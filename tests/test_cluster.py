@@ -341,7 +341,7 @@ def test_export_of_every_strategy_reproduces_its_eval_loss(elastic, ref0, tmp_pa
     from shardlab.config import load_config
     from shardlab.data import build_datasets
     from shardlab.checkpoint.export import export_checkpoint
-    from shardlab.training.models import load_tokenizer
+    from shardlab.training.tokenizing import load_tokenizer
 
     run = ref0 if strategy == "dp" else elastic
     ckpt = run / "checkpoints" / f"step-{step:07d}"

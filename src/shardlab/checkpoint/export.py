@@ -195,7 +195,7 @@ def export_checkpoint(path: str | Path, out: str | Path, merge: bool = False, tr
     peft's adapter directory, or with ``merge`` the model with its adapters merged in. A checkpoint shardlab did not
     write for this user is screened first, or refused unless ``trusted`` (trust.py); its config's remote code runs only
     when trusted."""
-    from ..training.models import load_tokenizer, offline_tokenizer_problem
+    from ..training.tokenizing import load_tokenizer, offline_tokenizer_problem
 
     ckpt = resolve_checkpoint(path)
     how = trust.check_checkpoint(ckpt, trusted, f"export {path}", messages.info)

@@ -3,7 +3,7 @@
 The tensors transformers loads from a GGUF file are plain ``dtype`` once dequantised, but newer transformers (5.24)
 keep the GGUF quantizer on the model (``hf_quantizer``, and ``config.quantization_config``), and ``save_pretrained``
 then refuses it ("quantized with gguf and is not serializable"): shardlab keeps the dequantised weights as a
-save_pretrained directory (models.gguf_weights_cached) and exports runs the same way. Dropping both makes it the
+save_pretrained directory (gguf_files.gguf_weights_cached) and exports runs the same way. Dropping both makes it the
 normal model it is. Without the patch transformers' own refusal stands.
 """
 

@@ -54,7 +54,7 @@ def build_datasets(
     own tokenizer is not shipped, e.g. llama-2-13b's 32,000 rows with SmolLM2's 49,152-token tokenizer) would index
     past the embedding on text: refused here in one line; synthetic ids are drawn below it instead.
 
-    ``tokenizer`` None: synthetic data with no tokenizer at all (training/models.run_tokenizer), its ids drawn below
+    ``tokenizer`` None: synthetic data with no tokenizer at all (training/tokenizing.run_tokenizer), its ids drawn below
     ``token_vocab`` (the size the tokenizer would have had, so the ids are those of a run that has it)."""
     if seq_len <= 0:
         raise UserError(f"seq_len must be positive, got {seq_len}", "set seq_len to e.g. 128")

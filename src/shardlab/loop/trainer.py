@@ -62,7 +62,8 @@ from ..specs.registry import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
-from ..training.models import build_hf_config, describe_weights, model_summary, offline_tokenizer_problem, run_tokenizer, synthetic_vocab
+from ..training.models import build_hf_config, describe_weights, model_summary
+from ..training.tokenizing import offline_tokenizer_problem, run_tokenizer, synthetic_vocab
 
 # Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
 

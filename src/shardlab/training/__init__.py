@@ -1,6 +1,9 @@
 """What one worker trains with: the pieces the engines (strategies/) and the loop (loop/) build on, below both.
 
-    models.py          presets, hub ids, local directories, GGUF; tokenizers
+    models.py          what --model builds: presets, hub ids, local directories, GGUF files; configs, attention
+    hub.py             what a model or tokenizer name is; the hub cache first, online only where reachable
+    gguf_files.py      GGUF files: packaged ones, each part parsed once and kept
+    tokenizing.py      tokenizers (GPT-2's BPE from a package, a model's own), and runs that need none
     optim.py           precision, AdamW parameter groups, learning-rate schedules (shared by every strategy)
     loss.py            the causal-LM loss outside the model (chunked, compile-friendly)
     compiling.py       --compile: the whole model or each block

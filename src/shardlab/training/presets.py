@@ -1,7 +1,8 @@
 """Presets: the exact architectures of real GPT-2, BLOOM, Llama, Qwen2 and Mistral checkpoints, built from their
 published config values with random weights (no download), and the tiny ones the tests train in seconds.
 
-training/models.py builds them (``build_hf_config``, ``build_model``) and picks their tokenizer (``Preset.tokenizer``).
+training/models.py builds them (``build_hf_config``, ``build_model``); training/tokenizing.py loads their tokenizer
+(``Preset.tokenizer``).
 """
 
 from __future__ import annotations

@@ -477,9 +477,10 @@ def test_deepspeed_compile_matches_eager(runs, train_cli, tmp_path, monkeypatch,
 
 @pytest.mark.slow
 def test_zero3_compile_keeps_every_layer_compiled(train_cli, tmp_path, monkeypatch):
-    """DeepSpeed's hooks break ZeRO-3's compiled model at each module, and dynamo compiles a decoder layer's forward once
-    per layer: at its default recompile_limit (8) the ninth layer on ran eagerly, with a warning (training/compiling.py:
-    room_for_each_block). A 10-layer Llama compiles them all, and trains as eager does."""
+    """DeepSpeed's hooks break ZeRO-3's compiled model at each module, and dynamo compiles each hook once per module (on
+    the GPU a decoder layer's forward once per layer too): at its default recompile_limit (8) the ninth on ran eagerly,
+    with a warning (training/compiling.py: room_for_each_block). A 10-layer Llama compiles them all, and trains as eager
+    does."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

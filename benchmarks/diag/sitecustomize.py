@@ -15,7 +15,9 @@ SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGathe
                          emulation of the two-rank path (benchmarks/cells/h200-multirank-on-one.txt) slower. It did
                          not (2026-11-29-h200-zero3-compile-scope: 7% faster with the sync).
 SHARDLAB_DIAG_RECOMPILE_LIMIT=N  torch._dynamo.config.recompile_limit (default 8): a frame compiled once per decoder
-                         layer (a guard on each layer's own attributes) runs eagerly from its ninth version on."""
+                         layer (a guard on each layer's own attributes) runs eagerly from its ninth version on.
+SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE=1  lets zero3 --compile run a BLOOM model on a GPU, which shardlab refuses
+                         (its gradients came out below eager's: 2026-11-29-h200-zero3-recompile-limit), to find why."""
 
 import os
 
@@ -98,3 +100,8 @@ if os.environ.get("SHARDLAB_DIAG_RECOMPILE_LIMIT"):
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = int(os.environ["SHARDLAB_DIAG_RECOMPILE_LIMIT"])
+
+if os.environ.get("SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE"):
+    import shardlab.strategies.deepspeed_zero as _zero
+
+    _zero._model_type = lambda cfg: None  # the refusal asks for "bloom"

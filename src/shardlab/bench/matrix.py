@@ -184,10 +184,19 @@ def _identity(config: dict[str, Any]) -> str:
 
 
 def unsupported(config: dict[str, Any]) -> str | None:
-    """Why the strategy's spec says it cannot run ``config``, or None."""
+    """Why the strategy's spec says it cannot run ``config``, or None; and the one compiled combination a strategy
+    refuses on this machine's device (strategies/deepspeed_zero.compile_problem: zero3 --compile of BLOOM on a GPU)."""
     s = spec(config.get("strategy", DEFAULT_STRATEGY))
     if config.get("compile") and not s.supports_compile:
         return f"{s.name} does not support compile"
+    if config.get("compile") and s.engine == "deepspeed" and s.zero_stage == 3:
+        from ..strategies.deepspeed_zero import compile_problem
+
+        try:
+            problem = compile_problem(config_from_dict(config), device_of(config))
+        except UserError:  # a bad config or an unknown model: the cell's own validation says so
+            return None
+        return problem.message if problem else None
     return None
 
 

@@ -54,18 +54,24 @@ def test_compile_is_crossed_only_with_strategies_whose_spec_supports_it():
     assert len(left_out) == 2 and all("pipeline does not support compile" in line for line in left_out)
 
 
-def test_on_gpus_zero3_compile_of_bloom_is_left_out_with_the_refusals_reason(monkeypatch):
-    """zero3 --compile of a BLOOM model is refused on GPUs (strategies/deepspeed_zero.compile_problem): the suite leaves
-    those cells out and says why, instead of running cells that fail; other models and strategies keep theirs."""
-    monkeypatch.setattr("shardlab.bench.machine.visible_gpus", lambda: 2)
-    left_out: list[str] = []
-    cells = plan_cells(["scaling"], Overrides(axes={"model": ["bloom-1b7", "llama-3.2-1b"], "strategy": ["zero3", "fsdp"]}),
-                       left_out)
-    kept = {(c.config["model"], c.config["strategy"], c.config["compile"]) for c in cells}
-    assert ("bloom-1b7", "zero3", True) not in kept
-    assert {("bloom-1b7", "zero3", False), ("bloom-1b7", "fsdp", True), ("llama-3.2-1b", "zero3", True)} <= kept
-    assert len(left_out) == 2 and all("zero3 --compile trains BLOOM" in line for line in left_out), left_out
+def test_on_gpus_a_refused_zero3_compile_is_left_out_with_the_refusals_reason(monkeypatch, tmp_path):
+    """zero3 --compile refused before any worker (strategies/deepspeed_zero.compile_problem: a DeepSpeed JSON that turns
+    the memory-efficient linear on): the suite leaves those cells out and says why, instead of running cells that fail;
+    eager zero3 and fsdp keep theirs. Without that JSON BLOOM's zero3 --compile cells run (torch's own linear)."""
+    import json
 
+    monkeypatch.setattr("shardlab.bench.machine.visible_gpus", lambda: 2)
+    axes = {"model": ["bloom-1b7", "llama-3.2-1b"], "strategy": ["zero3", "fsdp"]}
+    assert ("bloom-1b7", "zero3", True) in {(c.config["model"], c.config["strategy"], c.config["compile"])
+                                            for c in plan_cells(["scaling"], Overrides(axes=axes))}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"memory_efficient_linear": True}}))
+    left_out: list[str] = []
+    cells = plan_cells(["scaling"], Overrides(axes=axes, base={"deepspeed_config": str(ds)}), left_out)
+    kept = {(c.config["model"], c.config["strategy"], c.config["compile"]) for c in cells}
+    assert not {("bloom-1b7", "zero3", True), ("llama-3.2-1b", "zero3", True)} & kept
+    assert {("bloom-1b7", "zero3", False), ("bloom-1b7", "fsdp", True), ("llama-3.2-1b", "fsdp", True)} <= kept
+    assert len(left_out) == 4 and all("memory_efficient_linear true with zero3 --compile" in line for line in left_out), left_out
 
 def test_a_cuda_suite_on_a_machine_without_gpus_is_refused_when_expanded(monkeypatch):
     monkeypatch.setattr("shardlab.bench.machine.visible_gpus", lambda: 0)
@@ -109,8 +115,8 @@ def test_bad_input_is_refused_in_one_line_before_any_run(tmp_path, capsys, monke
              "GPU count 2, 4 but this machine has 1 GPU", "--gpu-counts")
     _refused(["bench", "--suite", "scaling", "--gpu-counts", "1,2", "--dry-run"], tmp_path, capsys, "this machine has 1 GPU")
     assert main(["bench", "--suite", "scaling", "--dry-run"]) == 0  # `gpus: machine` on one GPU: a single count
-    # 3 models x 5 strategies x eager/compiled, less bloom-1b7 zero3 compiled (refused on GPUs: left out)
-    assert len([line for line in capsys.readouterr().out.splitlines() if "scaling/scaling" in line]) == 29
+    # 3 models x 5 strategies x eager/compiled
+    assert len([line for line in capsys.readouterr().out.splitlines() if "scaling/scaling" in line]) == 30
     assert {c.config["gpus"] for c in plan_cells(["scaling"])} == {1}
 
 

@@ -70,23 +70,47 @@ def test_dynamo_gets_room_for_a_version_of_each_blocks_frames():
         config.recompile_limit, config.accumulated_recompile_limit = before
 
 
-def test_zero3_compile_of_bloom_on_a_gpu_is_refused_before_any_worker():
-    """On an H200 zero3 --compile trained BLOOM with a gradient norm 13-33% below eager's and fsdp --compile's (the
-    more blocks compiled, the lower: benchmarks/results/2026-11-29-h200-zero3-recompile-limit), cause not found: a GPU
-    run is refused in one line that names the way out. Not on the CPU, where a 12-layer BLOOM under zero3 --compile
-    (inductor and aot_eager, bf16) trained as eager did; nor other families or strategies."""
+def test_zero3_compile_builds_with_torchs_own_linear(one_rank):
+    """DeepSpeed's memory-efficient linear (zero.Init swaps F.linear for its autograd Function) gave a compiled linear
+    with a bias zero weight and bias gradients on an H200 (benchmarks/results/2026-11-29-h200-zero3-compile-linear:
+    BLOOM's and Qwen2's gradient norms fell to a half and less): zero3 --compile builds with torch's own F.linear, eager
+    zero3 keeps DeepSpeed's default."""
+    import torch.nn.functional as F
+
+    from shardlab.runtime.resolved import Precision
+    from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
+
+    torchs = F.linear
+    eager = RunConfig(model="tiny-bloom", strategy="zero3", device="cpu", seq_len=32, micro_batch=1, grad_accum=1)
+    DeepSpeedStrategy(eager, one_rank, Precision("fp32"), 1, 1).build_model()
+    assert torch.nn.functional.linear is not torchs  # DeepSpeed's default: the swap this test would miss otherwise
+    torch.nn.functional.linear = torchs
+    compiled = eager.model_copy(update={"compile": True})
+    st = DeepSpeedStrategy(compiled, one_rank, Precision("fp32"), 1, 1)
+    st.build_model()
+    assert torch.nn.functional.linear is torchs
+    assert st.ds_config()["zero_optimization"]["memory_efficient_linear"] is False
+
+
+def test_a_deepspeed_json_that_turns_the_memory_efficient_linear_on_under_compile_is_refused(tmp_path):
+    """The user's JSON overrides shardlab's choice: turning DeepSpeed's linear back on under zero3 --compile is refused
+    in one line, before any worker, naming the key; without --compile, or turned off, it runs."""
+    import json
+
     import pytest
 
     from shardlab.errors import UserError
     from shardlab.runtime.resolved import assumed_run
     from shardlab.strategies import strategy_class
 
-    bloom = RunConfig(model="tiny-bloom", strategy="zero3", compile=True, precision="bf16")
-    with pytest.raises(UserError, match="zero3 --compile trains BLOOM") as err:
-        strategy_class("zero3").check_options(assumed_run(bloom, "cuda", world=2))
-    assert "fsdp --compile" in err.value.hint
-    strategy_class("zero3").check_options(assumed_run(bloom, "cpu", world=2))
-    strategy_class("zero3").check_options(assumed_run(bloom.model_copy(update={"compile": False}), "cuda", world=2))
-    llama = bloom.model_copy(update={"model": "tiny-llama"})
-    strategy_class("zero3").check_options(assumed_run(llama, "cuda", world=2))
-    strategy_class("fsdp").check_options(assumed_run(bloom.model_copy(update={"strategy": "fsdp"}), "cuda", world=2))
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    on.write_text(json.dumps({"zero_optimization": {"memory_efficient_linear": True}}))
+    off.write_text(json.dumps({"zero_optimization": {"memory_efficient_linear": False}}))
+    run = RunConfig(model="tiny-bloom", strategy="zero3", compile=True, precision="bf16", deepspeed_config=str(on))
+    for device in ("cuda", "cpu"):
+        with pytest.raises(UserError, match="memory_efficient_linear true with zero3 --compile") as err:
+            strategy_class("zero3").check_options(assumed_run(run, device, world=2))
+        assert "drop memory_efficient_linear" in err.value.hint
+    strategy_class("zero3").check_options(assumed_run(run.model_copy(update={"compile": False}), "cuda", world=2))
+    strategy_class("zero3").check_options(assumed_run(run.model_copy(update={"deepspeed_config": str(off)}), "cuda", world=2))
+    strategy_class("zero3").check_options(assumed_run(run.model_copy(update={"deepspeed_config": None}), "cuda", world=2))

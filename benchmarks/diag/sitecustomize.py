@@ -16,8 +16,10 @@ SHARDLAB_DIAG_ONE_RANK_NO_SYNC=1  ZeRO-3's gather over a one-rank group (NoGathe
                          not (2026-11-29-h200-zero3-compile-scope: 7% faster with the sync).
 SHARDLAB_DIAG_RECOMPILE_LIMIT=N  torch._dynamo.config.recompile_limit (default 8): a frame compiled once per decoder
                          layer (a guard on each layer's own attributes) runs eagerly from its ninth version on.
-SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE=1  lets zero3 --compile run a BLOOM model on a GPU, which shardlab refuses
-                         (its gradients came out below eager's: 2026-11-29-h200-zero3-recompile-limit), to find why."""
+SHARDLAB_DIAG_DEEPSPEED_LINEAR=1  zero3 --compile keeps DeepSpeed's memory-efficient linear, as before
+                         2026-11-29-h200-zero3-compile-linear: under torch 2.11's compile a linear with a bias then gets
+                         no weight gradient (the fault that page found; called SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE
+                         there, when it lifted a refusal of BLOOM)."""
 
 import os
 
@@ -101,7 +103,7 @@ if os.environ.get("SHARDLAB_DIAG_RECOMPILE_LIMIT"):
 
     torch._dynamo.config.recompile_limit = int(os.environ["SHARDLAB_DIAG_RECOMPILE_LIMIT"])
 
-if os.environ.get("SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE"):
+if os.environ.get("SHARDLAB_DIAG_DEEPSPEED_LINEAR"):
     import shardlab.strategies.deepspeed_zero as _zero
 
-    _zero._model_type = lambda cfg: None  # the refusal asks for "bloom"
+    _zero.plain_linear_under_compile = lambda stage, compile: {}

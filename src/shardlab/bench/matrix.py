@@ -184,8 +184,8 @@ def _identity(config: dict[str, Any]) -> str:
 
 
 def unsupported(config: dict[str, Any]) -> str | None:
-    """Why the strategy's spec says it cannot run ``config``, or None; and the one compiled combination a strategy
-    refuses on this machine's device (strategies/deepspeed_zero.compile_problem: zero3 --compile of BLOOM on a GPU)."""
+    """Why the strategy's spec says it cannot run ``config``, or None; and the compiled ZeRO-3 runs the strategy refuses
+    on this machine's device (strategies/deepspeed_zero.compile_problem)."""
     s = spec(config.get("strategy", DEFAULT_STRATEGY))
     if config.get("compile") and not s.supports_compile:
         return f"{s.name} does not support compile"

@@ -185,21 +185,25 @@ def _deepspeed_default_leaves() -> list[str]:
 
 
 def compile_problem(cfg: RunConfig, device_type: str) -> UserError | None:
-    """Why a ZeRO-3 ``--compile`` run of ``cfg`` is refused on ``device_type``, or None. BLOOM on a GPU: its gradient
-    norm fell with each compiled block (0.74-0.96 against 1.10 eager and under fsdp --compile on an H200), cause not
-    found; llama's matched eager (benchmarks/results/*-h200-zero3-recompile-limit)."""
-    if STAGE.get(cfg.strategy) == 3 and cfg.compile and device_type == "cuda" and _model_type(cfg) == "bloom":
-        return UserError("zero3 --compile trains BLOOM with smaller gradients than eager on a GPU (gradient norm 0.74-0.96 "
-                         "against eager's and fsdp --compile's 1.10 on an H200; the cause is not found yet)",
-                         "use --strategy fsdp --compile, or zero3 without --compile")
+    """Why a ZeRO-3 ``--compile`` run of ``cfg`` is refused, or None: a DeepSpeed JSON that turns the memory-efficient
+    linear back on (build_ds_config turns it off under --compile; see plain_linear_under_compile)."""
+    if STAGE.get(cfg.strategy) != 3 or not cfg.compile or not cfg.deepspeed_config:
+        return None
+    if (read_user_json(cfg.deepspeed_config).get("zero_optimization") or {}).get("memory_efficient_linear") is True:
+        return UserError("zero_optimization.memory_efficient_linear true with zero3 --compile: compiled linears with a bias "
+                         "then get no weight or bias gradients on a GPU",
+                         "drop memory_efficient_linear from the DeepSpeed JSON (shardlab turns it off under --compile), "
+                         "or drop --compile")
     return None
 
 
-def _model_type(cfg: RunConfig) -> str | None:
-    """The model's transformers ``model_type`` (its config only, no weights)."""
-    from ..training.models import build_hf_config
-
-    return getattr(build_hf_config(cfg), "model_type", None)
+def plain_linear_under_compile(stage: int, compile: bool) -> dict[str, Any]:
+    """The zero_optimization keys that keep compiled ZeRO-3 gradients right. DeepSpeed's memory-efficient linear (on by
+    default) swaps ``F.linear`` for its own autograd Function; compiled by inductor on CUDA (torch 2.11), a linear with
+    a bias got zero weight and bias gradients through it (BLOOM's and Qwen2's gradient norms fell to a half and less),
+    while torch's own linear under compile gave eager's losses at the same speed
+    (benchmarks/results/*-h200-zero3-compile-linear)."""
+    return {"memory_efficient_linear": False} if stage == 3 and compile else {}
 
 
 def model_numel(model: nn.Module) -> int:
@@ -302,6 +306,7 @@ def build_ds_config(
             stage3_max_reuse_distance=opts.stage3_max_reuse_distance,
             # Export gathers weights itself (full_state_dict); no 16-bit copy needed at save time.
             stage3_gather_16bit_weights_on_model_save=False,
+            **plain_linear_under_compile(stage, cfg.compile),
         )
         if leaf_classes and block_leaves(opts, stage, spec(cfg.strategy).offloads, cfg.peft.method is not None):
             zero["leaf_module"] = {"classes": _deepspeed_default_leaves() + list(leaf_classes)}

@@ -472,6 +472,8 @@ def test_deepspeed_compile_matches_eager(runs, train_cli, tmp_path, monkeypatch,
     run = train_cli(train_args(strategy=strategy, steps=6, extra=["--compile"]), tmp_path / "run")
     run.check()
     assert run.summary["compile"] is True and run.summary["compile_time_s"] > 0
+    if strategy == "zero3":  # torch's F.linear under compile (strategies/deepspeed_zero.plain_linear_under_compile)
+        assert run.summary["zero_optimization"]["memory_efficient_linear"] is False
     assert_same_losses(run, runs.strategy(strategy), n=6)
 
 

@@ -73,3 +73,17 @@ def test_the_runner_gives_each_cell_its_environment_and_its_own_timeout(tmp_path
     assert "VAR hello" in (tmp_path / "b" / quick["repeats"][0]["log"]).read_text()
     assert slow["repeats"][0]["exit_code"] == "timeout" and slow["repeats"][0]["reason"] == "timed out after 1 s"
     assert json.loads((tmp_path / "b" / "bench.json").read_text())["suites"] == ["cells:cells.txt"]
+
+
+def test_a_run_too_short_for_a_warm_up_says_its_rate_includes_it(tmp_path):
+    """A run of WARMUP_STEPS steps or fewer has no steady state to time: its rate is the median of every step, compile
+    included (a three-step zero3 --compile run printed 2,698 tok/s while its third step ran at 51,185). The runner's
+    line says so; a longer run's line does not."""
+    from shardlab.measure.summary import RunSummary
+
+    short, long = tmp_path / "short", tmp_path / "long"
+    for d, excluded, timed in ((short, 0, 3), (long, 3, 17)):
+        d.mkdir()
+        RunSummary.from_dict({"useful_tokens_per_s": 2698.4, "warmup_steps_excluded": excluded, "timed_steps": timed}).write(d)
+    assert runner._brief(short).startswith("2,698 useful tok/s (all 3 steps, warm-up included)")
+    assert runner._brief(long) == "2,698 useful tok/s"

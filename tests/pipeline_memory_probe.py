@@ -25,7 +25,7 @@ from shardlab.training.models import build_model
 from shardlab.runtime.resolved import Precision
 from shardlab.strategies.pipeline import PipelineStrategy
 from shardlab.training.batches import DevicePrefetcher
-from shardlab.loop.trainer import apply_dropout
+from shardlab.training.models import apply_dropout
 
 
 def held_bytes(strategy: PipelineStrategy) -> int:

@@ -39,7 +39,7 @@ def built(strategy: str, env, cfg: RunConfig, total_steps: int = 10, precision: 
     from shardlab.strategies import strategy_class
     from shardlab.training import adapters
     from shardlab.runtime.resolved import Precision
-    from shardlab.loop.trainer import apply_dropout
+    from shardlab.training.models import apply_dropout
 
     torch.manual_seed(cfg.seed)
     st = strategy_class(strategy)(cfg, env, Precision(precision), 1, 2)

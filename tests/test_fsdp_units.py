@@ -14,7 +14,7 @@ _DP: dict = {}
 def _losses(strategy: str, env, steps: int = 3, **options) -> tuple[list[float], object]:
     from shardlab.strategies import strategy_class
     from shardlab.runtime.resolved import Precision
-    from shardlab.loop.trainer import apply_dropout
+    from shardlab.training.models import apply_dropout
 
     cfg = RunConfig(model="tiny-gpt2", strategy=strategy, device="cpu", seq_len=32, lr=1e-3, dropout=0.0,
                     max_grad_norm=None, strategy_options=options)

@@ -144,7 +144,7 @@ def test_dp_forward_equals_the_models_own_loss_gradients_and_steps(reference_ker
 
 
 def test_evaluate_gives_the_same_loss(reference_kernel):
-    from shardlab.loop.trainer import evaluate
+    from shardlab.loop.evaluation import evaluate
 
     torch.manual_seed(0)
     base = build_model(RunConfig(model="tiny-gpt2", device="cpu"))

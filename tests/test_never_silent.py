@@ -19,7 +19,7 @@ import pytest
 
 from shardlab.measure.monitor import CPU_COLUMNS, CPU_CSV
 from shardlab.launch.supervise import SUPERVISED_ENV, fix_for_kill, note_for_kill, supervise
-from shardlab.loop.trainer import progress_line
+from shardlab.loop.reporting import progress_line
 
 ROW = {"step": 20, "epoch": 0.4, "loss": 3.21456, "lr": 4.5e-5, "tokens_per_s": 12345.6, "step_time_s": 0.512, "cpu_rss_gib": 1.25}
 

@@ -36,7 +36,7 @@ NOT_STRATEGY_NAMES = {
     ("pipesim/cli.py", 'add_parser("pipeline"'),  # the same subcommand's parser
     ("checkpoint/reshard.py", '/ "zero"'),  # DeepSpeed's universal-checkpoint folder
     ("compat/universal_checkpoint.py", '/ "zero"'),  # the same folder, rewritten there
-    ("loop/trainer.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
+    ("loop/reporting.py", 'summary.get("pipeline")'),  # summary.json's pipeline section
 }
 
 

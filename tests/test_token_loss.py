@@ -93,10 +93,10 @@ def trainer_twin(data: Path, out: Path) -> list[dict]:
 
     from shardlab.config import load_config
     from shardlab.data import build_datasets
-    from shardlab.training.models import build_model
+    from shardlab.training.models import apply_dropout, build_model
     from shardlab.training.tokenizing import run_tokenizer
     from shardlab.training.sampling import SeekableDistributedSampler
-    from shardlab.loop.trainer import apply_dropout, seed_everything
+    from shardlab.loop.trainer import seed_everything
 
     cfg = load_config(None, {"model": "tiny-gpt2", "device": "cpu", "seq_len": 48, "seed": SEED, "dropout": 0.0,
                              "dataset": {"source": str(data), "format": "qa", "answer_only_loss": True, "packing": "pad",

@@ -13,13 +13,9 @@ Strategy verbs (strategies/base.py).
 from __future__ import annotations
 
 import faulthandler
-import importlib.metadata
 import json
 import math
-import platform
 import random
-import resource
-import socket
 import statistics
 import sys
 import time
@@ -30,12 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import transformers
 from torch import nn
-from rich.console import Console
-from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm.auto import tqdm
 
 from .. import messages
 from .. import compat
@@ -45,15 +37,16 @@ from ..measure.startup import StartupClock
 from ..measure import metrics, mfu
 from ..training import adapters, compiling, head_padding, optim, pinned
 from . import warm_8bit
+from .evaluation import evaluate
+from .reporting import environment_info, log0, print_summary, progress_bar, progress_line
 from ..measure.compile_stats import CompileClock, process_start_time, use_persistent_cache
 from ..config import RunConfig, dump_config
-from ..data.blocks import IGNORE
 from ..runtime.distributed import DistEnv, heap_reuse, init_distributed, mark_group_broken, reuse_freed_heap, shutdown_distributed
-from ..training.batches import DevicePrefetcher, to_device, without_trivial_mask
+from ..training.batches import DevicePrefetcher
 from ..training.early_stopping import EvalTracker
 from ..errors import OutOfMemory, UserError
 from ..layout import local_world_size
-from ..runtime.resolved import Precision, ResolvedRun, resolve_run
+from ..runtime.resolved import ResolvedRun, resolve_run
 from ..runtime.preemption import Preempted, StopSignals
 from ..measure.profiling import StepProfiler
 from ..training.sampling import SeekableDistributedSampler
@@ -62,7 +55,7 @@ from ..specs.registry import StrategySpec, lookup, spec
 from ..measure.summary import RunSummary
 from ..data import build_datasets
 from .generate import SAMPLE_PROMPTS, SAMPLES_FILE, complete_all, load, samples_markdown
-from ..training.models import build_hf_config, describe_weights, model_summary
+from ..training.models import apply_dropout, build_hf_config, describe_weights, model_summary
 from ..training.tokenizing import offline_tokenizer_problem, run_tokenizer, synthetic_vocab
 
 # Lazy import below: wandb is optional (the `wandb` extra); only --wandb runs import it.
@@ -111,56 +104,10 @@ class RunResult:
     step_losses: list[float] = field(default_factory=list)
 
 
-def log0(env: DistEnv, *msg: Any) -> None:
-    if env.is_main:
-        messages.info(" ".join(str(m) for m in msg))
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "device_type": env.device.type,
-        "precision": precision.name,
-        "argv": sys.argv,
-    }
-    for pkg in ("deepspeed", "datasets"):
-        # The installed version from the package metadata, not `import pkg`: importing datasets (pandas, pyarrow)
-        # and deepspeed (its op builders) cost a dp run on local data seconds before its first step.
-        try:
-            info[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:  # absent optional engine: just not recorded
-            info[pkg] = None
-    if env.device.type == "cuda":
-        info["gpus"] = [
-            {"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),
-             "memory_gib": torch.cuda.get_device_properties(i).total_memory / 2**30}
-            for i in range(torch.cuda.device_count())
-        ]
-    return info
-
-
-def apply_dropout(model: nn.Module, p: float | None) -> None:
-    if p is None:
-        return
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = p
-    for attr in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout"):
-        if hasattr(model.config, attr):
-            setattr(model.config, attr, p)
 
 
 def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv, stop: bool = False, save: bool = False) -> tuple[float, float, bool, bool]:
@@ -177,29 +124,6 @@ def _reduce_step(loss: torch.Tensor, useful_tokens: int, env: DistEnv, stop: boo
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     total_loss, total_useful, stops, saves = values.tolist()
     return total_loss, total_useful, stops > 0, saves > 0
-
-
-@torch.no_grad()
-def evaluate(strategy, loader: DataLoader, env: DistEnv) -> dict[str, float]:
-    """Token-weighted mean loss over the eval split, across all ranks."""
-    strategy.eval()
-    t0 = time.perf_counter()
-    totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss*tokens, tokens, samples
-    for batch in loader:
-        batch = to_device(without_trivial_mask(batch)[0], env.device)
-        loss = strategy.forward(batch)
-        # HF averages over predicted positions: labels != IGNORE after the shift by one.
-        n_tok = (batch["labels"][:, 1:] != IGNORE).sum()
-        totals += torch.stack([loss.double() * n_tok, n_tok.double(), torch.tensor(len(batch["input_ids"]), device=env.device, dtype=torch.float64)])
-    if env.is_distributed:
-        dist.all_reduce(totals)
-    metrics.sync(env.device)
-    dt = time.perf_counter() - t0
-    strategy.train()
-    if totals[1].item() == 0:  # fewer eval samples than one eval batch (pipeline: micro x micro-batches)
-        return {}
-    loss = (totals[0] / totals[1]).item()
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)), "eval_time_s": dt, "eval_samples_per_s": totals[2].item() / dt if dt else 0.0}
 
 
 class Trainer:
@@ -572,7 +496,7 @@ class Trainer:
             writer.log({"step": 0, **initial})
             self.startup.mark("initial_eval")
         rec.t_start = time.perf_counter()
-        progress = _progress(env, total_steps, rec.global_step)
+        progress = progress_bar(env, total_steps, rec.global_step)
         strategy.train()
         for si in range(state["stage"], len(stages)):
             train_loader, sampler, eval_loader = stage_loaders[si]
@@ -687,7 +611,7 @@ class Trainer:
             steps = len(ep.losses)
             summary = {"stage": stage, "epoch": epoch, "steps": steps, "train_loss": statistics.fmean(ep.losses), **ev,
                        "epoch_time_s": epoch_time, "epoch_wall_time_s": wall, "compile_time_s": compiled,
-                       "samples_per_s": steps * self.global_batch / epoch_time, "steps_per_s": steps / epoch_time, **_peak(self.env)}
+                       "samples_per_s": steps * self.global_batch / epoch_time, "steps_per_s": steps / epoch_time, **metrics.peak_memory(self.env)}
             rec.epochs.append(summary)
             writer.log({"step": rec.global_step, "epoch_summary": summary})
 
@@ -715,7 +639,7 @@ class Trainer:
             **rec.compile_clock.summary(),
             "loss_kernel": strategy.loss_kernel, "gradient_checkpointing": cfg.gradient_checkpointing,
             "skipped_steps": strategy.skipped_steps, "overflow_steps": strategy.overflow_steps,
-            **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **_peak(env),
+            **metrics.throughput(steady, tokens_per_step, mean_useful, self.global_batch), **metrics.peak_memory(env),
             **self.evals.summary(),
             "epochs": rec.epochs,
             **strategy.summary_extras(),
@@ -738,80 +662,10 @@ def _cap(steps: list[int], limit: int) -> list[int]:
     return out
 
 
-def _peak(env: DistEnv) -> dict[str, float]:
-    """Peak memory, maximised over ranks (the rank that OOMs first is the one that matters)."""
-    snap = metrics.memory_snapshot(env.device)
-    # The rank's own peak RSS (the kernel's high-water mark of this process alone: not the launcher's, nor that of
-    # a compiler DeepSpeed runs to build an op, which the monitor's process-tree sum includes).
-    snap["cpu_rss_peak_rank_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / metrics.GIB
-    keys = [k for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_gib", "cpu_rss_peak_rank_gib") if k in snap]
-    vals = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
-    if env.is_distributed:
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    out = dict(zip(keys, vals.tolist()))
-    if "cpu_rss_gib" in out:
-        out["cpu_rss_max_rank_gib"] = out.pop("cpu_rss_gib")
-    return out
-
-
-def progress_line(row: dict[str, Any], total_steps: int, eta_s: float) -> str:
-    """One metrics row as a plain log line: what the progress bar shows on a terminal, for a log file."""
-    memory = (f"GPU mem {row['gpu_mem_alloc_gib']:.2f} GiB (peak {row['gpu_mem_peak_gib']:.2f})" if "gpu_mem_alloc_gib" in row
-              else f"host RSS {row['cpu_rss_gib']:.2f} GiB (rank 0)")
-    eta = time.strftime("%H:%M:%S", time.gmtime(eta_s)) if eta_s < 86400 else f"{eta_s / 86400:.1f} days"
-    return (f"[shardlab] step {row['step']}/{total_steps} | epoch {row['epoch']:.3f} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:,.0f} tokens/s | step {row['step_time_s']:.3f} s | {memory} | ETA {eta}")
-
-
-def _progress(env: DistEnv, total: int, done: int):
-    if not env.is_main:
-        return None
-
-    # disable=None: tqdm draws only when its stream (stderr) is a terminal
-    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, disable=None)
-
-
 def next_strategy(name: str) -> str:
     """What an out-of-memory run of `name` should try next (its spec's oom_next)."""
     found = lookup(name)
     return found.oom_next if found is not None else StrategySpec.oom_next
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    table = Table(title=f"shardlab run: {summary['model']} / {summary['strategy']} / {summary['precision']}", show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
-        return str(v)
-
-    for key in ("world_size", "global_batch", "seq_len", "steps", "final_train_loss", "initial_eval_loss", "final_eval_loss",
-                "final_eval_ppl", "best_eval_loss", "best_step",
-                "tokens_per_s", "useful_tokens_per_s", "samples_per_s", "step_time_median_s", "warmup_steps_excluded",
-                "gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_max_rank_gib", "cpu_rss_peak_rank_gib",
-                "time_to_first_step_s", "compile_time_s", "total_time_s"):
-        if summary.get(key) is not None:
-            table.add_row(key, fmt(summary[key]))
-    adapter = summary.get("adapter")
-    if adapter:
-        table.add_row(f"trainable parameters ({adapter['method']} r {adapter['r']})",
-                      f"{adapter['trainable_params']:,} of {adapter['total_params']:,} ({adapter['trainable_fraction']:.2%})")
-    if summary.get("mfu") is not None:
-        table.add_row("MFU (useful tokens)", f"{summary['mfu']:.1%} of {summary['peak_tflops_per_device']:,.0f} TFLOP/s ({summary['peak_math_mode']}); "
-                      f"counts {summary.get('flops_counted') or mfu.FULL_COUNT}")
-    elif summary.get("mfu_note"):
-        table.add_row("MFU", summary["mfu_note"].removeprefix("MFU not reported: "))
-    if summary.get("model_tflops_per_s") is not None:
-        table.add_row("model TFLOP/s (useful tokens, all devices)", fmt(summary["model_tflops_per_s"]))
-    if summary.get("stopped_early"):
-        table.add_row("stopped early: evaluations without a new best", str(summary["early_stopping_patience"]))
-    pp = summary.get("pipeline")
-    if pp:
-        table.add_row("pipeline step ms: measured / simulated", f"{pp['measured_step_ms']:.4g} / {pp['simulated_step_ms']:.4g}")
-        table.add_row("pipeline bubble: measured / simulated", f"{pp['measured_bubble']:.1%} / {pp['simulated_bubble']:.1%}")
-    Console().print(table)
 
 
 def run_worker(run: ResolvedRun | RunConfig, plan: dict[str, Any] | None = None) -> RunResult:

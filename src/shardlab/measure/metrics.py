@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -79,6 +80,22 @@ def gather_rank_memory(env) -> list[dict[str, float]]:
         gathered = [torch.zeros_like(values) for _ in range(env.world_size)]
         dist.all_gather(gathered, values)
     return [{"rank": r, **{k: round(v, 4) for k, v in zip(keys, t.tolist())}} for r, t in enumerate(gathered)]
+
+
+def peak_memory(env) -> dict[str, float]:
+    """Peak memory, maximised over ranks (the rank that OOMs first is the one that matters)."""
+    snap = memory_snapshot(env.device)
+    # The rank's own peak RSS (the kernel's high-water mark of this process alone: not the launcher's, nor that of
+    # a compiler DeepSpeed runs to build an op, which the monitor's process-tree sum includes).
+    snap["cpu_rss_peak_rank_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    keys = [k for k in ("gpu_mem_peak_gib", "gpu_mem_peak_reserved_gib", "cpu_rss_gib", "cpu_rss_peak_rank_gib") if k in snap]
+    vals = torch.tensor([snap[k] for k in keys], dtype=torch.float64, device=env.device)
+    if env.is_distributed:
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    out = dict(zip(keys, vals.tolist()))
+    if "cpu_rss_gib" in out:
+        out["cpu_rss_max_rank_gib"] = out.pop("cpu_rss_gib")
+    return out
 
 
 def run_stats(summary: dict[str, Any], model_info: dict[str, Any], env, steps_per_epoch: int) -> dict[str, Any]:

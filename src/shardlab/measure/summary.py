@@ -258,7 +258,7 @@ class RunSummary(_Record):
     samples_per_s: float | None = None
     steps_per_s: float | None = None
     timed_steps: int | None = None
-    # peak memory, the largest over ranks (trainer._peak)
+    # peak memory, the largest over ranks (metrics.peak_memory)
     gpu_mem_peak_gib: float | None = None
     gpu_mem_peak_reserved_gib: float | None = None
     cpu_rss_peak_rank_gib: float | None = None

@@ -170,7 +170,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
         drops = (c.attention_dropout, c.hidden_dropout, 0.0)
     else:
         drops = (float(getattr(c, "attention_dropout", 0.0) or 0.0), float(getattr(c, "hidden_dropout", 0.0) or 0.0), 0.0)
-    if dropout is not None:  # shardlab's --dropout overrides every probability (train.apply_dropout)
+    if dropout is not None:  # shardlab's --dropout overrides every probability (training.models.apply_dropout)
         drops = (dropout, dropout, dropout if family == "gpt2" else 0.0)
     return Arch(
         model=name, family=family, n_params=n, largest_layer_params=largest_layer, block_params=block_params,

@@ -349,6 +349,18 @@ def load_local_weights(model: torch.nn.Module, cfg: RunConfig, load: Callable[[d
         del tensors
 
 
+def apply_dropout(model: torch.nn.Module, p: float | None) -> None:
+    """``--dropout``: one probability for every dropout module and the config's dropout fields; None keeps the model's own."""
+    if p is None:
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+    for attr in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout"):
+        if hasattr(model.config, attr):
+            setattr(model.config, attr, p)
+
+
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`).
 

@@ -463,9 +463,9 @@ def test_a_cell_the_bench_never_finished_says_so(tmp_path):
     import json
 
     from shardlab.report.load import BENCH_FILE, load_bench
-    from shardlab.report.tables import _status
+    from shardlab.report.tables import cell_status
 
     (tmp_path / BENCH_FILE).write_text(json.dumps({"cells": [
         {"label": "zero3_offload-unpinned", "parts": ["pin-memory/pin-memory"], "repeats_planned": 1, "repeats": []}]}))
     (cell,) = load_bench(tmp_path)
-    assert not cell.ok and _status(cell).startswith("FAILED (not finished): the bench stopped before this cell ended")
+    assert not cell.ok and cell_status(cell).startswith("FAILED (not finished): the bench stopped before this cell ended")

@@ -149,7 +149,7 @@ def test_early_stopping_needs_one_eval_split():
 def test_report_shows_the_eval_losses_and_early_stopping(tmp_path):
     from shardlab.report.load import load as load_runs
     from shardlab.report.render import to_markdown
-    from shardlab.report.tables import build_tables
+    from shardlab.report import build_tables
 
     for name, extra in (("stopped", {"stopped_early": True, "early_stopping_patience": 2, "exported_step": 3}), ("plain", {})):
         (tmp_path / name).mkdir()

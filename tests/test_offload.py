@@ -431,7 +431,8 @@ def test_auto_micro_batch_accumulates_offload_steps_to_a_large_token_batch():
 def test_report_says_what_to_use_for_a_model_that_does_not_fit():
     from shardlab.report.guide import guide
     from shardlab.report.load import Spread
-    from shardlab.report.tables import BIG_MODEL_COLUMNS, Table
+    from shardlab.report.memory import BIG_MODEL_COLUMNS
+    from shardlab.report.tables import Table
 
     def row(label, tok, opt, mfu=None):
         return {"label": label, "optimizer": opt, "useful_tokens_per_s": Spread(tok, tok, tok, 1) if tok else None,

@@ -17,7 +17,8 @@ from shardlab.measure.monitor import stats
 from shardlab.report import build
 from shardlab.report import plots as plots_mod
 from shardlab.report.load import Spread
-from shardlab.report.tables import GPU_COMPARED, HOST_COMPARED, Table
+from shardlab.report.memory import GPU_COMPARED, HOST_COMPARED
+from shardlab.report.tables import Table
 
 LONG = "zero3_offload-pinned-gpt2-medium-micro-batch-16-seq-1024"  # a label as long as a bench's
 

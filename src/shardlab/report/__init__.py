@@ -30,16 +30,21 @@ from .plots import Plot, all_plots
 from .render import to_csv, to_html, to_json, to_markdown
 from . import tables as _tables
 from .adapters import adapter_plot, adapter_tables
+from .memory import big_model_tables, memory_tables, plan_tables
+from .scaling import scaling_tables, weak_scaling_tables
 from .tables import Table
 
 # Tables and plots a suite's own module builds on tables.py and plots.py (which cannot import them back)
 SUITE_TABLES = (adapter_tables,)
 SUITE_PLOTS = (adapter_plot,)
+# The tables of every module built on tables.py, in the seed tutorials' order, which puts them between its offload and
+# eval tables: a suite's own after the big-model table
+OTHER_TABLES = (big_model_tables, *SUITE_TABLES, scaling_tables, weak_scaling_tables, memory_tables, plan_tables)
 
 
 def build_tables(cells: list[Cell]) -> list[Table]:
     """Every table the runs support (tables.build_tables), the suites' own included."""
-    return _tables.build_tables(cells, SUITE_TABLES)
+    return _tables.build_tables(cells, OTHER_TABLES)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1200px;padding:0 1rem;color:#222}

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from .load import Cell
+from .memory import planned_row
 from . import plots
 from .plots import COLORS, Plot
 from .render import fmt
-from .tables import Column, Table, group_by, med, planned_row, where_ran
+from .tables import Column, Table, group_by, med, where_ran
 
 PART = "adapters"
 

@@ -6,6 +6,9 @@ instead of the global batch and tokens). A comparison across runs that differ is
 the seeds show it, but flagged with what differs, and the equal-footing value stands next to it.
 
 Every figure of a cell is the median over its repeats; ``Spread`` keeps the min-max.
+
+The weak and strong scaling tables are in scaling.py, those of memory (over the run, planned vs measured, a model
+that does not fit) in memory.py: both build on this module, and report/__init__.py puts their tables in order.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from ..specs.registry import lookup
 from .load import Cell, Run, Spread, spread
 
 FOOTING = ("precision", "global_batch", "seq_len", "tokens")
-WEAK_FOOTING = ("precision", "micro_batch", "seq_len", "steps")
 FLAG = "\u26a0"  # warning sign
 
 
@@ -150,13 +152,19 @@ def pct_change(new: Spread | None, old: Spread | None) -> float | None:
     r = ratio(new, old)
     return None if r is None else (r - 1.0) * 100.0
 
+def gib_from_gb(s: Spread | None) -> Spread | None:
+    """A Spread of GB (10^9 bytes: psrecord's and cpu_memory.csv's unit) in GiB (2^30 bytes: the planner's)."""
+    k = 1e9 / 2**30
+    return None if s is None else Spread(s.median * k, s.low * k, s.high * k, s.n)
+
+
 
 def differences(a: Cell, b: Cell, keys: tuple[str, ...] = FOOTING) -> list[str]:
     fa, fb = a.footing(), b.footing()
     return [f"{k} {fa.get(k)} vs {fb.get(k)}" for k in keys if fa.get(k) != fb.get(k)]
 
 
-def _status(c: Cell) -> str:
+def cell_status(c: Cell) -> str:
     if c.ok:
         failed = [f for f in c.failures if f.get("status") == "failed"]
         return "ok" if not failed else f"ok ({len(c.runs)} of {c.repeats} repeats; {failed[0].get('reason')})"
@@ -165,7 +173,7 @@ def _status(c: Cell) -> str:
     return f"FAILED{f' ({kind})' if kind else ''}: {f.get('reason', 'unknown')}"
 
 
-def _config_key(c: Cell, drop: tuple[str, ...]) -> str:
+def config_key(c: Cell, drop: tuple[str, ...]) -> str:
     def strip(node: Any, prefix: str = "") -> Any:
         if isinstance(node, dict):
             return {k: strip(v, f"{prefix}{k}.") for k, v in node.items() if f"{prefix}{k}" not in drop}
@@ -249,7 +257,7 @@ def basic_row(c: Cell) -> dict[str, Any]:
         "epoch_time_s": epoch_time(c), "useful_tokens_per_s": tokens(c), "tokens_per_s": c.stat("tokens_per_s"),
         "gpu_peak_gib": torch_peak(c), "cpu_rss_peak_gb": cpu(c, "real_peak"), "final_loss": c.stat("final_train_loss"),
         "eval_loss": c.stat("final_eval_loss"), "mfu_pct": Spread(mfu.median * 100, mfu.low * 100, mfu.high * 100, mfu.n) if mfu else None,
-        "flags": "", "status": _status(c),
+        "flags": "", "status": cell_status(c),
     }
 
 
@@ -271,7 +279,7 @@ PIN_COLUMNS = [
 def pin_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("pin-memory") and _offloads(c.strategy)]
     # batch keys left out: a failed run's config is unresolved; footing differences are flagged instead
-    groups = group_by(members, lambda c: _config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
+    groups = group_by(members, lambda c: config_key(c, IGNORED + BATCH + ("strategy_options.pin_memory",)))
     rows = []
     for group in groups.values():
         pinned = [c for c in group if c.pinned]
@@ -335,7 +343,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
     members = [c for c in cells if c.in_part("offload") and _stage(c.strategy) is not None]
 
     def key(c: Cell) -> str:
-        return _config_key(c, IGNORED + BATCH + ("strategy", "strategy_options.pin_memory"))
+        return config_key(c, IGNORED + BATCH + ("strategy", "strategy_options.pin_memory"))
 
     rows = []
     savings_known = False
@@ -362,7 +370,7 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
                 elif c is not ref and ref is None:
                     row["flags"] = "no run of this stage without offload to compare with"
                 elif c is not ref and c.ok and not ref.ok:
-                    row["flags"] = f"no comparison: {ref.label} did not run ({_status(ref)})"
+                    row["flags"] = f"no comparison: {ref.label} did not run ({cell_status(ref)})"
                 rows.append(row)
     if not rows:
         return []
@@ -371,359 +379,6 @@ def offload_tables(cells: list[Cell]) -> list[Table]:
     if not savings_known:
         notes.append("No GPU memory was measured (CPU runs): Mem Savings % needs GPU runs; the CPU-side cost is in CPU RSS \u0394 %.")
     return [Table("offload", f"ZeRO stage with and without CPU offload: {where_ran(members[0])}", OFFLOAD_COLUMNS, rows, notes)]
-
-
-# --------------------------------------------------------------------------------------------------
-# weak and strong scaling
-
-
-WEAK_COLUMNS = [
-    Column("label", "Run", "text"), Column("gpus", "GPUs", "int"), Column("global_batch", "Global batch", "int"),
-    Column("runtime_s", "Runtime (s)"), Column("steps_per_s", "Steps/s"), Column("samples_per_s", "Samples/s"),
-    Column("final_loss", "Train loss"), Column("eval_loss", "Eval loss"), Column("eval_samples_per_s", "Eval samples/s"),
-    Column("nvml_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("nvml_mean_gib", "Avg GPU mem (GiB)", "gib"),
-    Column("cpu_rss_peak_gb", "Peak CPU RSS (GB)", "gb"), Column("speedup", "Speed-up", "ratio"),
-    Column("efficiency_pct", "Efficiency %", "pct"), Column("flags", f"{FLAG} Not on equal footing", "text"),
-    Column("status", "Status", "text"),
-]
-
-
-def _last_eval_speed(r: Run) -> float | None:
-    for e in reversed(r.typed.epochs or []):
-        if e.get("eval_samples_per_s"):
-            return e["eval_samples_per_s"]
-    for row in reversed(r.metrics):
-        if row.get("eval_samples_per_s"):
-            return row["eval_samples_per_s"]
-    return None
-
-
-def scaling_tables(cells: list[Cell]) -> list[Table]:
-    tables = []
-    for kind in ("weak", "strong"):
-        part = f"{kind}-scaling"
-        members = [c for c in cells if c.ok and c.in_part(part)]
-        by_config = group_by(members, lambda c: _config_key(c, IGNORED + BATCH + ("gpus", "nodes")))
-        for group in by_config.values():
-            series_key = (lambda c: c.footing()["micro_batch"]) if kind == "weak" else (lambda c: c.footing()["global_batch"])
-            for series in group_by(group, series_key).values():
-                if len({c.world for c in series}) < 2:
-                    continue
-                series.sort(key=lambda c: c.world)
-                ref = series[0]
-                keys = WEAK_FOOTING if kind == "weak" else FOOTING
-                rows = []
-                for c in series:
-                    row = basic_row(c)
-                    sps = c.stat("samples_per_s")
-                    row.update(runtime_s=c.stat("total_time_s"), steps_per_s=c.stat("steps_per_s"), samples_per_s=sps,
-                               eval_samples_per_s=c.stat(_last_eval_speed), nvml_peak_gib=nvml(c, "peak"),
-                               nvml_mean_gib=nvml(c, "mean"))
-                    sp = ratio(sps, ref.stat("samples_per_s"))
-                    row["speedup"] = sp
-                    row["efficiency_pct"] = sp / (c.world / ref.world) * 100.0 if sp else None
-                    diff = differences(c, ref, keys)
-                    row["flags"] = f"vs {ref.label}: {', '.join(diff)}" if diff else ""
-                    rows.append(row)
-                what = "per-GPU batch fixed, global batch grows" if kind == "weak" else "global batch fixed"
-                tables.append(Table(part, f"{kind.capitalize()} scaling ({what}): {ref.model}, {ref.strategy}", WEAK_COLUMNS, rows, [
-                    f"Efficiency = (samples/s / GPUs) / (samples/s / GPUs at {ref.world}); speed-up = samples/s over those at {ref.world}.",
-                    "Runtime = the training loop's wall time (evaluations included, start-up excluded). GPU memory from NVML "
-                    "(memory.used over the whole run, the busiest GPU's peak and the mean over GPUs).",
-                ]))
-    return tables
-
-
-# --------------------------------------------------------------------------------------------------
-# weak scaling of every strategy and mode, per model (the `scaling` suite)
-
-
-SCALING_PART = "scaling"
-
-
-def mode(c: Cell) -> str:
-    return "compiled" if c.setting("compile") else "eager"
-
-
-def _per_gpu_batch(c: Cell) -> tuple[Any, Any]:
-    """(micro, accum) per GPU: what weak scaling holds fixed while the global batch grows with the GPUs."""
-    accum = c.first("grad_accum", c.setting("grad_accum"))
-    if accum is None and c.setting("global_batch") is None:
-        accum = 1
-    return c.footing()["micro_batch"], accum
-
-
-def _weak_group(c: Cell) -> tuple:
-    """Runs one efficiency may compare: the same model, precision, sequence, per-GPU batch and everything else, but
-    the GPU count (the columns), the strategy and the mode (the rows) and the batch triple's global batch."""
-    return (c.model, *_per_gpu_batch(c), _config_key(c, IGNORED + BATCH + ("gpus", "nodes", "strategy", "compile")))
-
-
-def _order(strategy: str) -> int:
-    s = lookup(strategy)
-    return s.order if s is not None else 10**6
-
-
-def _mfu_pct(c: Cell) -> Spread | None:
-    m = c.stat("mfu")
-    return Spread(m.median * 100, m.low * 100, m.high * 100, m.n) if m else None
-
-
-def _rows_of(group: list[Cell]) -> tuple[list[int], dict[tuple[str, str], dict[int, Cell]]]:
-    counts = sorted({c.world for c in group})
-    rows: dict[tuple[str, str], dict[int, Cell]] = {}
-    for c in sorted(group, key=lambda c: (_order(c.strategy), c.strategy, mode(c) != "eager", c.world)):
-        rows.setdefault((c.strategy, mode(c)), {}).setdefault(c.world, c)
-    return counts, rows
-
-
-def weak_efficiency(c: Cell, base: Cell | None) -> tuple[float | None, str]:
-    """Weak-scaling efficiency of ``c`` against ``base`` (the same row at the smallest GPU count), in %:
-    tok/s(N) / (N / N0 x tok/s(N0)), medians over repeats; None, and why, when the two are not on equal footing."""
-    if base is None:
-        return None, "no run at the smallest GPU count to compare with"
-    if not base.ok:
-        return None, f"{base.label} did not run: nothing to compare with"
-    if not c.ok:
-        return None, ""
-    diff = differences(c, base, WEAK_FOOTING)
-    if diff:
-        return None, f"vs {base.label}: {', '.join(diff)}: not compared"
-    t, t0 = med(tokens(c)), med(tokens(base))
-    if not t or not t0:
-        return None, ""
-    return t / (c.world / base.world * t0) * 100.0, ""
-
-
-def _scaling_title(c: Cell, what: str) -> str:
-    f = c.footing()
-    units, one = ("GPUs", "GPU") if c.device_type == "cuda" else ("CPU processes", "process")
-    micro, accum = _per_gpu_batch(c)
-    batch = f"micro {micro}" + (f" x accum {accum}" if accum not in (None, 1) else "")
-    return f"{what}, 1 \u2192 N {units}: {c.model} ({f['precision']}, seq {f['seq_len']}, {batch} per {one}, {f['steps']} steps)"
-
-
-def weak_scaling_tables(cells: list[Cell]) -> list[Table]:
-    """Per model (and footing): one row per strategy and mode, tok/s at each GPU count, the efficiency against the
-    smallest count and MFU; then the planner's per-GPU and per-node peaks beside the measured ones."""
-    members = [c for c in cells if c.in_part(SCALING_PART)]
-    tables = []
-    for group in group_by(members, _weak_group).values():
-        counts, rows = _rows_of(group)
-        if len(counts) < 2 and not any(c.parts for c in group):  # loose run dirs: a table only where they scale
-            continue
-        ref = next((c for c in group if c.ok), group[0])
-        unit = "GPU" if ref.device_type == "cuda" else "proc"
-        n0 = counts[0]
-        columns = [Column("strategy", "Strategy", "text"), Column("mode", "Mode", "text")]
-        columns += [Column(f"tok_s_{n}", f"Useful tok/s, {n} {unit}") for n in counts]
-        columns += [Column(f"eff_{n}", f"Efficiency % at {n}", "pct") for n in counts[1:]]
-        columns += [Column(f"mfu_{n}", f"MFU % at {n}", "pct") for n in counts]
-        columns += [Column("repeats", "Repeats", "text"), Column("flags", f"{FLAG} Not compared", "text"), Column("status", "Status", "text")]
-        table_rows = []
-        for (strategy, how), by_n in rows.items():
-            base = by_n.get(n0)
-            row: dict[str, Any] = {"strategy": strategy, "mode": how}
-            flags, status = [], []
-            for n in counts:
-                c = by_n.get(n)
-                if c is None:
-                    continue
-                row[f"tok_s_{n}"], row[f"mfu_{n}"] = tokens(c), _mfu_pct(c)
-                if n != n0:
-                    row[f"eff_{n}"], why = weak_efficiency(c, base)
-                    if why:
-                        flags.append(f"{n}: {why}")
-                if _status(c) != "ok":
-                    status.append(f"{n} {unit}: {_status(c)}")
-            row["repeats"] = ", ".join(f"{len(by_n[n].runs)}/{by_n[n].planned or by_n[n].repeats}" for n in counts if n in by_n)
-            row["flags"] = " | ".join(flags)
-            row["status"] = " | ".join(status) or "ok"
-            table_rows.append(row)
-        tables.append(Table("scaling", _scaling_title(ref, "Weak scaling"), columns, table_rows, [
-            f"Efficiency % at N = tok/s(N) / (N / {n0} x tok/s({n0})) x 100: the medians of useful tokens/s over repeats, each "
-            f"against the same strategy and mode at {n0} {unit}; only runs of the same precision, sequence length, per-{unit} "
-            "micro-batch and steps are compared (else \u26a0, no efficiency).",
-            "Useful tok/s: all ranks together, median over repeats (min-max in brackets), warm-up steps excluded. MFU: per device "
-            "against its dense peak (none on CPUs). Repeats: finished of planned, at each count in order.",
-        ]))
-        tables.append(_scaling_memory_table(ref, counts, rows))
-    return tables
-
-
-SCALING_MEMORY_COLUMNS = [
-    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("mode", "Mode", "text"), Column("gpus", "GPUs (processes)", "int"),
-    Column("predicted_gib", "Predicted GPU peak per GPU (GiB)", "gib"), Column("measured_gib", "Measured GPU peak per GPU (GiB)", "gib"),
-    Column("error_pct", "GPU error %", "pct"), Column("predicted_host_gib", "Predicted host per node (GiB)", "gib"),
-    Column("measured_host_gib", "Measured host RSS per node (GiB)", "gib"), Column("host_error_pct", "Host error %", "pct"),
-    Column("status", "Status", "text"),
-]
-
-
-def _error_pct(predicted: float | None, measured: Spread | None) -> float | None:
-    m = med(measured)
-    return (predicted - m) / m * 100.0 if predicted is not None and m else None
-
-
-def _scaling_memory_table(ref: Cell, counts: list[int], rows: dict[tuple[str, str], dict[int, Cell]]) -> Table:
-    out = []
-    for (strategy, how), by_n in rows.items():
-        for n in counts:
-            c = by_n.get(n)
-            if c is None:
-                continue
-            plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
-            gpu_pred = plan.gpu_peak_gib if plan else None
-            host_pred = plan.cpu_gib if plan else None
-            gpu_meas, host_meas = torch_peak(c), gib_from_gb(cpu(c, "real_peak"))
-            out.append({"strategy": strategy, "mode": how, "gpus": n, "label": c.label, "predicted_gib": gpu_pred, "measured_gib": gpu_meas,
-                        "error_pct": _error_pct(gpu_pred, gpu_meas), "predicted_host_gib": host_pred, "measured_host_gib": host_meas,
-                        "host_error_pct": _error_pct(host_pred, host_meas), "status": _status(c)})
-    return Table("scaling-memory", _scaling_title(ref, "Weak scaling, planned vs measured peak memory"), SCALING_MEMORY_COLUMNS, out, [
-        "Predicted = the run's own plan (summary.json `plan`, made by `shardlab train` before it started); GPU peak = torch "
-        "max_memory_allocated per GPU, the busiest rank's; host = the process tree's peak RSS on the node (launcher and every "
-        "rank; on a CPU run the plan's host figure is the whole run). GiB = 2^30 bytes; error % = (predicted - measured) / measured, "
-        "on the median over repeats.",
-    ])
-
-
-# --------------------------------------------------------------------------------------------------
-# memory over the whole run (the nvidia-smi and psrecord CSVs)
-
-
-GPU_MEM_COLUMNS = [
-    Column("label", "Run", "text"), Column("gpus", "GPUs", "int"), Column("nvml_peak_gib", "Used peak (GiB)", "gib"),
-    Column("nvml_mean_gib", "Used mean (GiB)", "gib"), Column("nvml_min_gib", "Used min (GiB)", "gib"),
-    Column("util_mean", "Util mean %", "num"), Column("gpu_peak_gib", "torch peak allocated (GiB)", "gib"),
-    Column("gpu_reserved_gib", "torch peak reserved (GiB)", "gib"), Column("status", "Status", "text"),
-]
-CPU_MEM_COLUMNS = [
-    Column("label", "Run", "text"), Column("processes", "Processes", "int"), Column("cpu_rss_peak_gb", "Real peak (GB)", "gb"),
-    Column("cpu_rss_mean_gb", "Real mean (GB)", "gb"), Column("virtual_peak_gb", "Virtual peak (GB)", "gb"),
-    Column("cpu_pct_mean", "CPU % mean", "num"), Column("cpu_pct_peak", "CPU % peak", "num"),
-    Column("rank_rss_gb", "Largest rank RSS (GB)", "gb"), Column("status", "Status", "text"),
-]
-
-
-def memory_tables(cells: list[Cell]) -> list[Table]:
-    gpu_rows, cpu_rows = [], []
-    for c in cells:
-        if not c.ok:
-            continue
-        if any(gpu_monitor_stats(r) for r in c.runs):
-            gpu_rows.append({"label": c.label, "gpus": c.world, "nvml_peak_gib": nvml(c, "peak"), "nvml_mean_gib": nvml(c, "mean"),
-                             "nvml_min_gib": nvml(c, "min"), "util_mean": nvml(c, "util_mean"), "gpu_peak_gib": torch_peak(c),
-                             "gpu_reserved_gib": c.stat("gpu_mem_peak_reserved_gib"), "status": _status(c)})
-        cpu_rows.append({"label": c.label, "processes": c.stat(lambda r: r.typed.cpu_monitor.max_processes),
-                         "cpu_rss_peak_gb": cpu(c, "real_peak"), "cpu_rss_mean_gb": cpu(c, "real_mean"),
-                         "virtual_peak_gb": cpu(c, "virtual_peak"), "cpu_pct_mean": cpu(c, "cpu_mean"), "cpu_pct_peak": cpu(c, "cpu_peak"),
-                         "rank_rss_gb": c.stat(lambda r: r.typed.cpu_rss_max_rank_gib * 2**30 / 1e9), "status": _status(c)})
-    tables = []
-    gpu_notes = ["From each run's gpu_memory.csv (NVML, nvidia-smi's columns): memory.used over the whole run, start-up included; "
-                 "peak = the busiest GPU, mean = mean over GPUs, min = the lowest sample."]
-    tables.append(Table("gpu-memory", "GPU memory over the run (nvidia-smi CSV)", GPU_MEM_COLUMNS, gpu_rows, gpu_notes,
-                        empty_why="no run has GPU samples: CPU runs, or NVML unavailable"))
-    tables.append(Table("cpu-memory", "CPU memory over the run (psrecord-style CSV)", CPU_MEM_COLUMNS, cpu_rows, [
-        "From each run's cpu_memory.csv (psutil): RSS and CPU % summed over the launcher, every rank and their children; "
-        "shared pages are counted once per process, as psrecord does.",
-    ]))
-    return tables
-
-
-# --------------------------------------------------------------------------------------------------
-# planner prediction vs measurement
-
-
-PLAN_COLUMNS = [
-    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("memory", "Memory compared", "text"),
-    Column("predicted_gib", "Predicted peak (GiB)", "gib"), Column("measured_gib", "Measured peak (GiB)", "gib"),
-    Column("error_pct", "Error %", "pct"), Column("predicted_host_gib", "GPU runs: predicted host (GiB)", "gib"),
-    Column("measured_host_gib", "GPU runs: measured host RSS peak (GiB)", "gib"), Column("fits", "Predicted to fit", "text"),
-]
-GPU_COMPARED = "GPU: torch peak allocated per GPU"
-HOST_COMPARED = "host: process-tree RSS, all ranks"
-
-
-def gib_from_gb(s: Spread | None) -> Spread | None:
-    """A Spread of GB (10^9 bytes: psrecord's and cpu_memory.csv's unit) in GiB (2^30 bytes: the planner's)."""
-    k = 1e9 / 2**30
-    return None if s is None else Spread(s.median * k, s.low * k, s.high * k, s.n)
-
-
-def plan_tables(cells: list[Cell]) -> list[Table]:
-    """The plan's prediction against the run's measurement, of the memory the plan predicts for that device:
-    GPU memory per GPU on a GPU run, host memory of the whole run on a CPU run (run_plan.py); all in GiB."""
-    rows = []
-    for c in cells:
-        plans = [r.typed.plan for r in c.runs if r.typed.plan is not None]
-        if not plans:
-            continue
-        p = plans[0]
-        host = gib_from_gb(cpu(c, "real_peak"))
-        if p.gpu_peak_gib is not None:
-            compared, predicted, measured = GPU_COMPARED, p.gpu_peak_gib, torch_peak(c)
-            extra = {"predicted_host_gib": p.cpu_gib, "measured_host_gib": host}
-        else:
-            compared, predicted, measured, extra = HOST_COMPARED, p.cpu_gib, host, {}
-        m = med(measured)
-        rows.append({"label": c.label, "strategy": c.strategy, "memory": compared, "predicted_gib": predicted, "measured_gib": measured,
-                     "error_pct": (predicted - m) / m * 100.0 if predicted is not None and m else None, **extra,
-                     "fits": {True: "yes", False: "no"}.get(p.fits, "-" if compared == HOST_COMPARED else "?")})
-    if not rows:
-        return []
-    return [Table("plan", "Memory planner: predicted vs measured peak memory", PLAN_COLUMNS, rows, [
-        f"Memory compared: on a GPU run ({GPU_COMPARED!r}) the plan's peak of torch.cuda.max_memory_allocated per GPU against "
-        f"the busiest rank's; on a CPU run ({HOST_COMPARED!r}) the plan's host memory of the whole run against the process "
-        "tree's peak RSS in cpu_memory.csv (shared pages counted once per process). All figures in GiB (2^30 bytes); "
-        "error % = (predicted - measured) / measured. 'Predicted to fit' is a GPU verdict (none on a CPU).",
-    ])]
-
-
-# --------------------------------------------------------------------------------------------------
-# a model that does not fit: every offload strategy and optimizer option side by side
-
-
-BIG_MODEL_COLUMNS = [
-    Column("label", "Run", "text"), Column("strategy", "Strategy", "text"), Column("optimizer", "Optimizer arithmetic", "text"),
-    Column("batch", "Micro x accum", "text"), Column("tokens_per_step", "Tokens/step", "int"),
-    Column("useful_tokens_per_s", "Useful tok/s"), Column("mfu_pct", "MFU %", "pct"),
-    Column("gpu_peak_gib", "Peak GPU mem (GiB)", "gib"), Column("predicted_gib", "Predicted GPU (GiB)", "gib"),
-    Column("cpu_rss_peak_gb", "Peak host RSS (GB)", "gb"), Column("predicted_cpu_gib", "Predicted host (GiB)", "gib"),
-    Column("final_loss", "Loss after N steps"), Column("compute_s", "GPU compute s/step"), Column("optimizer_s", "CPU optimizer s/step"),
-    Column("idle_s", "Idle s/step"), Column("transfer_s", "Transfers s/step (est., overlapped)"), Column("status", "Status", "text"),
-]
-
-
-def _split(c: Cell, key: str) -> Spread | None:
-    return c.stat(lambda r: getattr(r.typed.time_split, key))  # no time_split: AttributeError, a figure the run lacks
-
-
-def planned_row(c: Cell) -> dict[str, Any]:
-    """``basic_row`` and the run's own plan beside it (summary.json ``plan``: GPU peak, host per node)."""
-    row = basic_row(c)
-    plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
-    row.update(predicted_gib=plan and plan.gpu_peak_gib, predicted_cpu_gib=plan and plan.cpu_gib)
-    return row
-
-
-def big_model_tables(cells: list[Cell]) -> list[Table]:
-    members = [c for c in cells if c.in_part("big-model")]
-    tables = []
-    for group in group_by(members, lambda c: (c.model, c.world)).values():
-        rows = []
-        for c in group:
-            row = planned_row(c)
-            row.update(optimizer=c.first("optimizer", "?"), batch=f"{row['micro_batch']} x {c.first('grad_accum', '?')}",
-                       tokens_per_step=c.first("tokens_per_step"), compute_s=_split(c, "gpu_compute_s"),
-                       optimizer_s=_split(c, "cpu_optimizer_s"), idle_s=_split(c, "idle_s"), transfer_s=_split(c, "transfer_s"))
-            rows.append(row)
-        tables.append(Table("big-model", f"A model that does not fit: {where_ran(group[0])}", BIG_MODEL_COLUMNS, rows, [
-            "Time split (offload runs, summary.json time_split): GPU compute = forward+backward by CUDA events; CPU optimizer = the "
-            "optimizer step's wall time up to a device sync (CPU AdamW + the weight copies it waits for); idle = the rest of the step; "
-            "transfers = bytes moved / pinned bandwidth measured at setup, an estimate that overlaps the other parts.",
-            "Predicted = `shardlab plan` for that run (GPU: max_memory_allocated; host: the CPU-side states per node).",
-        ]))
-    return tables
 
 
 # held-out loss: before training, after, the best step, early stopping
@@ -783,13 +438,12 @@ def runs_table(cells: list[Cell]) -> Table:
     ])
 
 
-def build_tables(cells: list[Cell], suite_tables: tuple[Callable[[list[Cell]], list[Table]], ...] = ()) -> list[Table]:
-    """Every table the runs support, in the order of the seed tutorials; ``suite_tables``: the tables that a suite's own
-    module builds on this one (report.SUITE_TABLES), after the big-model table. A table without rows is left out; the
-    last table (all runs) says which were left out and why."""
-    tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *big_model_tables(cells),
-              *(t for build in suite_tables for t in build(cells)), *scaling_tables(cells), *weak_scaling_tables(cells),
-              *memory_tables(cells), *plan_tables(cells), *eval_tables(cells), runs_table(cells)]
+def build_tables(cells: list[Cell], others: tuple[Callable[[list[Cell]], list[Table]], ...] = ()) -> list[Table]:
+    """Every table the runs support, in the order of the seed tutorials: this module's own, with ``others`` (the tables
+    that modules built on this one make, in their order: report.OTHER_TABLES) between the offload and the eval tables.
+    A table without rows is left out; the last table (all runs) says which were left out and why."""
+    tables = [*strategy_tables(cells), *pin_tables(cells), *offload_tables(cells), *(t for build in others for t in build(cells)),
+              *eval_tables(cells), runs_table(cells)]
     kept = [t for t in tables if t.rows]
     for t in tables:
         if not t.rows and kept:
@@ -797,5 +451,5 @@ def build_tables(cells: list[Cell], suite_tables: tuple[Callable[[list[Cell]], l
     return kept
 
 
-__all__ = ["Table", "Column", "build_tables", "weak_scaling_tables", "weak_efficiency", "mode", "FOOTING", "WEAK_FOOTING", "differences", "gpu_monitor_stats", "cpu_monitor_stats", "gpu_csv_stats", "cpu_csv_stats",
-           "spread", "FLAG"]
+__all__ = ["Table", "Column", "build_tables", "FOOTING", "differences", "gpu_monitor_stats", "cpu_monitor_stats", "gpu_csv_stats",
+           "cpu_csv_stats", "spread", "FLAG"]

@@ -19,7 +19,12 @@ SHARDLAB_DIAG_RECOMPILE_LIMIT=N  torch._dynamo.config.recompile_limit (default 8
 SHARDLAB_DIAG_DEEPSPEED_LINEAR=1  zero3 --compile keeps DeepSpeed's memory-efficient linear, as before
                          2026-11-29-h200-zero3-compile-linear: under torch 2.11's compile a linear with a bias then gets
                          no weight gradient (the fault that page found; called SHARDLAB_DIAG_ALLOW_ZERO3_BLOOM_COMPILE
-                         there, when it lifted a refusal of BLOOM)."""
+                         there, when it lifted a refusal of BLOOM).
+SHARDLAB_DIAG_LOGITS_ALIVE=1  before each step, how many earlier micro-batches' logits are still alive, and what
+                         Python objects refer to them: some zero3 --compile runs kept one or two 2 GiB logits-sized
+                         tensors from step to step (2026-11-29-h200-zero3-compile-linear, call 4). On a GPU also the
+                         allocator's live blocks of 0.5 GiB or more before steps 4 and 7, with the Python frames that
+                         allocated each (torch.cuda.memory._record_memory_history from step 1 on)."""
 
 import os
 
@@ -107,3 +112,55 @@ if os.environ.get("SHARDLAB_DIAG_DEEPSPEED_LINEAR"):
     import shardlab.strategies.deepspeed_zero as _zero
 
     _zero.plain_linear_under_compile = lambda stage, compile: {}
+
+if os.environ.get("SHARDLAB_DIAG_LOGITS_ALIVE"):
+    import gc
+    import sys
+    import weakref
+
+    import shardlab.strategies.base as _base
+    import shardlab.training.loss as _loss
+
+    _logits: list[weakref.ref] = []
+    _model_loss = _loss.model_loss
+
+    def _model_loss_watched(outputs, labels, loss_fn, model):
+        _logits.append(weakref.ref(outputs.logits))
+        return _model_loss(outputs, labels, loss_fn, model)
+
+    _train_step = _base.Strategy.train_step
+    _steps = [0]
+
+    def _big_blocks(min_bytes: int = 2**29) -> list[str]:
+        """The allocator's live blocks of at least min_bytes, each with the innermost Python frames that made it."""
+        import torch
+
+        out = []
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated" and block["size"] >= min_bytes:
+                    frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in block.get("frames", [])
+                              if f["filename"].endswith(".py")][:10]
+                    out.append(f"{block['size'] / 2**30:.2f} GiB from {' < '.join(frames) or '?'}")
+        return out
+
+    def _train_step_watched(self, batches):
+        import torch
+
+        if self.env.device.type == "cuda":
+            if _steps[0] == 0:  # every allocation's Python stack from here on (diagnostic runs only: it costs time)
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            elif _steps[0] in (3, 6):  # between steps: what stays allocated, and who made it
+                print(f"[diag] before step {_steps[0] + 1}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated; "
+                      "blocks of 0.5 GiB or more:\n  " + "\n  ".join(_big_blocks()), file=sys.stderr, flush=True)
+        alive = [r() for r in _logits if r() is not None]
+        _steps[0] += 1
+        held = sorted({type(o).__name__ for t in alive for o in gc.get_referrers(t) if o is not alive})
+        print(f"[diag] step {_steps[0]}: {len(alive)} of {len(_logits)} earlier logits alive"
+              + (f", {tuple(alive[0].shape)} held by {held}" if alive else ""), file=sys.stderr, flush=True)
+        del alive
+        _logits[:] = [r for r in _logits if r() is not None]
+        return _train_step(self, batches)
+
+    _loss.model_loss = _model_loss_watched
+    _base.Strategy.train_step = _train_step_watched

@@ -143,3 +143,19 @@ def test_the_check_catches_a_cut_label_and_a_line_without_legend(figures):
     plots_mod.png_bytes(fig)
     with pytest.raises(AssertionError, match="is in no legend"):
         _check(fig)
+
+
+def test_runs_too_short_for_a_warm_up_are_named_in_the_runs_tables_notes(tmp_path):
+    """A run of the warm-up's length or shorter times every step, compile included: the runs table names such cells
+    instead of saying "after the first 0" of them; a report of long runs only says nothing of it."""
+    from shardlab.report.load import Cell, Run
+    from shardlab.report.tables import runs_table
+
+    def cell(label: str, excluded: int) -> Cell:
+        summary = {"warmup_steps_excluded": excluded, "useful_tokens_per_s": 1000.0, "steps": 3 + excluded}
+        return Cell(label, {}, runs=[Run(tmp_path / label, summary, {})])
+
+    notes = runs_table([cell("long", 3), cell("short", 0)]).notes
+    assert notes[0].startswith("Throughput is the median over steps after the first 3 (warm-up, excluded)")
+    assert any("Too short for a warm-up" in n and n.endswith(": short.") for n in notes), notes
+    assert not any("Too short" in n for n in runs_table([cell("long", 3)]).notes)

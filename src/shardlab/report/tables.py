@@ -429,13 +429,19 @@ def runs_table(cells: list[Cell]) -> Table:
         row = basic_row(c)
         row.update(model=c.model, repeats=f"{len(c.runs)}/{c.repeats}")
         rows.append(row)
-    warm = next((c.first("warmup_steps_excluded") for c in cells if c.ok), None)
-    return Table("runs", "All runs", RUN_COLUMNS, rows, [
+    warm = next((c.first("warmup_steps_excluded") for c in cells if c.ok and c.first("warmup_steps_excluded")), None)
+    # a run of the warm-up's length or shorter has no step left to time without it: its rate is every step's median
+    short = [c.label for c in cells if c.ok and c.first("warmup_steps_excluded") == 0]
+    notes = [
         f"Throughput is the median over steps after the first {warm if warm is not None else 3} (warm-up, excluded), "
         "then the median over repeats, min-max in brackets.",
         "Useful tok/s counts non-pad tokens only; all tok/s counts padding too. MFU uses useful tokens "
         "(6N + 12LHQT FLOPs per token, PaLM appendix B) over the GPU's dense peak; none for unknown devices and CPUs.",
-    ])
+    ]
+    if short:
+        notes.append(f"{FLAG} Too short for a warm-up, so their rate includes it (compilation, allocator growth): "
+                     f"{', '.join(short)}.")
+    return Table("runs", "All runs", RUN_COLUMNS, rows, notes)
 
 
 def build_tables(cells: list[Cell], others: tuple[Callable[[list[Cell]], list[Table]], ...] = ()) -> list[Table]:

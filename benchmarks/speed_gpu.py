@@ -91,7 +91,7 @@ fg.CELLS.update({
     # in DeepSpeed's step (benchmarks/cells/zero-nocheck.json: bf16.check_grad_overflow, zero_optimization.compute_grad_norm)
     "zero1-nocheck": ds_cell("zero1", "zero-nocheck"),
     "zero2-nocheck": ds_cell("zero2", "zero-nocheck"),
-    # as before deepspeed_zero.bf16_overflow_check: DeepSpeed's default per-gradient check (benchmarks/cells/zero-check.json)
+    # as before deepspeed_config.bf16_overflow_check: DeepSpeed's default per-gradient check (benchmarks/cells/zero-check.json)
     "zero1-check": ds_cell("zero1", "zero-check"),
     "zero2-check": ds_cell("zero2", "zero-check"),
     # issue 15, zero3 on one GPU: the whole model one ZeRO-3 leaf module (stage3_module_granularity_threshold), so the

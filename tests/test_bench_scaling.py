@@ -55,7 +55,7 @@ def test_compile_is_crossed_only_with_strategies_whose_spec_supports_it():
 
 
 def test_on_gpus_a_refused_zero3_compile_is_left_out_with_the_refusals_reason(monkeypatch, tmp_path):
-    """zero3 --compile refused before any worker (strategies/deepspeed_zero.compile_problem: a DeepSpeed JSON that turns
+    """zero3 --compile refused before any worker (strategies/deepspeed_config.compile_problem: a DeepSpeed JSON that turns
     the memory-efficient linear on): the suite leaves those cells out and says why, instead of running cells that fail;
     eager zero3 and fsdp keep theirs. Without that JSON BLOOM's zero3 --compile cells run (torch's own linear)."""
     import json

@@ -104,7 +104,7 @@ def test_a_slurm_job_leaves_open_what_the_user_left_open(tmp_path):
     user had given each: a job with only a DeepSpeed JSON (stage 3) then had --strategy dp "given" and was refused at
     start on the compute node; the snapshot holds what was given, and the job takes the strategy from the JSON."""
     from shardlab.launch.slurm import SlurmOptions, prepare
-    from shardlab.strategies.deepspeed_zero import adopt_user_json
+    from shardlab.strategies.deepspeed_json import adopt_user_json
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))

@@ -13,14 +13,9 @@ from shardlab.cli import build_parser, config_from_args, main
 from shardlab.config import STRATEGIES, RunConfig, config_from_dict, dump_config, load_config
 from shardlab.errors import UserError
 from shardlab.training.optim import adamw, lr_lambda, param_groups, scheduler
-from shardlab.strategies.deepspeed_zero import (
-    STAGE,
-    build_ds_config,
-    merge_user_config,
-    offload_kind,
-    resolved_ds_config,
-    sanitize_cuda_arch_list,
-)
+from shardlab.strategies.deepspeed_config import STAGE, build_ds_config, offload_kind, resolved_ds_config
+from shardlab.strategies.deepspeed_json import merge_user_config
+from shardlab.strategies.deepspeed_machine import sanitize_cuda_arch_list
 
 
 def cfg_from_cli(*argv: str) -> RunConfig:

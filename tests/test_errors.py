@@ -243,7 +243,7 @@ def test_next_strategy_suggestions_shard_more():
 
 
 def test_nvme_path_not_writable_in_a_read_only_dir(tmp_path):
-    from shardlab.strategies.deepspeed_zero import check_nvme_path
+    from shardlab.strategies.deepspeed_machine import check_nvme_path
 
     ro = tmp_path / "ro"
     ro.mkdir()

@@ -269,7 +269,7 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
 
     from shardlab.strategies.memory.deepspeed_zero import ds_group_params
     from shardlab.planning.planner import _arch
-    from shardlab.strategies.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
+    from shardlab.strategies.memory.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
     user = tmp_path / "ds.json"
     user.write_text('{"zero_optimization": {"sub_group_size": 150000}}')  # several sub-groups of the tiny model

@@ -139,7 +139,7 @@ def test_a_sigkilled_single_process_run_is_reported_by_its_supervisor(tmp_path):
 
 def _ds_json(strategy: str, device_type: str, tmp_path: Path) -> dict:
     from shardlab.config import RunConfig
-    from shardlab.strategies.deepspeed_zero import resolved_ds_config
+    from shardlab.strategies.deepspeed_config import resolved_ds_config
 
     cfg = RunConfig(strategy=strategy, strategy_options={"nvme_path": str(tmp_path)})
     return resolved_ds_config(cfg, "bf16" if device_type == "cuda" else "fp32", 2, 1, 2, device_type)
@@ -153,13 +153,13 @@ def _ds_json(strategy: str, device_type: str, tmp_path: Path) -> dict:
     ("zero3_offload", "cpu", ["CPUAdamBuilder"]),
 ])
 def test_op_builders_are_the_ones_deepspeed_loads(strategy, device_type, optimizer_ops, tmp_path):
-    from shardlab.strategies.deepspeed_zero import op_builders
+    from shardlab.strategies.deepspeed_machine import op_builders
 
     assert op_builders(_ds_json(strategy, device_type, tmp_path)) == [*optimizer_ops, "ShareMemCommBuilder"]
 
 
 def test_an_op_build_is_announced_unless_torch_cached_it(tmp_path, monkeypatch):
-    from shardlab.strategies.deepspeed_zero import announce_op_builds
+    from shardlab.strategies.deepspeed_machine import announce_op_builds
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # an empty cache: nothing built yet
     ds = _ds_json("infinity", "cpu", tmp_path)

@@ -16,7 +16,7 @@ from shardlab.config import RunConfig
 from shardlab.errors import UserError
 from shardlab.runtime.resolved import assumed_run
 from shardlab.strategies import strategy_class
-from shardlab.strategies.deepspeed_zero import build_ds_config
+from shardlab.strategies.deepspeed_config import build_ds_config
 from test_train_e2e import assert_same_losses, train_args
 
 
@@ -175,7 +175,7 @@ def test_zero2_offload_accumulates_bf16_gradients_in_fp32_on_the_gpu(tmp_path):
     grad_accum_dtype is fp32 (then one GPU buffer, copied out at the boundary: bloom-3b m16 x 4, 24.6% -> 27.1% MFU)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from shardlab.strategies.deepspeed_zero import resolved_ds_config
+    from shardlab.strategies.deepspeed_config import resolved_ds_config
 
     def ds(strategy="zero2_offload", precision="bf16", accum=4, **kw):
         return resolved_ds_config(RunConfig(strategy=strategy, **kw), precision, 16, accum, 1, "cuda", None, 3_002_557_440, 2560)
@@ -197,7 +197,8 @@ def test_offload_transfer_estimates_follow_where_the_gradients_accumulate():
     from types import SimpleNamespace
 
     from shardlab.strategies.ao_offload import AOOffloadStrategy
-    from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy, resolved_ds_config
+    from shardlab.strategies.deepspeed_config import resolved_ds_config
+    from shardlab.strategies.deepspeed_zero import DeepSpeedStrategy
     from shardlab.strategies.fsdp import FSDPStrategy
 
     def zero(accum, json_over=None):
@@ -267,7 +268,7 @@ def test_plan_predicts_the_measured_gpu_peak_of_offload_runs_within_5_percent(kw
 
 def test_one_function_says_where_zero_offload_accumulates(tmp_path):
     """offload_grad_accum_fp32 owns shardlab's choice (bf16 only); gpu_grad_accum_fp32 what runs, a user JSON on top."""
-    from shardlab.strategies.deepspeed_zero import gpu_grad_accum_fp32, offload_grad_accum_fp32
+    from shardlab.strategies.deepspeed_config import gpu_grad_accum_fp32, offload_grad_accum_fp32
 
     assert offload_grad_accum_fp32(2, "cpu", 4, "bf16")
     assert not offload_grad_accum_fp32(2, "cpu", 4, "fp16") and not offload_grad_accum_fp32(2, "cpu", 4, "fp32")

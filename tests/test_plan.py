@@ -256,7 +256,7 @@ def test_micro_batch_search_is_the_largest_fitting():
 
 
 def test_zero3_plans_no_reduce_bucket():
-    """zero3 without offload defaults to contiguous_gradients off (deepspeed_zero.contiguous_gradients): no reduce
+    """zero3 without offload defaults to contiguous_gradients off (deepspeed_config.contiguous_gradients): no reduce
     bucket (reduce_bucket_size x 2 B), on one rank or several. gpt2-medium micro 8 on an H100: 17.91 GiB measured
     without the bucket, planned 18.7 with it (benchmarks/results/2026-11-27-h100-zero3-combo/); llama-3.2-1b's two-rank
     code path on one H200: 35.78 GiB measured without, 36.72 with (benchmarks/results/2026-11-29-h200-zero3-two-rank-path/)."""
@@ -425,7 +425,7 @@ def test_compiled_loss_keeps_only_16bit_logits_and_their_gradient():
 # zero3 on 2/4 x H200 (micro 4, global 32, transformers' loss): benchmarks/results/2026-11-21-h200x4-pipeline/rows.json;
 # zero3_offload on 1 x H100 (micro 2, compiled loss): benchmarks/results/2026-11-21-h100-session3/plan-validation/.
 # The offload cells ran with DeepSpeed's default buckets, before offload runs got model-sized ones
-# (strategies/deepspeed_zero.sized_buckets): set explicitly, as the runs had them.
+# (strategies/deepspeed_config.sized_buckets): set explicitly, as the runs had them.
 MEASURED_BUCKETS = dict(reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
                         stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000)
 MEASURED_ZERO3_GATHER = [

@@ -8,7 +8,7 @@ import pytest
 
 from shardlab.config import RunConfig
 from shardlab.planning.planner import plan, predict_cpu_run
-from shardlab.strategies.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
+from shardlab.strategies.memory.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
 S = "zero3_offload"
 

@@ -33,7 +33,7 @@ def _plan(model: str, gpus: int, eval_at_start: bool = True, eval_blocks: int | 
 
 
 # The runs measured here (2026-11-26/27) had the sized prefetch bucket and persistence threshold (0.9 and 10 x hidden),
-# since raised to at least DeepSpeed's (strategies/deepspeed_zero.sized_buckets): they are planned with the options
+# since raised to at least DeepSpeed's (strategies/deepspeed_config.sized_buckets): they are planned with the options
 # they ran with
 def sized_as_they_ran(hidden: int) -> dict[str, int]:
     return {"stage3_prefetch_bucket_size": int(0.9 * hidden**2), "stage3_param_persistence_threshold": 10 * hidden}
@@ -70,7 +70,7 @@ def test_two_gpus_as_they_ran_with_deepspeeds_default_buckets():
     (5e8 reduce, 5e7 prefetch, persistence 1e5) instead of the sized ones (tests/test_offload.py, the round trip). Planned
     with the options it ran with: 13.11. The same run after the fix (call 3, sized buckets): 12.25, planned 12.14, as the
     run without the eval measured (12.25): the initial eval no longer changes training's peak."""
-    from shardlab.strategies.deepspeed_zero import DEEPSPEED_DEFAULTS
+    from shardlab.strategies.deepspeed_config import DEEPSPEED_DEFAULTS
 
     as_ran = _plan("bloom-7b1", 2, eval_loss_chunk_mib=512, strategy_options=DEEPSPEED_DEFAULTS)
     assert as_ran.gpu_peak / GiB == pytest.approx(13.15, rel=0.05) and as_ran.peak_moment.startswith("start of backward")

@@ -15,7 +15,7 @@ from shardlab.specs import registry
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
 
 # Regression oracles, copied from main before the registry existed (config.STRATEGIES, planner.SPEED_ORDER and
-# MEASURED_SPEED, trainer.NEXT with its default "zero3", deepspeed_zero.STAGE).
+# MEASURED_SPEED, trainer.NEXT with its default "zero3", deepspeed_config.STAGE).
 MAIN_STRATEGIES = ("dp", "zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload",
                    "infinity", "fsdp", "fsdp_offload", "ao_offload", "pipeline")
 MAIN_SPEED_ORDER = ("dp", "zero0", "zero1", "zero2", "fsdp", "zero3", "zero2_offload", "ao_offload", "zero1_offload",
@@ -74,7 +74,7 @@ def test_speed_order_and_oom_suggestions_are_mains():
 
 def test_stage_has_one_owner():
     pytest.importorskip("deepspeed")
-    from shardlab.strategies.deepspeed_zero import STAGE
+    from shardlab.strategies.deepspeed_config import STAGE
 
     assert STAGE == MAIN_STAGE == {s.name: s.zero_stage for s in registry.all_specs() if s.zero_stage is not None}
 

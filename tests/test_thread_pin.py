@@ -18,7 +18,7 @@ from torch import nn
 
 from shardlab.config import RunConfig
 from shardlab.runtime import pin
-from shardlab.strategies.deepspeed_zero import build_ds_config, resolved_ds_config, zero3_leaf_classes
+from shardlab.strategies.deepspeed_config import build_ds_config, resolved_ds_config, zero3_leaf_classes
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_2_cpus = pytest.mark.skipif(len(CORES) < 2, reason="pinning to one CPU changes nothing on one")

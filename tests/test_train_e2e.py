@@ -235,7 +235,7 @@ def test_infinity_trains_with_nvme_swap(runs, monkeypatch):
 
 def test_nvme_path_checks(tmp_path):
     from shardlab.errors import UserError
-    from shardlab.strategies.deepspeed_zero import check_nvme_path
+    from shardlab.strategies.deepspeed_machine import check_nvme_path
 
     ok = check_nvme_path(str(tmp_path / "new" / "swap"), 1000)
     assert ok.is_dir() and not list(ok.iterdir())  # created, and the write probe cleaned up
@@ -472,7 +472,7 @@ def test_deepspeed_compile_matches_eager(runs, train_cli, tmp_path, monkeypatch,
     run = train_cli(train_args(strategy=strategy, steps=6, extra=["--compile"]), tmp_path / "run")
     run.check()
     assert run.summary["compile"] is True and run.summary["compile_time_s"] > 0
-    if strategy == "zero3":  # torch's F.linear under compile (strategies/deepspeed_zero.plain_linear_under_compile)
+    if strategy == "zero3":  # torch's F.linear under compile (strategies/deepspeed_config.plain_linear_under_compile)
         assert run.summary["zero_optimization"]["memory_efficient_linear"] is False
     assert_same_losses(run, runs.strategy(strategy), n=6)
 

@@ -109,9 +109,9 @@ if os.environ.get("SHARDLAB_DIAG_RECOMPILE_LIMIT"):
     torch._dynamo.config.recompile_limit = int(os.environ["SHARDLAB_DIAG_RECOMPILE_LIMIT"])
 
 if os.environ.get("SHARDLAB_DIAG_DEEPSPEED_LINEAR"):
-    import shardlab.strategies.deepspeed_zero as _zero
+    import shardlab.strategies.deepspeed_config as _ds_config  # build_ds_config's module: it looks the name up there
 
-    _zero.plain_linear_under_compile = lambda stage, compile: {}
+    _ds_config.plain_linear_under_compile = lambda stage, compile: {}
 
 if os.environ.get("SHARDLAB_DIAG_LOGITS_ALIVE"):
     import gc

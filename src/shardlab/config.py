@@ -89,7 +89,7 @@ class StrategyOptions(_Strict):
         None, description="ZeRO-3: make the model's decoder-block class a DeepSpeed leaf module (one fetch/release hook pair "
         "and one gather per block instead of per sub-module: ~9x fewer coordinator calls). Default: on without offload "
         "(one rank or several), off with offload (not measured there)")
-    # None: shardlab chooses (strategies/deepspeed_zero.sized_buckets): DeepSpeed's own default, sized from the model's width
+    # None: shardlab chooses (strategies/deepspeed_config.sized_buckets): DeepSpeed's own default, sized from the model's width
     # under offload, every parameter persistent for ZeRO-3 on one rank. "Not set" is the value None, not pydantic's record
     # of which fields were given, which a config.yaml written by one process and read by another (the launcher's
     # workers, SLURM jobs, a run's config.yaml given back to --config) does not carry.

@@ -185,12 +185,12 @@ def _identity(config: dict[str, Any]) -> str:
 
 def unsupported(config: dict[str, Any]) -> str | None:
     """Why the strategy's spec says it cannot run ``config``, or None; and the compiled ZeRO-3 runs the strategy refuses
-    on this machine's device (strategies/deepspeed_zero.compile_problem)."""
+    on this machine's device (strategies/deepspeed_config.compile_problem)."""
     s = spec(config.get("strategy", DEFAULT_STRATEGY))
     if config.get("compile") and not s.supports_compile:
         return f"{s.name} does not support compile"
     if config.get("compile") and s.engine == "deepspeed" and s.zero_stage == 3:
-        from ..strategies.deepspeed_zero import compile_problem
+        from ..strategies.deepspeed_config import compile_problem
 
         try:
             problem = compile_problem(config_from_dict(config), device_of(config))

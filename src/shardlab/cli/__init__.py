@@ -262,7 +262,7 @@ def _dry_run(cfg) -> None:
     micro, accum, glob, world = run.micro, run.accum, run.global_batch, run.world  # a pipeline's stages share one batch
     print(dump_config(cfg.model_copy(update={"micro_batch": micro, "grad_accum": accum, "global_batch": glob})), end="")
     if spec(cfg.strategy).engine == "deepspeed":
-        from ..strategies.deepspeed_zero import resolved_ds_config
+        from ..strategies.deepspeed_config import resolved_ds_config
 
         from ..planning.planner import arch_from_hf_config
         from ..training.models import build_hf_config

@@ -105,7 +105,7 @@ def identity_reduce_scatter() -> None:
 
 def apply(engine, shortcuts: tuple[str, ...] = SHORTCUTS, log: Callable[[str], None] = print) -> list[str]:
     """Install ``shortcuts`` on a one-rank ZeRO-3 engine without offload; the names installed. The caller decides that
-    the run is one (deepspeed_zero.one_rank_zero3)."""
+    the run is one (deepspeed_config.one_rank_zero3)."""
     opt = engine.optimizer
     done: list[str] = []
     if getattr(opt, _MARK, None) is not None:

@@ -37,7 +37,7 @@ from ..runtime.resolved import ResolvedRun, job_world, resolve_run
 from ..strategies import strategy_class
 from ..specs.registry import spec
 from ..strategies.deepspeed_json import adopt_user_json, explain_batch_error
-from ..strategies.deepspeed_zero import sanitize_cuda_arch_list
+from ..strategies.deepspeed_machine import sanitize_cuda_arch_list
 from ..checkpoint.store import check_resume, check_trusted, find_resume_dir
 from ..measure.monitor import watch
 from ..measure.summary import merge_monitor

@@ -75,7 +75,7 @@ class Arch:
     # Random weights (a preset), not a checkpoint's: FSDP on several ranks draws them module by module
     # (strategies.fsdp.random_init_by_module).
     random_init: bool = True
-    # The decoder-block class ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_zero.zero3_leaf_classes)
+    # The decoder-block class ZeRO-3 makes DeepSpeed leaves (strategies.deepspeed_config.zero3_leaf_classes)
     leaf_classes: tuple[str, ...] = ()
     # Every linear layer but the output head (name, in, out, index of its decoder block or -1): what peft's
     # 'all-linear' adapts and QLoRA quantises (planning/adapters.py)

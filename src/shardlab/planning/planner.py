@@ -89,7 +89,7 @@ from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that
 from . import adapters as adapter_memory
 from .host import cpu_run_bytes, host_plan
 from .step import eight_bit_state_bytes, eight_bit_warmup_bytes, eval_loss_bytes, step_plan
-from ..strategies.deepspeed_zero import sized_buckets, zero3_leaf_classes
+from ..strategies.deepspeed_config import sized_buckets, zero3_leaf_classes
 from ..training.compiling import scope
 from ..training.optim import arithmetic, autocasts
 from ..runtime.resolved import resolve_precision

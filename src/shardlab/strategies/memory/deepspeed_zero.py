@@ -2,15 +2,15 @@
 buffer as DeepSpeed 0.19.8 allocates them (runtime/zero/stage_1_and_2.py and stage3.py): 16-bit parameters and
 gradients and an fp32 master with AdamW's m and v (12 B), sharded per stage; the buckets, the partial offload's GPU
 sub-groups, ZeRO-3's gathered parameters; the host partitions of ZeRO-Offload; DeepSpeed's own estimator. The engine's
-settings it follows (sized_buckets, overlap_comm, contiguous_gradients, ...) are strategies/deepspeed_zero.py's."""
+settings it follows (sized_buckets, overlap_comm, contiguous_gradients, ...) are strategies/deepspeed_config.py's."""
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
 
-from ..deepspeed_zero import (block_leaves, contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm,
-                              sized_buckets, twin_flow_gpu_sub_groups, zero3_sub_groups)
+from ..deepspeed_config import (block_leaves, contiguous_gradients, gpu_grad_accum_fp32, one_rank_shortcuts, overlap_comm,
+                               sized_buckets)
 from ...specs.registry import StrategySpec
 from ...specs.deepspeed_zero import NVME_BYTES_PER_PARAM
 from . import EngineMemory, Held, Run, States, built_on_meta, cpu_adamw_temp_bytes, pinned_bytes
@@ -35,6 +35,34 @@ def ds_group_params(arch, weight_decay: float) -> list[list[int]]:
         return [[k for k, _ in arch.param_sizes]]
     groups = ([k for k, dim in arch.param_sizes if dim >= 2], [k for k, dim in arch.param_sizes if dim < 2])
     return [g for g in groups if g]
+
+
+def zero3_sub_groups(group_partitions: list[list[int]], sub_group_size: int) -> list[int]:
+    """Element counts of ZeRO-3's optimizer sub-groups on one rank, as DeepSpeed 0.19.8 cuts them
+    (runtime/zero/stage3.py ``_create_fp16_sub_groups``, l.1210-1233). `group_partitions`: each optimizer param group's
+    per-parameter partition sizes (``partition_numel``: ceil(numel / ranks)), in the group's order. A group no larger
+    than `sub_group_size` is one sub-group; otherwise parameters are appended until the sub-group holds at least
+    `sub_group_size` elements (so it overshoots by up to one parameter) or the group ends. Groups never share one."""
+    out: list[int] = []
+    for parts in group_partitions:
+        if sub_group_size >= sum(parts):
+            out.append(sum(parts))
+            continue
+        size = 0
+        for i, k in enumerate(parts):
+            size += k
+            if size >= sub_group_size or i == len(parts) - 1:
+                out.append(size)
+                size = 0
+    return out
+
+
+def twin_flow_gpu_sub_groups(count: int, ratio: float) -> int:
+    """How many of ZeRO-3's `count` sub-groups partial offload (``offload_optimizer.ratio``) keeps on the accelerator:
+    the first ``int((1 - ratio) * count)``, rounded down as float arithmetic gives it (stage3.py
+    ``_create_fp32_partitions``, l.1100-1108: sub-group i goes to the CPU when i >= that). So ratio 0.5 of 11
+    sub-groups keeps 5, and 0.9 of 10 keeps none ((1 - 0.9) * 10 = 0.999...)."""
+    return int((1 - ratio) * count)
 
 
 def optimizer_split(run: Run) -> tuple[list[int], list[int]]:
@@ -137,7 +165,7 @@ class DeepSpeedMemory(EngineMemory):
         else:
             h.step["fp32 gradient partition for the step"] = 4.0 * n / d
             if run.device == "cpu" and run.cfg.optimizer == "adamw":
-                # Without offload on a CPU DeepSpeed steps torch's AdamW (deepspeed_zero.use_deepspeed_optimizer) over its
+                # Without offload on a CPU DeepSpeed steps torch's AdamW (deepspeed_config.use_deepspeed_optimizer) over its
                 # flat fp32 partition of each param group (gpt2 fp32, one rank: zero2's step peaked 3 x 0.464 GiB over its
                 # states), one group at a time, freeing the group's 16-bit gradients once made fp32
                 # (free_grad_in_param_list) before its step: only what the temporaries exceed them counts

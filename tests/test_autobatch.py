@@ -113,7 +113,7 @@ def test_resolve_on_cpu_with_a_fake_trial(capsys):
     assert lines[-1].startswith("--micro-batch auto: 4 (plan: ") and "-> micro 4 x accum 6 = global batch 24" in lines[-1]
     assert "1.2 GiB host-RAM budget" in lines[0]
     # the plan's start is the largest allowed micro batch predicted within the budget
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
 
     start = result.plan_start
     predicted = lambda m: predict_cpu_run(with_micro_batch(cfg, m).model_copy(update={"gpus": 1}), 1, reuse_heap=False)[1]  # noqa: E731
@@ -173,14 +173,16 @@ def test_dry_run_shows_where_the_search_starts(capsys):
 
 
 def test_plan_with_micro_batch_auto():
-    from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
+    from shardlab.planning.budget import usable
+    from shardlab.planning.memory import RESERVED_OVER_ALLOCATED, GiB
+    from shardlab.planning.planner import plan
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch="auto", global_batch=64, precision="bf16", gpus=1, strategy="zero2")
     p = plan(cfg, gpu_memory_gb=80)
     assert 64 % p.micro_batch == 0 and p.micro_batch * p.grad_accum == 64
     assert any("micro batch 'auto': each strategy is planned at its own" in n for n in p.notes)
     assert (p.strategies["zero2"].micro_batch, p.strategies["zero2"].grad_accum) == (p.micro_batch, p.grad_accum)
-    fits = lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(80 * GiB)  # noqa: E731
+    fits = lambda sp: sp.gpu_peak * RESERVED_OVER_ALLOCATED <= usable(80 * GiB)  # noqa: E731
     assert fits(p.strategies["zero2"])
     bigger = [m for m in micro_candidates(cfg, 1) if m > p.micro_batch]
     q = plan(cfg.model_copy(update={"micro_batch": bigger[0]}), gpu_memory_gb=80, strategies=("zero2",))

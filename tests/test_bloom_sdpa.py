@@ -107,7 +107,8 @@ def test_planner_counts_the_sdpa_bloom_activations(dtype):
     from transformers import AutoModelForCausalLM, BloomConfig
 
     from shardlab.compat.bloom_sdpa import use_sdpa_attention
-    from shardlab.planning.planner import activation_bytes, arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
+    from shardlab.planning.planner import activation_bytes
     from tests.test_plan import _saved_bytes
 
     c = BloomConfig(n_layer=2, hidden_size=256, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
@@ -122,7 +123,7 @@ def test_planner_counts_the_sdpa_bloom_activations(dtype):
 
 
 def test_planned_attention_for_bloom_is_sdpa():
-    from shardlab.planning.planner import _planned_attn
+    from shardlab.planning.arch import _planned_attn
 
     cfg = RunConfig(model="bloom-560m")
     assert _planned_attn(cfg, build_hf_config(cfg)) == "sdpa"

@@ -144,7 +144,7 @@ def test_fsdp_on_two_ranks_builds_one_module_at_a_time(tmp_path):
     figure for the run (the engine's memory model's build) is that growth within the tolerance of the CPU host tests."""
     import json
 
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
 
     _fsdp_build(tmp_path, 2, ["gpt2-medium"], save=False)
     rank0 = json.loads((tmp_path / "gpt2-medium-rank0.json").read_text())
@@ -268,7 +268,7 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     import sys
 
     from shardlab.strategies.memory.deepspeed_zero import ds_group_params
-    from shardlab.planning.planner import _arch
+    from shardlab.planning.arch import read_arch
     from shardlab.strategies.memory.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
     user = tmp_path / "ds.json"
@@ -278,7 +278,7 @@ def test_planned_zero3_sub_groups_are_deepspeeds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     engine = json.loads(proc.stdout.strip().splitlines()[-1])
     cfg = RunConfig(model="tiny-gpt2", strategy="zero3_offload", device="cpu", seq_len=64)
-    planned = zero3_sub_groups(ds_group_params(_arch(cfg), cfg.weight_decay), 150_000)
+    planned = zero3_sub_groups(ds_group_params(read_arch(cfg), cfg.weight_decay), 150_000)
     assert len(planned) > 2 and engine["numel"] == planned
     assert engine["devices"] == len(planned) and engine["ratio"] == 0.5
     assert twin_flow_gpu_sub_groups(len(planned), 0.5) == len(planned) // 2  # which, on a GPU, step on the GPU
@@ -342,7 +342,7 @@ def test_zero_in_fp32_steps_a_master_copy_with_the_temporaries_planned(tmp_path,
     import subprocess
     import sys
 
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     tests_dir = os.path.dirname(__file__)

@@ -48,13 +48,13 @@ def test_walk_holds_the_largest_module_that_the_planner_counts(name):
     """The most the walk holds at once (found by its dry run over the meta skeleton, nothing drawn) is the largest
     module's own parameters, which the planner reads as Arch.largest_layer_params (strategies.fsdp.by_module_build_bytes);
     llama-2-7b's untied head is its largest, gpt2-medium's c_proj weights wait for their parent's scaled redraw."""
-    from shardlab.planning.planner import _arch
+    from shardlab.planning.arch import read_arch
     from shardlab.strategies.fsdp import by_module_build_bytes
 
     cfg = RunConfig(model=name)
     skeleton = build_model(cfg, meta=True)
     n = sum(p.numel() for p in skeleton.parameters())
-    largest = _arch(cfg).largest_layer_params
+    largest = read_arch(cfg).largest_layer_params
     assert peak_bytes(skeleton) == 4 * largest < 4 * n / 2
     assert by_module_build_bytes(largest, 2) == 1.5 * peak_bytes(skeleton)  # and a rank's slice of it
 

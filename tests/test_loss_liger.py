@@ -203,7 +203,8 @@ def test_head_skip_is_scoped_and_its_class_reused():
 
 
 def test_planner_counts_no_logits_for_liger():
-    from shardlab.planning.planner import activation_bytes, arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
+    from shardlab.planning.planner import activation_bytes
     from shardlab.training.models import build_hf_config
 
     arch = arch_from_hf_config(build_hf_config(RunConfig(model="bloom-7b1")), name="bloom-7b1")

@@ -10,6 +10,8 @@ from shardlab.config import DatasetConfig, RunConfig
 from shardlab.data import build_datasets
 from shardlab.errors import UserError
 from shardlab.planning import planner
+from shardlab.planning.arch import read_arch
+from shardlab.planning.strategy_plan import predict_cpu_run, strategy_plan
 from shardlab.runtime.resolved import assumed_run
 from shardlab.strategies import strategy_class
 from shardlab.training import optim
@@ -55,9 +57,9 @@ def test_the_optimizers_round_stochastically_into_bf16_weights():
 
 
 def _dp(cfg: RunConfig):
-    arch = planner._arch(cfg)
+    arch = read_arch(cfg)
     micro, accum, _ = cfg.resolve_batch(1)
-    return arch, planner._strategy_plan("dp", arch, cfg, micro, accum, "bf16", 1, 1, cfg.gradient_checkpointing)
+    return arch, strategy_plan("dp", arch, cfg, micro, accum, "bf16", 1, 1, cfg.gradient_checkpointing)
 
 
 def test_plan_counts_bf16_weights_and_grads_without_autocast_copies():
@@ -72,7 +74,7 @@ def test_plan_counts_bf16_weights_and_grads_without_autocast_copies():
     # On a GPU the bf16 model is built on meta and materialised there: nothing on the host at load time
     assert bf16.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
     assert fp32.cpu_detail["model built on meta, materialised on the GPU (load time)"] == 0
-    cpu, _ = planner.predict_cpu_run(RunConfig(**base, device="cpu", master_weights="bf16"), 1, reuse_heap=True)
+    cpu, _ = predict_cpu_run(RunConfig(**base, device="cpu", master_weights="bf16"), 1, reuse_heap=True)
     assert cpu.cpu_detail["model built in bf16 on the CPU (load time)"] == 2 * n
     assert bf16.gpu_peak < fp32.gpu_peak - 4 * n  # 2 B/param of weights, 2 of grads, and the 2 of autocast copies less
 

@@ -136,11 +136,12 @@ def test_zero3_on_one_rank_keeps_every_parameter_whole():
     # larger of DeepSpeed's 1e5 and 10 hidden, not every parameter
     assert zero(stage3_param_persistence_threshold=5)["stage3_param_persistence_threshold"] == 5
     # the plan counts no gathered copies for one rank, and still does for two
-    from shardlab.planning import planner
+    from shardlab.planning.arch import read_arch
+    from shardlab.planning.strategy_plan import strategy_plan
 
     cfg = RunConfig(model="gpt2-medium", strategy="zero3", micro_batch=8, precision="bf16")
-    arch = planner._arch(cfg)
-    notes = {d: " ".join(planner._strategy_plan("zero3", arch, cfg, 8, 1, "bf16", d, 1, False).notes) for d in (1, 2)}
+    arch = read_arch(cfg)
+    notes = {d: " ".join(strategy_plan("zero3", arch, cfg, 8, 1, "bf16", d, 1, False).notes) for d in (1, 2)}
     assert "ZeRO-3 gathered" not in notes[1] and "ZeRO-3 gathered" in notes[2]
 
 
@@ -255,7 +256,8 @@ def test_plan_predicts_the_measured_gpu_peak_of_offload_runs_within_5_percent(kw
     fsdp_reshard_after_forward are counted: before, ao_offload was planned 33% and 22% low, the user-JSON zero2_offload
     22% high and fsdp_offload 25% and 34% low. ao_offload computes under autocast, as the run decides it
     (training.optim.autocasts): planned as pure 16-bit, the H200 cell was 4.8% low."""
-    from shardlab.planning.planner import GiB, plan
+    from shardlab.planning.memory import GiB
+    from shardlab.planning.planner import plan
 
     kw = {"loss_kernel": "liger", **kw}
     cfg = RunConfig(**kw, seq_len=1024, precision="bf16", gpus=1)

@@ -15,14 +15,10 @@ from shardlab.cli import main
 from shardlab.config import RunConfig
 from shardlab.errors import UserError
 from shardlab.specs.registry import names as strategy_names
-from shardlab.planning.planner import (
-    GiB,
-    activation_bytes,
-    arch_from_hf_config,
-    model_state_bytes_per_param,
-    paper_bytes_per_param,
-    plan,
-)
+from shardlab.planning.arch import arch_from_hf_config
+from shardlab.planning.memory import GiB
+from shardlab.planning.planner import activation_bytes, plan
+from shardlab.planning.strategy_plan import model_state_bytes_per_param, paper_bytes_per_param
 
 # Measured H100 peaks (GiB) per strategy: tests/data/README.md says where they come from.
 MEASURED_H100 = json.loads((Path(__file__).parent / "data" / "h100_foundation_peaks.json").read_text())
@@ -244,7 +240,8 @@ def test_nothing_fits_gives_next_option():
 
 
 def test_micro_batch_search_is_the_largest_fitting():
-    from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, _usable
+    from shardlab.planning.budget import usable
+    from shardlab.planning.memory import RESERVED_OVER_ALLOCATED
 
     cfg = RunConfig(model="gpt2-medium", seq_len=1024, micro_batch=8, precision="bf16", gpus=1)
     p = plan(cfg, gpu_memory_gb=80, strategies=("zero2",))
@@ -252,7 +249,7 @@ def test_micro_batch_search_is_the_largest_fitting():
     assert m > 8
     for micro, fits in ((m, True), (m + 1, False)):
         q = plan(cfg.model_copy(update={"micro_batch": micro}), gpu_memory_gb=80, strategies=("zero2",))
-        assert (q.strategies["zero2"].gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(q.gpu_memory)) is fits
+        assert (q.strategies["zero2"].gpu_peak * RESERVED_OVER_ALLOCATED <= usable(q.gpu_memory)) is fits
 
 
 def test_zero3_plans_no_reduce_bucket():
@@ -407,7 +404,7 @@ def test_cli_json_and_table(capsys):
 def test_compiled_loss_keeps_only_16bit_logits_and_their_gradient():
     """shardlab.training.loss on CUDA: the logits' share of the peak drops from 12 to 2*2 bytes per logit (bf16)."""
     from shardlab.training.models import build_hf_config
-    from shardlab.planning.planner import arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
 
     cfg = RunConfig(model="bloom-560m", seq_len=1024, micro_batch=4, precision="bf16", gpus=1)
     bsv = 4 * 1024 * arch_from_hf_config(build_hf_config(cfg)).vocab
@@ -464,7 +461,7 @@ def test_cpu_adamw_step_temporaries_are_per_tensor():
 
     from shardlab.training.models import build_model
     from shardlab.training.optim import adamw
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
 
     cfg = RunConfig(model="tiny-gpt2", device="cpu", seq_len=64, micro_batch=2, weight_decay=0.1)
     sp, _ = predict_cpu_run(cfg, 1, reuse_heap=False)
@@ -601,7 +598,7 @@ def test_the_run_and_the_plan_take_autocast_from_one_owner(name):
     autocast, as pure 16-bit (bloom-7b1 micro 16 on one H200: 118.1 GiB planned, 124.1 measured)."""
     from types import SimpleNamespace
 
-    from shardlab.planning.planner import compute_mode
+    from shardlab.planning.strategy_plan import compute_mode
     from shardlab.strategies.base import Strategy
     from shardlab.specs.registry import spec
     from shardlab.runtime.resolved import resolve_precision

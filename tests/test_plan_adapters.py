@@ -76,7 +76,7 @@ def test_a_frozen_16_bit_base_saves_what_the_plan_counts(adapters_fp32):
 
     from shardlab.planning.adapters import activations, count_adapters
     from shardlab.planning.memory import Activations
-    from shardlab.planning.planner import arch_from_hf_config
+    from shardlab.planning.arch import arch_from_hf_config
 
     from test_plan import _saved_tensors
 

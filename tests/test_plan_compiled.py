@@ -13,7 +13,8 @@ import yaml
 
 from shardlab.config import RunConfig
 from shardlab.planning.memory import _compiled_layer_bytes
-from shardlab.planning.planner import arch_from_hf_config, plan
+from shardlab.planning.arch import arch_from_hf_config
+from shardlab.planning.planner import plan
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 GiB = 2**30

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from shardlab.config import RunConfig
-from shardlab.planning.planner import plan, predict_cpu_run
+from shardlab.planning.planner import plan
+from shardlab.planning.strategy_plan import predict_cpu_run
 from shardlab.strategies.memory.deepspeed_zero import twin_flow_gpu_sub_groups, zero3_sub_groups
 
 S = "zero3_offload"

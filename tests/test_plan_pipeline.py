@@ -15,15 +15,17 @@ import torch
 
 from shardlab.config import RunConfig, dump_config, load_config
 from shardlab.errors import UserError
-from shardlab.planning.planner import _arch, _strategy_plan, plan
+from shardlab.planning.arch import read_arch
+from shardlab.planning.planner import plan
+from shardlab.planning.strategy_plan import strategy_plan
 
 PROBE = Path(__file__).with_name("pipeline_memory_probe.py")
 
 
 def pp_plan(cfg: RunConfig, gpus: int, device: str = "cuda"):
     micro, accum, _ = cfg.resolve_batch(1)
-    return _strategy_plan("pipeline", _arch(cfg), cfg.model_copy(update={"gpus": gpus}), micro, accum, "fp32", gpus, 1,
-                          cfg.gradient_checkpointing, device)
+    return strategy_plan("pipeline", read_arch(cfg), cfg.model_copy(update={"gpus": gpus}), micro, accum, "fp32", gpus, 1,
+                         cfg.gradient_checkpointing, device)
 
 
 @pytest.mark.parametrize("model,ranks,chunks", [("gpt2-medium", 2, 1), ("gpt2-medium", 4, 1), ("bloom-560m", 2, 1),
@@ -130,9 +132,9 @@ def test_bf16_peak_matches_the_h200_pipeline_runs(monkeypatch, schedule, split, 
     monkeypatch.setattr(strategy, "step_keeps_outputs", lambda: True)
     cfg = RunConfig(model="gpt2-large", strategy="pipeline", seq_len=1024, micro_batch=4, global_batch=32, precision="bf16",
                     strategy_options={"pp_schedule": schedule})
-    sp = _strategy_plan("pipeline", _arch(cfg), cfg, 4, 8, "bf16", len(split), 1, False)
+    sp = strategy_plan("pipeline", read_arch(cfg), cfg, 4, 8, "bf16", len(split), 1, False)
     assert sp.gpu_peak / 2**30 == pytest.approx(measured, rel=0.03)
-    fp32 = _strategy_plan("pipeline", _arch(cfg), cfg, 4, 8, "fp32", len(split), 1, False)
+    fp32 = strategy_plan("pipeline", read_arch(cfg), cfg, 4, 8, "fp32", len(split), 1, False)
     assert fp32.gpu_peak > 1.15 * sp.gpu_peak
 
 
@@ -142,7 +144,7 @@ def test_zbv_plan_holds_activations_until_w(monkeypatch):
     so a plan without those (a full backward releasing at I) would be lower. The peak is 1F1B's within 5% (the paper's
     claim is 1F1B's activation memory; planned 9.92 against 10.03 GiB): the band was 0.7x to 1.5x, which a zbv plan
     holding one more micro-batch in flight (+3.1 GiB on GPU 1, 1.3x) passed."""
-    import shardlab.planning.planner as pp  # where the planner counts each layer's activations for the pipeline
+    import shardlab.planning.strategy_plan as pp  # where each layer's activations are counted for the pipeline
 
     base = dict(model="gpt2-medium", seq_len=1024, micro_batch=2, grad_accum=8, strategy="pipeline", precision="bf16", gpus=2)
     zbv = plan(RunConfig(**base, strategy_options={"pp_schedule": "zbv"}), gpu_memory_gb=80, strategies=("pipeline",)).strategies["pipeline"]

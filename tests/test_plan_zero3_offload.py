@@ -18,7 +18,8 @@ import pytest
 
 from shardlab.config import RunConfig
 from shardlab.planning.memory import GiB
-from shardlab.planning.planner import eval_batch_per_rank, plan
+from shardlab.planning.planner import plan
+from shardlab.planning.strategy_plan import eval_batch_per_rank
 
 S = "zero3_offload"
 EVAL_BLOCKS = 6  # the offline corpus at seq 1024: 140 train blocks, 6 eval blocks (the runs' logs)

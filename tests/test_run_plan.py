@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from shardlab.config import RunConfig
-from shardlab.planning.planner import RESERVED_OVER_ALLOCATED, GiB, _usable, plan
+from shardlab.planning.budget import usable
+from shardlab.planning.memory import RESERVED_OVER_ALLOCATED, GiB
+from shardlab.planning.planner import plan
 from shardlab.planning.run_plan import PLAN_KEYS, predict_run, warning_line
 
 # Measured H100 peaks (GiB) per strategy: tests/data/README.md says where they come from.
@@ -20,7 +22,7 @@ MEASURED_H100 = json.loads((Path(__file__).parent / "data" / "h100_foundation_pe
 
 def _fits(cfg: RunConfig, gpu_gib: float) -> bool:
     sp = plan(cfg, gpu_memory_gb=gpu_gib, strategies=(cfg.strategy,)).strategies[cfg.strategy]
-    return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= _usable(gpu_gib * GiB)
+    return sp.gpu_peak * RESERVED_OVER_ALLOCATED <= usable(gpu_gib * GiB)
 
 
 def test_gpu_record_that_fits():
@@ -80,9 +82,9 @@ def test_a_compiled_run_is_planned_as_compiled():
     import dataclasses
 
     from shardlab.planning import memory
-    from shardlab.planning.planner import _arch
+    from shardlab.planning.arch import read_arch
 
-    arch = dataclasses.replace(_arch(cfg.model_copy(update={"model": "tiny-gpt2"})), family="generic")
+    arch = dataclasses.replace(read_arch(cfg.model_copy(update={"model": "tiny-gpt2"})), family="generic")
     assert memory.compiled_layers_modelled(arch) is False
     assert memory._compiled_layer_bytes(arch, "autocast", "cuda") == memory._layer_bytes(arch, "autocast", "cuda")
 
@@ -96,12 +98,12 @@ def test_cpu_record_and_a_planner_failure(monkeypatch):
     assert 0 < rec["heap_kept_gib"] < 2 * rec["per_rank_gib"]
     assert warning_line(rec) is None
 
-    import shardlab.planning.planner
+    import shardlab.planning.strategy_plan  # run_plan looks predict_cpu_run up there at each call
 
     def broken(*a, **k):
         raise RuntimeError("a bug in the planner")
 
-    monkeypatch.setattr(shardlab.planning.planner, "predict_cpu_run", broken)
+    monkeypatch.setattr(shardlab.planning.strategy_plan, "predict_cpu_run", broken)
     rec = predict_run(cfg, "cpu", 1)
     assert rec == {"gpu_peak_gib": None, "cpu_gib": None, "fits": None, "strategy": "zero2", "device": "cpu",
                    "error": "RuntimeError: a bug in the planner"}
@@ -130,7 +132,7 @@ def test_a_cpu_run_tight_for_the_kept_heap_gives_freed_memory_back(monkeypatch):
 
     from shardlab.runtime.distributed import heap_reuse
     from shardlab.planning.memory import HOST_HEADROOM, host_fits
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
     from shardlab.planning.run_plan import check_host_ram, heap_line
 
     cfg = RunConfig(model="gpt2", device="cpu", seq_len=256, micro_batch=2, precision="fp32")

@@ -6,7 +6,7 @@ change to the planner that moves a figure is seen, and said, in the commit that 
 
 Each case is one config planned the way the CLI plans it: GPU cases through ``planner.plan`` (every strategy, GPU and
 host memory, every moment weighed, the per-GPU stages of a pipeline, the largest micro batch and the recommendation),
-CPU cases through ``planner.predict_cpu_run`` (a CPU run's allocations and its whole host figure) for the small
+CPU cases through ``strategy_plan.predict_cpu_run`` (a CPU run's allocations and its whole host figure) for the small
 presets. Figures are whole bytes; tests/test_plan_golden.py recomputes them all and compares.
 """
 
@@ -105,7 +105,7 @@ def _gpu_case(cfg) -> dict[str, Any]:
 
 def _cpu_case(cfg) -> dict[str, Any]:
     from shardlab.errors import UserError
-    from shardlab.planning.planner import predict_cpu_run
+    from shardlab.planning.strategy_plan import predict_cpu_run
     from shardlab.specs.registry import names
 
     out: dict[str, Any] = {}
@@ -120,7 +120,7 @@ def _cpu_case(cfg) -> dict[str, Any]:
     return out
 
 
-# Config fields that do not change the architecture read from a model (planner._arch; seq_len is checked against the
+# Config fields that do not change the architecture read from a model (arch.read_arch; seq_len is checked against the
 # model, not read): that reading (a meta-device model built with transformers, most of this tool's time) is shared by
 # the cases that differ only in these.
 NOT_ARCH = {"strategy", "gpus", "micro_batch", "grad_accum", "global_batch", "gradient_checkpointing", "compile", "precision",
@@ -129,9 +129,9 @@ NOT_ARCH = {"strategy", "gpus", "micro_batch", "grad_accum", "global_batch", "gr
 
 def compute() -> dict[str, Any]:
     from shardlab.config import RunConfig
-    from shardlab.planning import planner
+    from shardlab.planning import arch as architecture
 
-    read, memo = planner._arch, {}
+    read, memo = architecture.read_arch, {}
 
     def arch(cfg):
         key = (cfg.model_dump_json(exclude=NOT_ARCH), cfg.strategy_options.stage3_param_persistence_threshold)
@@ -140,13 +140,13 @@ def compute() -> dict[str, Any]:
         return copy.deepcopy(memo[key])
 
     out = {}
-    planner._arch = arch
+    architecture.read_arch = arch  # every reader looks it up there (planning/arch.py)
     try:
         for case, model, device, fields in cases():
             cfg = RunConfig(model=model, **fields)
             out[case] = _gpu_case(cfg) if device == "gpu" else _cpu_case(cfg)
     finally:
-        planner._arch = read
+        architecture.read_arch = read
     return out
 
 

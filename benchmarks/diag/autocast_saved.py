@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig
 
 from shardlab.planning.memory import activation_bytes
-from shardlab.planning.planner import arch_from_hf_config
+from shardlab.planning.arch import arch_from_hf_config
 
 transformers.logging.set_verbosity_error()
 SEQ, MICRO = 1024, 2

@@ -264,7 +264,7 @@ def _dry_run(cfg) -> None:
     if spec(cfg.strategy).engine == "deepspeed":
         from ..strategies.deepspeed_config import resolved_ds_config
 
-        from ..planning.planner import arch_from_hf_config
+        from ..planning.arch import arch_from_hf_config
         from ..training.models import build_hf_config
 
         precision = run.precision.name

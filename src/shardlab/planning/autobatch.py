@@ -45,7 +45,7 @@ from ..measure.summary import RunSummary
 from .microbatch import CPU_MAX_MICRO, MAX_MICRO, check_auto_batch, largest_that_fits, micro_candidates, with_micro_batch
 from ..strategies import strategy_class
 
-# Function-local imports below are lazy on purpose: runtime.distributed and planner.py import torch (and the planner
+# Function-local imports below are lazy on purpose: runtime.distributed and micro_search.py import torch (and the planner
 # transformers when it reads a model), which this module does not need until `auto` is resolved.
 
 TRIAL_STEPS = 2  # the first optimizer step allocates the optimizer states; the second runs with them
@@ -262,7 +262,7 @@ def offload_accumulation(cfg: RunConfig, dp: int, log: Callable[[str], None]) ->
 
 def plan_start(cfg: RunConfig, device_type: str, nproc: int, dp: int, cpu_budget: float | None) -> tuple[int, str]:
     """The plan's largest micro batch predicted to fit (GPU memory, or the CPU budget); 1 when it cannot say."""
-    from .planner import auto_micro_batch
+    from .micro_search import auto_micro_batch
 
     try:
         micro, why = auto_micro_batch(cfg, device_type=device_type, nproc=nproc, dp=dp, cpu_budget=cpu_budget)

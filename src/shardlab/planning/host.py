@@ -1,8 +1,8 @@
 """Host memory of a run, per rank and per node: what each engine keeps in host RAM while it trains and while the model
 is built (its memory model's answer, strategies/memory/), and the processes themselves.
 
-planner.py adds these to its per-strategy plan (``host_plan``: ``StrategyPlan.cpu_detail`` / ``cpu_per_node``); a CPU
-run's whole host figure is ``cpu_run_bytes``. Every constant names the measurement it comes from.
+strategy_plan.py adds these to each strategy's prediction (``host_plan``: ``StrategyPlan.cpu_detail`` /
+``cpu_per_node``); a CPU run's whole host figure is ``cpu_run_bytes``. Every constant names the measurement it comes from.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The memory model's shared parts: the allowances, the architecture (``Arch``), what a forward saves for backward
 (``activation_bytes``, layer by layer) and one strategy's prediction (``StrategyPlan``).
 
-Read by planner.py (every strategy) and pipeline.py (the pipeline strategy, per stage); planner.py's docstring says
+Read by strategy_plan.py (every strategy) and pipeline.py (the pipeline strategy, per stage); planner.py's docstring says
 how the activations are counted and where each allowance comes from. torch-free: run_plan and autobatch read the
 allowances without loading torch.
 """
@@ -42,7 +42,7 @@ PROCESS_RSS_BYTES = int((1.95 - 354_823_168 * 4 / 2**30) * GiB)
 
 
 # --------------------------------------------------------------------------------------------------
-# The architecture (planner.arch_from_hf_config reads it from the config and the meta-device model)
+# The architecture (arch.arch_from_hf_config reads it from the config and the meta-device model)
 
 
 @dataclass

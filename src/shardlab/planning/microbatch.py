@@ -1,6 +1,6 @@
 """The micro batches `--micro-batch auto` may choose, and the one "largest that fits" search.
 
-Shared by the plan (planner.py: auto's start, each strategy's largest micro batch), run_plan.py (the advice) and
+Shared by the plan (micro_search.py: auto's start, each strategy's largest micro batch), run_plan.py (the advice) and
 autobatch.py (the trial runs): they sit below all three, so none of them imports another for these. No torch.
 """
 
@@ -57,11 +57,11 @@ def largest_that_fits(n: int, fits: Callable[[int], bool], start: int = 0) -> in
 
     From ``start``, up while it fits (doubling the step, the largest index included), or down while it
     does not (doubling), then bisection between the largest that fitted and the smallest that did not.
-    Used for the plan's predictions (planner: ``auto``'s start, each strategy's max micro batch;
+    Used for the plan's predictions (micro_search: ``auto``'s start, each strategy's max micro batch;
     run_plan: the advice) and for the trial runs (``search_micro_batch``). For a ``fits`` that holds up to
     some index and not above it (as memory does) the answer is that index, whatever ``start``; the plan's
     two former searches galloped from 1 too but did not try the largest candidate when a doubling passed
-    it (`_largest_micro` even stopped at a power of two below a ``max_search`` that was not one), the
+    it (`largest_micro` even stopped at a power of two below a ``max_search`` that was not one), the
     advice's scanned down one by one: the same answers, with fewer predictions.
     """
     known: dict[int, bool] = {}

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB
-from .planner import Plan, limiting_memory
+from .budget import limiting_memory
+from .planner import Plan
 
 
 def render(p: Plan, console=None) -> None:

@@ -30,8 +30,8 @@ from ..specs.registry import spec, speed_order
 from .memory import CUDA_CONTEXT_BYTES, HOST_HEADROOM, RESERVED_OVER_ALLOCATED, GiB, host_fits
 from .microbatch import largest_that_fits, micro_candidates
 
-# Function-local imports below are lazy on purpose: torch, training.optim and planner.py (torch, transformers) load
-# only when a prediction is made; the worker (read_record) and the CLI (host_ram_gib) import this module without them.
+# Function-local imports below are lazy on purpose: torch, training.optim and the planner's modules (torch, transformers)
+# load only when a prediction is made; the worker (read_record) and the CLI (host_ram_gib) import this module without them.
 
 if TYPE_CHECKING:
     from ..runtime.resolved import ResolvedRun
@@ -74,7 +74,9 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
              eval_blocks: int | None = None, precision: str | None = None) -> dict[str, Any]:
     from ..runtime.resolved import resolve_precision
     from .host import cpu_run_bytes, heap_kept_bytes
-    from .planner import compile_is_modelled, plan, predict_cpu_run
+    from .arch import compile_is_modelled
+    from .planner import plan
+    from .strategy_plan import predict_cpu_run
 
     if precision is None:  # a config no run resolved (other strategies, trial shapes): 'auto' as a run would resolve it
         precision = cfg.precision if (device_type == "cuda" and cfg.precision != "auto") else resolve_precision(cfg.precision, device_type).name
@@ -192,7 +194,7 @@ def check_host_ram(cfg: RunConfig, record: dict[str, Any], device_type: str, npr
 def _host_need(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | None) -> tuple[float, bool]:
     """(host GiB per node, fits the GPU) of ``cfg``."""
     if device_type == "cpu":
-        from .planner import predict_cpu_run
+        from .strategy_plan import predict_cpu_run
 
         return predict_cpu_run(cfg, nproc, reuse_heap=False)[1] / GiB, True  # what the run falls back to when tight
     from .planner import plan
@@ -255,14 +257,14 @@ def _cpu_micro_that_fits(run_cfg: RunConfig, record: dict[str, Any], nproc: int,
 def with_eval_split(record: dict[str, Any], cfg: RunConfig, nproc: int, eval_blocks: int) -> dict[str, Any]:
     """The record re-planned with the eval split's size, once the worker has read the data. The launcher plans before
     that, with a full eval batch on every rank; an eval split smaller than that (the offline corpus at seq 1024: 6 blocks)
-    makes the eval forward's logits smaller (planner.eval_batch_per_rank), and that forward can be the run's peak (bloom-7b1
-    zero3_offload on one GPU: 21.06 GiB planned with a full eval batch of 8, 16.28 with the 6 blocks).
+    makes the eval forward's logits smaller (strategy_plan.eval_batch_per_rank), and that forward can be the run's peak
+    (bloom-7b1 zero3_offload on one GPU: 21.06 GiB planned with a full eval batch of 8, 16.28 with the 6 blocks).
     Unchanged where the eval batch is full anyway, on CPU runs, and where the plan failed; never raises."""
     if record.get("device") != "cuda" or record.get("gpu_peak_gib") is None or record.get("error"):
         return record
     try:
         from ..layout import data_parallel_size
-        from .planner import eval_batch_per_rank
+        from .strategy_plan import eval_batch_per_rank
 
         run_cfg = cfg.model_copy(update={"gpus": nproc, "micro_batch": record["micro_batch"], "grad_accum": record["grad_accum"],
                                          "global_batch": None})

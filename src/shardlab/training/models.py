@@ -365,7 +365,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder blocks: the ModuleList that holds most parameters (GPT-2 `h`, BLOOM `h`, Llama `layers`).
 
     The one block finder: FSDP wraps each as a unit (strategies/fsdp.py), the planner sizes them
-    (planner.arch_from_hf_config). The pipeline needs more than the blocks (embeddings, final norm,
+    (planning/arch.arch_from_hf_config). The pipeline needs more than the blocks (embeddings, final norm,
     head, per family) and names them itself (strategies/pipeline.model_parts)."""
     best: torch.nn.ModuleList | None = None
     for module in model.modules():

@@ -3,7 +3,7 @@
 One module per implementation file of strategies/ (``ddp.py`` for ``ddp.py``, ``deepspeed_zero.py`` for
 ``deepspeed_zero.py``, ...), beside the code whose decisions it counts; each spec names its model
 (``StrategySpec.memory``), so a new name served by an existing engine adds nothing here. The planner
-(planning/planner.py) asks a strategy's model what the engine holds and composes that with the architecture and the
+(planning/strategy_plan.py) asks a strategy's model what the engine holds and composes that with the architecture and the
 activations of one micro-batch, which it counts itself; it names no engine. What a model answers:
 
     states    parameters, gradients and optimizer states per parameter on one GPU, and where they live

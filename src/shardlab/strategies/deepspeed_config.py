@@ -155,7 +155,7 @@ def compile_problem(cfg: RunConfig, device_type: str) -> UserError | None:
         return None
     if (read_user_json(cfg.deepspeed_config).get("zero_optimization") or {}).get("memory_efficient_linear") is True:
         return UserError("zero_optimization.memory_efficient_linear true with zero3 --compile: compiled linears with a bias "
-                         "then get no weight or bias gradients on a GPU",
+                         "then got no weight or bias gradients (torch 2.11)",
                          "drop memory_efficient_linear from the DeepSpeed JSON (shardlab turns it off under --compile), "
                          "or drop --compile")
     return None
@@ -163,10 +163,10 @@ def compile_problem(cfg: RunConfig, device_type: str) -> UserError | None:
 
 def plain_linear_under_compile(stage: int, compile: bool) -> dict[str, Any]:
     """The zero_optimization keys that keep compiled ZeRO-3 gradients right. DeepSpeed's memory-efficient linear (on by
-    default) swaps ``F.linear`` for its own autograd Function; compiled by inductor on CUDA (torch 2.11), a linear with
-    a bias got zero weight and bias gradients through it (BLOOM's and Qwen2's gradient norms fell to a half and less),
-    while torch's own linear under compile gave eager's losses at the same speed
-    (benchmarks/results/*-h200-zero3-compile-linear)."""
+    default) swaps ``F.linear`` for its own autograd Function; compiled by torch 2.11 (the GPU image's; 2.13 computes
+    them right), a linear with a bias got zero weight and bias gradients through it (BLOOM's gradient norm fell to a
+    quarter of eager's, Qwen2's to 57%), while torch's own linear under compile gave eager's losses, at llama's speed
+    with DeepSpeed's linear (benchmarks/results/*-h200-zero3-compile-linear)."""
     return {"memory_efficient_linear": False} if stage == 3 and compile else {}
 
 

@@ -152,7 +152,7 @@ def test_runs_too_short_for_a_warm_up_are_named_in_the_runs_tables_notes(tmp_pat
     from shardlab.report.tables import runs_table
 
     def cell(label: str, excluded: int) -> Cell:
-        summary = {"warmup_steps_excluded": excluded, "useful_tokens_per_s": 1000.0, "steps": 3 + excluded}
+        summary = {"warmup_steps_excluded": excluded, "useful_tokens_per_s": 1000.0, "steps": 3 + excluded, "timed_steps": 3}
         return Cell(label, {}, runs=[Run(tmp_path / label, summary, {})])
 
     notes = runs_table([cell("long", 3), cell("short", 0)]).notes

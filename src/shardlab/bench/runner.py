@@ -131,7 +131,7 @@ def _brief(run_dir: Path) -> str:
     if s is None:
         return ""
     parts = [f"{s.useful_tokens_per_s or 0:,.0f} useful tok/s"]
-    if s.warmup_steps_excluded == 0 and s.timed_steps:  # too short for a warm-up: compile and allocator growth are in it
+    if s.rate_includes_warm_up:
         parts[0] += f" (all {s.timed_steps} steps, warm-up included)"
     if s.gpu_mem_peak_gib is not None:
         parts.append(f"peak {s.gpu_mem_peak_gib:.1f} GiB")

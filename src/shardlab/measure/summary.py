@@ -306,6 +306,12 @@ class RunSummary(_Record):
     _nested: ClassVar[dict[str, type]] = {"time_split": TimeSplit, "plan": PlanRecord, "gpu_monitor": GpuMonitor,
                                           "cpu_monitor": CpuMonitor}
 
+    @property
+    def rate_includes_warm_up(self) -> bool:
+        """A run of the warm-up's length or shorter has no step left to time without it (metrics.StepTimer.steady):
+        its rate is the median of every step, compilation and allocator growth included."""
+        return self.warmup_steps_excluded == 0 and bool(self.timed_steps)
+
     # ---- the file ---------------------------------------------------------------------------------
     @staticmethod
     def path(run_dir: str | Path) -> Path:

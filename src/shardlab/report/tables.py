@@ -429,9 +429,8 @@ def runs_table(cells: list[Cell]) -> Table:
         row = basic_row(c)
         row.update(model=c.model, repeats=f"{len(c.runs)}/{c.repeats}")
         rows.append(row)
-    warm = next((c.first("warmup_steps_excluded") for c in cells if c.ok and c.first("warmup_steps_excluded")), None)
-    # a run of the warm-up's length or shorter has no step left to time without it: its rate is every step's median
-    short = [c.label for c in cells if c.ok and c.first("warmup_steps_excluded") == 0]
+    warm = next((w for c in cells if c.ok and (w := c.first("warmup_steps_excluded"))), None)
+    short = [c.label for c in cells if any(r.typed.rate_includes_warm_up for r in c.runs)]
     notes = [
         f"Throughput is the median over steps after the first {warm if warm is not None else 3} (warm-up, excluded), "
         "then the median over repeats, min-max in brackets.",

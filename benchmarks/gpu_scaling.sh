@@ -17,7 +17,7 @@
 # The whole suite is 60 cells x 3 repeats on 2 GPUs (a run: start-up ~15-30 s, compiled cells more, then 30 steps);
 # expect several calls. The report of a partial bench says "k/3" repeats per GPU count.
 set -euo pipefail
-NAME="${NAME:-scaling}"
+NAME="${NAME:-scaling}"; SUITE="${SUITE:-scaling}"  # SUITE: a built-in suite or a suite YAML
 BUDGET_S="${BUDGET_S:-540}"; REPORT_S="${REPORT_S:-40}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
@@ -30,7 +30,7 @@ ARGS=("$@")
 [[ " ${ARGS[*]-} " == *" --cell-timeout "* ]] || ARGS+=(--cell-timeout 300)
 echo "bench budget: ${LEFT}s"
 set +e
-python3 -m shardlab bench --suite scaling --output-dir "$BENCH" --budget-s "$LEFT" "${ARGS[@]}" 2>&1 | tee "$OUT/$NAME.log"
+python3 -m shardlab bench --suite "$SUITE" --output-dir "$BENCH" --budget-s "$LEFT" "${ARGS[@]}" 2>&1 | tee "$OUT/$NAME.log"
 rc=${PIPESTATUS[0]}
 set -e
 if [[ -d "$BENCH/report" ]]; then

@@ -81,6 +81,20 @@ def test_compiled_fsdp_peaks_on_two_h200s(model, micro, measured):
     assert sp.gpu_peak / GiB == pytest.approx(measured, rel=0.05)
 
 
+def test_compiled_zero3_peak_on_two_h200s():
+    """bloom-7b1 zero3 --compile, micro 8, two H200s: 107.53 GiB measured. ZeRO-3's hooks around every module split the
+    compiled model into a graph per block, as FSDP2's do, so each block saves its own ALiBi bias (0.5 GiB a layer
+    here): planned 93.00 (-13.5%) while zero3 counted one shared bias, as one whole-model graph would."""
+    summary = json.loads((RESULTS / "2026-11-29-h200x2-scaling-bars/call2-bloom7b1/zero3-bloom7b1-compile.summary.json").read_text())
+    cfg = RunConfig(model="bloom-7b1", strategy="zero3", seq_len=1024, micro_batch=8, grad_accum=1, precision="bf16", gpus=2,
+                    compile=True, dataset={"source": "synthetic", "eval_split": 0.0})
+    sp = plan(cfg, gpu_memory_gb=139, host_ram_gb=250, strategies=("zero3",)).strategies["zero3"]
+    assert sp.gpu_peak / GiB == pytest.approx(summary["gpu_mem_peak_gib"], rel=0.05)
+    eager = plan(cfg.model_copy(update={"compile": False}), gpu_memory_gb=139, strategies=("zero3",)).strategies["zero3"]
+    bias = 2.0 * 32 * 1024 * 1024 * 8  # (batch, heads, seq, seq) in bf16, one per layer but the one eager shares
+    assert sp.gpu["activations"] - eager.gpu["activations"] > 20 * bias
+
+
 def test_bloom_bias_is_per_layer_only_in_per_block_graphs():
     """One whole-model graph (dp) shares BLOOM's bias as eager runs do; per-block graphs (compile_scope blocks, or
     FSDP2's hooks around each block) save one per layer and none outside. fp32: dp and fsdp count the same layers."""

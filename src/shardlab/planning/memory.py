@@ -199,13 +199,14 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str, per_block: bool = 
 
     BLOOM's attention bias (compat/bloom_sdpa.py: ALiBi + mask, batch x heads x seq², compute dtype) is built once per
     forward and shared by the layers in eager runs and in one whole-model graph. With one graph per block
-    (``per_block``: compile scope 'blocks', or FSDP2, whose hooks break even a whole-model compile at each block:
-    StrategySpec.graph_breaks_per_block) each block builds its own and saves it for backward, and none is shared:
+    (``per_block``: compile scope 'blocks', or FSDP2 and ZeRO-3, whose hooks break even a whole-model compile at each
+    block: StrategySpec.graph_breaks_per_block) each block builds its own and saves it for backward, and none is shared:
     traced on this CPU with FSDP2 on one gloo rank and the model compiled whole, as strategies/fsdp.py runs it, 44.4
     s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). bloom-7b1 fsdp --compile micro 8, no
     checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured, planned 83.13 with
     the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same way: 101.94 GiB
-    measured, 101.90 planned). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
+    measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 measured, 107.50 planned (*-h200x2-
+    scaling-bars). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
     traces a shape the fit never saw."""
     if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
         return _layer_bytes(arch, mode, device)

@@ -12,6 +12,8 @@ _DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", memory=
            supports_compile=True, uses_autocast=False,
            # qlora: the engine casts the whole module to its dtype, and ZeRO-3 partitions 4-bit layers' packed bytes
            adapters=frozenset({"lora"}))
+# ZeRO-3's hooks around every module split a compiled model into a graph per block (training/compiling.py), as FSDP2's do.
+_PER_BLOCK = {1: False, 2: False, 3: True}
 _SHARDED = {1: frozenset({"optimizer"}), 2: frozenset({"optimizer", "grads"}), 3: frozenset({"optimizer", "grads", "params"})}
 
 register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with ZeRO off: DDP's memory, DeepSpeed's engine",
@@ -23,7 +25,7 @@ for stage, rank, measured, nxt in ((1, 2, False, "zero2"), (2, 3, True, "zero3")
     register(StrategySpec(name=f"zero{stage}", order=1 + stage, zero_stage=stage, sharded=_SHARDED[stage],
                           help=f"DeepSpeed ZeRO-{stage}: {' + '.join(sorted(_SHARDED[stage]))} sharded across GPUs",
                           checkpoint_format="deepspeed_zero", speed_rank=rank, speed_measured=measured, pin_measured=True,
-                          oom_next=nxt, **_DS))
+                          graph_breaks_per_block=_PER_BLOCK[stage], oom_next=nxt, **_DS))
 for stage, rank, measured, nxt in ((1, 8, False, "zero2_offload"), (2, 6, True, "zero3_offload")):
     register(StrategySpec(name=f"zero{stage}_offload", order=4 + stage, zero_stage=stage, sharded=_SHARDED[stage],
                           offload_optimizer="cpu", supports_zenflow=True,
@@ -31,8 +33,8 @@ for stage, rank, measured, nxt in ((1, 8, False, "zero2_offload"), (2, 6, True, 
                           checkpoint_format="deepspeed_zero", speed_rank=rank, speed_measured=measured, oom_next=nxt, **_DS))
 register(StrategySpec(name="zero3_offload", order=7, zero_stage=3, sharded=_SHARDED[3], offload_params="cpu",
                       offload_optimizer="cpu", help="DeepSpeed ZeRO-3 + offload: parameters and optimizer states on the CPU",
-                      checkpoint_format="deepspeed_zero", speed_rank=10, oom_next="infinity", **_DS))
+                      checkpoint_format="deepspeed_zero", graph_breaks_per_block=True, speed_rank=10, oom_next="infinity", **_DS))
 register(StrategySpec(name="infinity", order=8, zero_stage=3, sharded=_SHARDED[3], offload_params="nvme",
                       offload_optimizer="nvme", help="DeepSpeed ZeRO-Infinity: parameters and optimizer states on NVMe",
-                      checkpoint_format="deepspeed_nvme", speed_rank=11, oom_next="more GPUs",
+                      checkpoint_format="deepspeed_nvme", graph_breaks_per_block=True, speed_rank=11, oom_next="more GPUs",
                       **{**_DS, "adapters": frozenset()}))  # adapters with the NVMe swap: not tried

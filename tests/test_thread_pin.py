@@ -54,6 +54,31 @@ def test_each_rank_pins_inside_its_own_share():
     assert cpu is None and "no CPU of its own" in why
 
 
+def test_ranks_share_whole_physical_cores_and_pin_on_different_ones(monkeypatch):
+    """A 16-core host with SMT, as Linux numbers it: CPU n and n + 16 are one core. Halving the logical list gave rank
+    0 CPUs 0-15 and rank 1 CPUs 16-31 (the two threads of every core) and pinned both training threads to core 15."""
+    from shardlab.runtime import distributed
+
+    monkeypatch.setattr(distributed, "core_siblings", lambda cpu: (cpu % 16, cpu % 16 + 16))
+    cores = list(range(32))
+    shares = [distributed.rank_share(cores, r, 2) for r in range(2)]
+    assert shares == [[*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)]]
+    cfg = RunConfig(strategy="fsdp")
+    pinned = [pin.pin_decision(cfg, "cuda", r, 2, cores=cores)[0] for r in range(2)]
+    assert pinned == [23, 31] and pinned[0] % 16 != pinned[1] % 16  # cores 7 and 15
+    # fewer physical cores than ranks: each rank still gets a CPU of its own
+    assert [distributed.rank_share([0, 16], r, 2) for r in range(2)] == [[0], [16]]
+
+
+def test_cpu_lists_and_the_recorded_topology():
+    from shardlab.loop.reporting import cpu_topology
+    from shardlab.runtime.distributed import parse_cpu_list
+
+    assert parse_cpu_list("0-3,16,18-19\n") == [0, 1, 2, 3, 16, 18, 19]
+    topo = cpu_topology()
+    assert topo["logical"] == len(os.sched_getaffinity(0)) and 1 <= topo["physical"] <= topo["logical"]
+
+
 def test_pin_thread_is_a_flag():
     from shardlab.cli import build_parser, config_from_args
 

@@ -4,6 +4,7 @@ form in a log file, env.json's environment, and the summary table printed at the
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import socket
 import sys
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .. import messages
 from ..measure import mfu
-from ..runtime.distributed import DistEnv
+from ..runtime.distributed import DistEnv, physical_cores
 from ..runtime.resolved import Precision
 
 
@@ -59,6 +60,7 @@ def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
         "device_type": env.device.type,
         "precision": precision.name,
         "argv": sys.argv,
+        "cpus": cpu_topology(),
     }
     for pkg in ("deepspeed", "datasets"):
         # The installed version from the package metadata, not `import pkg`: importing datasets (pandas, pyarrow)
@@ -74,6 +76,19 @@ def environment_info(env: DistEnv, precision: Precision) -> dict[str, Any]:
             for i in range(torch.cuda.device_count())
         ]
     return info
+
+
+def cpu_topology() -> dict[str, Any]:
+    """The CPUs this process may run on, logical and physical (SMT siblings grouped): what the thread pin and the rank
+    shares are cut from, and what a host-bound run's speed follows."""
+    logical = sorted(os.sched_getaffinity(0))
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:  # not Linux: the model is not recorded
+        pass
+    return {"logical": len(logical), "physical": len(physical_cores(logical)), "model": model}
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -154,11 +154,43 @@ def bind_threads_to_rank_cores(local_rank: int, local_world: int) -> list[int]:
     return mine
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """Linux's CPU list format ("0-3,16,18-19") as the CPUs it names."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
+def core_siblings(cpu: int) -> tuple[int, ...]:
+    """The logical CPUs that share ``cpu``'s physical core (SMT siblings, from sysfs); ``cpu`` alone where unknown."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return tuple(sorted(parse_cpu_list(f.read()))) or (cpu,)
+    except (OSError, ValueError):
+        return (cpu,)
+
+
+def physical_cores(cores: list[int]) -> list[list[int]]:
+    """``cores`` grouped by physical core, each group sorted, the groups in order of their first CPU."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for cpu in cores:
+        groups.setdefault(core_siblings(cpu), []).append(cpu)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])
+
+
 def rank_share(cores: list[int], local_rank: int, local_world: int) -> list[int]:
-    """Local rank `local_rank`'s contiguous share of `cores` (sorted) among `local_world` ranks; [] when there are fewer
-    cores than ranks."""
-    per_rank = len(cores) // max(1, local_world)
-    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+    """Local rank `local_rank`'s share of `cores` among `local_world` ranks: whole physical cores, contiguous, sorted;
+    [] when there are fewer CPUs than ranks. By physical core because Linux numbers SMT siblings apart (0 and 16 on a
+    16-core host with SMT): halves of the logical list would give two ranks the two threads of every core, and their
+    pinned training threads (the last CPU of each share) one core. Fewer cores than ranks: split by logical CPU."""
+    units = physical_cores(cores)
+    if len(units) < local_world:
+        units = [[cpu] for cpu in sorted(cores)]
+    per_rank = len(units) // max(1, local_world)
+    return sorted(cpu for unit in units[local_rank * per_rank:(local_rank + 1) * per_rank] for cpu in unit)
 
 
 # glibc's mallopt parameters (malloc.h) and their defaults.

@@ -205,8 +205,8 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str, per_block: bool = 
     s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). bloom-7b1 fsdp --compile micro 8, no
     checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured, planned 83.13 with
     the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same way: 101.94 GiB
-    measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 measured, 107.50 planned (*-h200x2-
-    scaling-bars). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
+    measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 GiB measured, 107.50 planned
+    (*-h200x2-scaling-bars). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
     traces a shape the fit never saw."""
     if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
         return _layer_bytes(arch, mode, device)

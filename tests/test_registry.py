@@ -72,6 +72,25 @@ def test_speed_order_and_oom_suggestions_are_mains():
     assert next_strategy("no-such-strategy") == "zero3"
 
 
+def test_on_several_gpus_the_measured_order_leads_and_the_recommendation_says_where_it_was_measured():
+    """Two H200s (benchmarks/results/2026-11-29-h200x2-scaling-bars): the sharded-optimizer strategies before dp, whose
+    step is the one-GPU step plus its all-reduce; the rest keep their one-GPU order after those measured there."""
+    from shardlab.config import RunConfig
+    from shardlab.planning.planner import plan
+
+    several = registry.speed_order(2)
+    assert several[:6] == ("zero2", "zero1", "fsdp", "zero3", "dp", "zero0")
+    rest = [s for s in MAIN_SPEED_ORDER if s not in several[:6]]
+    assert list(several[6:]) == rest
+    assert registry.speed_measured("zero2", 2) and not registry.speed_measured("zero0", 2)
+    assert not registry.speed_measured("zero2_offload", 2) and registry.speed_measured("zero2_offload", 1)
+    cfg = RunConfig(model="tiny-llama", seq_len=512, micro_batch=1, precision="bf16", gpus=2)
+    p = plan(cfg, gpu_memory_gb=80, host_ram_gb=250)
+    assert p.recommendation == "zero2" and "two H200s" in p.reason and "; measured" in p.reason
+    one = plan(cfg.model_copy(update={"gpus": 1}), gpu_memory_gb=80, host_ram_gb=250)
+    assert one.recommendation == "dp" and "one H100" in one.reason
+
+
 def test_stage_has_one_owner():
     pytest.importorskip("deepspeed")
     from shardlab.strategies.deepspeed_config import STAGE

@@ -66,7 +66,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from ..training.loss import resolve_loss_kernel
 from ..strategies.memory import NotApplicable, memory_model
-from ..specs.registry import all_specs, names, spec, speed_order
+from ..specs.registry import all_specs, names, spec, speed_measured, speed_order
 from .memory import RESERVED_OVER_ALLOCATED, Activations, Arch, StrategyPlan, activation_bytes
 from .microbatch import check_auto_batch
 from . import arch as architecture
@@ -86,7 +86,14 @@ from ..training.optim import arithmetic
 # zero3_offload 9.5% (--offload-ratio 0.7; 18.3% fully offloaded on a larger host); zero2_offload 24.8% on that larger
 # host, so ao_offload stays after it. zero0/zero1/zero1_offload/infinity were not measured: placed by
 # reasoning (zero0, zero1 ~ zero2 communication; offloads slower than their GPU versions; NVMe slowest).
-# Each strategy's rank is its spec's speed_rank (specs/); these are read from there.
+# On several GPUs of a node the order changes: the strategies that shard the optimizer run their share of its step
+# while dp runs all of it on every GPU beside its all-reduce. Measured on two H200s (benchmarks/results/
+# *-h200x2-scaling-bars, eager, micro 8 per GPU, medians of 3 for llama-3.2-1b, 1-2 runs for gpt2-large), tok/s:
+# zero2 92.1k / 107.8k, zero1 92.4k / 107.2k, fsdp 92.8k / 59.6k, zero3 88.7k / 87.6k, dp 87.1k / 79.2k. zero2 before
+# zero1 (the same speed, less memory), fsdp before zero3 on llama-3.2-1b and bloom-7b1 (47.7% against 45.4% MFU
+# compiled), although gpt2-large's fsdp fell to 59.6k there (being examined). zero0 placed after dp by reasoning; the
+# offloads keep their one-GPU order after these.
+# Each strategy's rank is its spec's speed_rank and multi_gpu_speed_rank (specs/); these are read from there.
 SPEED_ORDER = speed_order()
 MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}
 
@@ -305,14 +312,16 @@ def _judge(sp: StrategyPlan, s: str, arch: Arch, cfg: RunConfig, accum: int, pre
 
 
 def _recommend(out: dict[str, StrategyPlan], arch: Arch, cfg: RunConfig, gpus_per_node: int) -> tuple[str | None, str, str | None]:
-    order = [s for s in speed_order() if s in out]
+    gpus = gpus_per_node * cfg.nodes
+    order = [s for s in speed_order(gpus) if s in out]
     fitting = [s for s in order if out[s].fits]
     if fitting:
         best = fitting[0]
         faster = [f"{s}: {limiting_memory(out[s])}" for s in order[: order.index(best)]]
-        measured = "measured" if spec(best).speed_measured else "placed by reasoning, not measured"
+        measured = "measured" if speed_measured(best, gpus) else "placed by reasoning, not measured"
         why_not = f"; faster ones do not fit ({', '.join(faster)})" if faster else ""
-        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: one H100, benchmarks/RESULTS.md; {measured}){why_not}"
+        where = "one H100" if gpus == 1 else "two H200s"
+        reason = f"{best} is the fastest strategy that fits GPU and host memory (speed order: {where}, benchmarks/RESULTS.md; {measured}){why_not}"
         nxt = fitting[1] if len(fitting) > 1 else None
         return best, reason, nxt
     # nothing fits: what would

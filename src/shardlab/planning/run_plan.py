@@ -156,7 +156,7 @@ def advice(cfg: RunConfig, p, gpu_memory: float) -> str:
         ck = plan(cfg.model_copy(update={"gradient_checkpointing": True}), gpu_memory_gb=gpu_memory, strategies=(cfg.strategy,))
         if ck.strategies[cfg.strategy].fits:
             out.append("--gradient-checkpointing")
-    others = tuple(s for s in speed_order() if s != cfg.strategy)
+    others = tuple(s for s in speed_order(p.gpus_per_node * p.nodes) if s != cfg.strategy)
     alt = plan(cfg, gpu_memory_gb=gpu_memory, strategies=others)
     fitting = [s for s in others if alt.strategies[s].fits]
     if fitting:
@@ -220,7 +220,7 @@ def _host_fixes(cfg: RunConfig, record: dict[str, Any], device_type: str, nproc:
         elif need < min(record["cpu_gib"], avail):  # bloom-7b1 zero2_offload, 125.9 GiB host: 122.35 planned, 122.5 measured
             forced.append(f"--no-pin-memory with --force ({need:.1f} GiB: under the {avail:.1f} available but inside the "
                           f"plan's {HOST_HEADROOM - 1:.0%} margin; pageable copies are slower)")
-    for s in speed_order():
+    for s in speed_order(nproc * cfg.nodes if device_type == "cuda" else 1):
         if s == cfg.strategy or (device_type == "cpu" and spec(s).offload_params == "nvme"):
             continue
         try:

@@ -9,5 +9,5 @@ register(StrategySpec(
     uses_autocast=False,  # MixedPrecisionPolicy already computes in low precision
     supports_8bit=True, supports_in_backward=True,
     adapters=frozenset({"lora"}),  # qlora: FSDP2 shards a 4-bit layer's packed bytes and loses its quantisation state
-    speed_rank=4, speed_measured=True, pin_measured=True, oom_next="fsdp_offload",
+    speed_rank=4, speed_measured=True, multi_gpu_speed_rank=2, multi_gpu_speed_measured=True, pin_measured=True, oom_next="fsdp_offload",
 ))

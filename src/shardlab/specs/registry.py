@@ -75,6 +75,10 @@ class StrategySpec:
     # Rank in the planner's speed order (lower = faster); None: not ranked (its speed is not comparable).
     speed_rank: int | None = None
     speed_measured: bool = False  # the rank comes from a measurement, not from reasoning
+    # Rank among strategies on several GPUs of a node, where the collectives and the sharded optimizer step reorder
+    # them (planning/planner.py says what measured it); None: after those ranked, in the one-GPU order.
+    multi_gpu_speed_rank: int | None = None
+    multi_gpu_speed_measured: bool = False
     pin_measured: bool = False  # pinning the training thread was measured not to slow it (runtime/pin.py: pin_thread auto)
     oom_next: str = "zero3"  # what an out-of-memory run of this strategy suggests next
 
@@ -142,9 +146,19 @@ def spec(name: str) -> StrategySpec:
     return found
 
 
-def speed_order() -> tuple[str, ...]:
-    """Ranked strategies, fastest first (the planner recommends the first that fits)."""
-    return tuple(s.name for s in sorted((s for s in all_specs() if s.speed_rank is not None), key=lambda s: s.speed_rank))
+def speed_order(gpus: int = 1) -> tuple[str, ...]:
+    """Ranked strategies, fastest first (the planner recommends the first that fits), for a run on ``gpus`` GPUs in all:
+    on several, those with a ``multi_gpu_speed_rank`` first, by it, then the rest in the one-GPU order."""
+    ranked = [s for s in all_specs() if s.speed_rank is not None]
+    if gpus > 1:
+        return tuple(s.name for s in sorted(ranked, key=lambda s: (s.multi_gpu_speed_rank is None, s.multi_gpu_speed_rank or 0, s.speed_rank)))
+    return tuple(s.name for s in sorted(ranked, key=lambda s: s.speed_rank))
+
+
+def speed_measured(name: str, gpus: int = 1) -> bool:
+    """Whether ``name``'s place in ``speed_order(gpus)`` comes from a measurement, not from reasoning."""
+    s = spec(name)
+    return s.multi_gpu_speed_measured if gpus > 1 and s.multi_gpu_speed_rank is not None else s.speed_measured and gpus == 1
 
 
 def find(**facts) -> str:

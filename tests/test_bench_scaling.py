@@ -258,3 +258,20 @@ def test_adapters_suite_puts_lora_and_qlora_beside_full_fine_tuning_at_one_batch
     assert by_label["lora"]["strategy"] == by_label["qlora"]["strategy"] == "dp"  # qlora trains under dp only
     footing = {(c["model"], c["micro_batch"], c["seq_len"], c["precision"], c["max_steps"]) for c in by_label.values()}
     assert footing == {("llama-2-7b", 4, 1024, "bf16", 20)}
+
+
+def test_the_guide_names_the_fastest_at_the_largest_count_and_the_one_that_keeps_the_least():
+    """From two H200s' runs (benchmarks/results/2026-11-29-h200x2-scaling-bars, llama-3.2-1b, medians of 3): the
+    report's "which strategy" line quotes the weak-scaling table at 2 GPUs, its fastest row and its lowest efficiency."""
+    from shardlab.report import build
+    from shardlab.report.guide import guide
+
+    runs = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200x2-scaling-bars/call1-2-llama"
+    cells, tables, _, _ = build([runs])
+    (table,) = [t for t in tables if t.key == "scaling"]
+    fastest = max(table.rows, key=lambda r: r["tok_s_2"].median)
+    lowest = min(table.rows, key=lambda r: r["eff_2"])
+    assert (fastest["strategy"], fastest["mode"], lowest["strategy"]) == ("fsdp", "compiled", "zero3")
+    (line,) = [g for g in guide(tables, cells) if "on 2 GPUs" in g]
+    assert "fastest is **fsdp compiled** at 113.7k" in line and f"{fastest['eff_2']:.1f}% efficiency" in line
+    assert f"zero3 keeps the least of its speed per GPU ({lowest['eff_2']:.1f}%)" in line

@@ -88,6 +88,28 @@ def _scaling(t: Table) -> list[str]:
             f"({last['speedup']:.2f}x the samples/s of {t.rows[0]['gpus']})."]
 
 
+def _weak_scaling(t: Table) -> list[str]:
+    """At the largest GPU count of a `scaling` table: the fastest strategy and mode, and the one that keeps the least
+    of its smaller-count speed."""
+    counts = sorted(int(c.key.rsplit("_", 1)[1]) for c in t.columns if c.key.startswith("eff_"))
+    if not counts:
+        return []
+    n = counts[-1]
+    ran = [r for r in t.rows if r.get(f"tok_s_{n}") is not None]
+    if not ran:
+        return []
+    name = lambda r: r["strategy"] if r["mode"] == "eager" else f"{r['strategy']} {r['mode']}"  # noqa: E731
+    eff = lambda r: f", {r[f'eff_{n}']:.1f}% efficiency" if r.get(f"eff_{n}") is not None else ""  # noqa: E731
+    fastest = max(ran, key=lambda r: med(r[f"tok_s_{n}"]) or 0)
+    where = t.title.split(": ", 1)[-1]
+    line = f"**{where}** on {n} GPUs: fastest is **{name(fastest)}** at {_n(fastest[f'tok_s_{n}'], ' useful tok/s')}{eff(fastest)}"
+    scored = [r for r in ran if r.get(f"eff_{n}") is not None]
+    if len(scored) > 1:
+        low = min(scored, key=lambda r: r[f"eff_{n}"])
+        line += f"; {name(low)} keeps the least of its speed per GPU ({low[f'eff_{n}']:.1f}%)"
+    return [line + "."]
+
+
 def _big_model(t: Table) -> list[str]:
     """What to use for a model that does not fit, ranked by what the runs measured."""
     ok = [r for r in t.rows if r.get("mfu_pct") is not None or r.get("useful_tokens_per_s") is not None]
@@ -133,6 +155,8 @@ def guide(tables: list[Table], cells: list[Cell]) -> list[str]:
             lines += adapter_guide(t)
         elif t.key in ("weak-scaling", "strong-scaling"):
             lines += _scaling(t)
+        elif t.key == "scaling":
+            lines += _weak_scaling(t)
     if not lines:
         lines.append("Not enough runs to compare: run `shardlab bench --suite strategies` (or `--suite quick` on a CPU).")
     return lines

@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_scaling.sh [BENCH_ARGS...]                       # N = the GPUs the machine has
 #   e.g. (2 x H200)  BUDGET_S=540 bash benchmarks/gpu_scaling.sh --gpu-counts 1,2
 #        a subset:   bash benchmarks/gpu_scaling.sh --gpu-counts 1,2 --models gpt2-large --strategies dp,zero2,fsdp
+#        another suite (SUITE: a built-in name or a suite YAML; its parts named `scaling` make the report's table):
+#                    SUITE=benchmarks/suites/scaling-bars.yaml bash benchmarks/gpu_scaling.sh --gpu-counts 1,2 --models bloom-1b7
 # Modelled on bench_gpu.sh: the offline wheelhouse, never NVLink multicast, the bench directory in /tmp/bench/$NAME
 # (NAME=scaling unless set) on the GPU machine, and in $OUT: $NAME.md (the report), $NAME.html (self-contained, the
 # efficiency plot embedded), $NAME.tgz (bench.json, report/, every run's summary.json, config.yaml, metrics.jsonl,

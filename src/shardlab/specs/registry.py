@@ -158,7 +158,9 @@ def speed_order(gpus: int = 1) -> tuple[str, ...]:
 def speed_measured(name: str, gpus: int = 1) -> bool:
     """Whether ``name``'s place in ``speed_order(gpus)`` comes from a measurement, not from reasoning."""
     s = spec(name)
-    return s.multi_gpu_speed_measured if gpus > 1 and s.multi_gpu_speed_rank is not None else s.speed_measured and gpus == 1
+    if gpus > 1:  # placed by its several-GPU rank if it has one, else by reasoning (its one-GPU place)
+        return s.multi_gpu_speed_rank is not None and s.multi_gpu_speed_measured
+    return s.speed_measured
 
 
 def find(**facts) -> str:

@@ -12,22 +12,21 @@ _DS = dict(engine="deepspeed", impl=".deepspeed_zero:DeepSpeedStrategy", memory=
            supports_compile=True, uses_autocast=False,
            # qlora: the engine casts the whole module to its dtype, and ZeRO-3 partitions 4-bit layers' packed bytes
            adapters=frozenset({"lora"}))
-# ZeRO-3's hooks around every module split a compiled model into a graph per block (training/compiling.py), as FSDP2's do.
-_PER_BLOCK = {1: False, 2: False, 3: True}
-_MULTI_GPU_RANK = {1: 1, 2: 0, 3: 3}  # planning/planner.py: the order on two H200s
 _SHARDED = {1: frozenset({"optimizer"}), 2: frozenset({"optimizer", "grads"}), 3: frozenset({"optimizer", "grads", "params"})}
 
 register(StrategySpec(name="zero0", order=1, zero_stage=0, help="DeepSpeed with ZeRO off: DDP's memory, DeepSpeed's engine",
                       checkpoint_format="deepspeed_stage0", speed_rank=1, multi_gpu_speed_rank=5, oom_next="zero2", **_DS))
 # Speed ranks: benchmarks/results/h100-foundation.md (tok/s, gpt2-medium, 1 x H100) for zero2, zero3, zero2_offload;
 # the rest placed by reasoning (planner.py keeps the measured figures). pin_measured: zero1-3 ran pinned
-# (runtime/pin.py; benchmarks/results/*-h100-zero3-pin/); zero0 was not measured.
-for stage, rank, measured, nxt in ((1, 2, False, "zero2"), (2, 3, True, "zero3"), (3, 5, True, "zero3_offload")):
+# (runtime/pin.py; benchmarks/results/*-h100-zero3-pin/); zero0 was not measured. On several GPUs (multi): the order two
+# H200s measured (planning/planner.py). graph_breaks_per_block: ZeRO-3's hooks around every module split a compiled
+# model into a graph per block (training/compiling.py), as FSDP2's do.
+for stage, rank, measured, multi, nxt in ((1, 2, False, 1, "zero2"), (2, 3, True, 0, "zero3"), (3, 5, True, 3, "zero3_offload")):
     register(StrategySpec(name=f"zero{stage}", order=1 + stage, zero_stage=stage, sharded=_SHARDED[stage],
                           help=f"DeepSpeed ZeRO-{stage}: {' + '.join(sorted(_SHARDED[stage]))} sharded across GPUs",
                           checkpoint_format="deepspeed_zero", speed_rank=rank, speed_measured=measured, pin_measured=True,
-                          graph_breaks_per_block=_PER_BLOCK[stage], multi_gpu_speed_rank=_MULTI_GPU_RANK[stage],
-                          multi_gpu_speed_measured=True, oom_next=nxt, **_DS))
+                          graph_breaks_per_block=stage == 3, multi_gpu_speed_rank=multi, multi_gpu_speed_measured=True,
+                          oom_next=nxt, **_DS))
 for stage, rank, measured, nxt in ((1, 8, False, "zero2_offload"), (2, 6, True, "zero3_offload")):
     register(StrategySpec(name=f"zero{stage}_offload", order=4 + stage, zero_stage=stage, sharded=_SHARDED[stage],
                           offload_optimizer="cpu", supports_zenflow=True,

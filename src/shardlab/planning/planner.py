@@ -91,8 +91,8 @@ from ..training.optim import arithmetic
 # *-h200x2-scaling-bars, eager, micro 8 per GPU, medians of 3 for llama-3.2-1b, 1-2 runs for gpt2-large), tok/s:
 # zero2 92.1k / 107.8k, zero1 92.4k / 107.2k, fsdp 92.8k / 59.6k, zero3 88.7k / 87.6k, dp 87.1k / 79.2k. zero2 before
 # zero1 (the same speed, less memory), fsdp before zero3 on llama-3.2-1b and bloom-7b1 (47.7% against 45.4% MFU
-# compiled), although gpt2-large's fsdp fell to 59.6k there (being examined). zero0 placed after dp by reasoning; the
-# offloads keep their one-GPU order after these.
+# compiled), although gpt2-large's fsdp ran at 59.6k there (0.88 of two GPUs before; unexplained on that page). zero0
+# placed after dp by reasoning; the offloads keep their one-GPU order after these.
 # Each strategy's rank is its spec's speed_rank and multi_gpu_speed_rank (specs/); these are read from there.
 SPEED_ORDER = speed_order()
 MEASURED_SPEED = {s.name for s in all_specs() if s.speed_measured}

@@ -24,7 +24,9 @@ SHARDLAB_DIAG_LOGITS_ALIVE=1  before each step, how many earlier micro-batches' 
                          Python objects refer to them: some zero3 --compile runs kept one or two 2 GiB logits-sized
                          tensors from step to step (2026-11-29-h200-zero3-compile-linear, call 4). On a GPU also the
                          allocator's live blocks of 0.5 GiB or more before steps 4 and 7, with the Python frames that
-                         allocated each (torch.cuda.memory._record_memory_history from step 1 on)."""
+                         allocated each (torch.cuda.memory._record_memory_history from step 1 on).
+SHARDLAB_DIAG_FSDP_RESHARD_ALL=1  fsdp reshards every unit after forward where it reshards, the last block and the root
+                         too (strategies/fsdp.unit_reshards keeps those two gathered), to price the two gathers."""
 
 import os
 
@@ -164,3 +166,8 @@ if os.environ.get("SHARDLAB_DIAG_LOGITS_ALIVE"):
 
     _loss.model_loss = _model_loss_watched
     _base.Strategy.train_step = _train_step_watched
+
+if os.environ.get("SHARDLAB_DIAG_FSDP_RESHARD_ALL"):
+    import shardlab.strategies.fsdp as _fsdp
+
+    _fsdp.unit_reshards = lambda reshard, block, blocks: reshard

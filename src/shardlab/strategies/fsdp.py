@@ -37,13 +37,13 @@ def accumulated_grad_bytes_per_param(accum: int) -> float:
 
 
 def reshard_after_forward(cfg, world_size: int, strategy: str | None = None) -> bool:
-    """The ``reshard_after_forward`` that ``setup`` passes to every ``fully_shard`` call of a run on ``world_size``
-    ranks (``strategy``: the one planned, default ``cfg.strategy``). ``fsdp_reshard_after_forward`` given: as given.
-    Unset: False on one rank without parameter offload, where the "shard" is the whole parameter, so resharding frees
-    only the 16-bit gathered copy and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H200:
-    133k -> 154k tok/s median of 2, peak 20.18 -> 20.74 GiB: benchmarks/results/*-h100-speed/call3-h200).
-    True otherwise: torch's default across ranks, and under CPUOffloadPolicy, which would keep the whole model's
-    16-bit copy on the GPU through backward."""
+    """Whether the units of a run on ``world_size`` ranks reshard after forward (``strategy``: the one planned, default
+    ``cfg.strategy``); ``setup`` passes it to each ``fully_shard`` call through ``unit_reshards``, which keeps the last
+    block and the root gathered. ``fsdp_reshard_after_forward`` given: as given. Unset: False on one rank without
+    parameter offload, where the "shard" is the whole parameter, so resharding frees only the 16-bit gathered copy
+    and backward gathers it again (gpt2-medium fsdp --compile micro 16 on one H200: 133k -> 154k tok/s median of 2,
+    peak 20.18 -> 20.74 GiB: benchmarks/results/*-h100-speed/call3-h200). True otherwise: torch's default across
+    ranks, and under CPUOffloadPolicy, which would keep the whole model's 16-bit copy on the GPU through backward."""
     given = cfg.strategy_options.fsdp_reshard_after_forward
     if given is not None:
         return given
@@ -54,13 +54,23 @@ def params_gathered_through_backward(cfg, world_size: int, strategy: str | None 
     """Whether every unit keeps its unsharded 16-bit parameters from its forward until its backward, in a run on
     ``world_size`` ranks (``strategy`` as in ``reshard_after_forward``).
 
-    ``setup`` passes ``reshard_after_forward`` to every ``fully_shard`` call, the root's included. torch leaves the
-    root gathered after forward only while the option is left at its default (FSDPState._auto_reshard_after_forward),
-    so given explicitly it holds for the root too: True frees every unit after its forward (gathered again in
-    backward, the root when the gradient reaches the LM head), False keeps the whole model's 16-bit copy (2 B/param
-    in bf16) until backward. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 -> 43.90 GiB with
+    ``setup`` passes the choice to every ``fully_shard`` call explicitly, the root's included (torch's own default
+    would keep the root gathered: FSDPState._auto_reshard_after_forward): True frees every unit but the last block
+    and the root after its forward (``unit_reshards``), False keeps the whole model's 16-bit copy (2 B/param in bf16)
+    until backward. Measured: bloom-3b fsdp_offload m8 x 8, 38.31 -> 43.90 GiB with
     ``fsdp_reshard_after_forward=false``, exactly 2 B x 3.0B parameters, root included."""
     return not reshard_after_forward(cfg, world_size, strategy)
+
+
+def unit_reshards(reshard: bool, block: int | None, blocks: int) -> bool:
+    """Whether one ``fully_shard`` unit reshards after forward, in a run whose blocks do (``reshard``): block ``block``
+    of ``blocks``, or the root (``block`` None). The last block and the root do not: backward gathers them again at
+    once (the root for the head's gradient, the last block next), so resharding them frees nothing the peak at the
+    head's backward does not hold again, and costs two gathers that nothing overlaps (torchtitan keeps its last
+    block gathered alike). A root without blocks (one unit) follows ``reshard``."""
+    if not reshard or not blocks:
+        return reshard
+    return block is not None and block < blocks - 1
 
 
 def units(cfg, world_size: int, strategy: str | None = None) -> str:
@@ -77,6 +87,18 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
     if given != "auto":
         return given
     return "model" if world_size == 1 and spec(strategy or cfg.strategy).offload_params != "cpu" else "blocks"
+
+
+def blocks_per_unit(cfg) -> int:
+    """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks: FSDP2 gathers, reduces and
+    runs its hooks once per unit (``fully_shard`` of the blocks' list), so a unit of several blocks divides that host
+    work per step. ``fsdp_blocks_per_unit`` given: as given; unset: 1."""
+    return cfg.strategy_options.fsdp_blocks_per_unit or 1
+
+
+def unit_groups(blocks: list[nn.Module], per_unit: int) -> list[list[nn.Module]]:
+    """The blocks, in order, cut into units of ``per_unit`` (the last may hold fewer)."""
+    return [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
 
 
 def gather_after_step(cfg, world_size: int, strategy: str | None = None) -> bool:
@@ -199,13 +221,13 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     def setup(self, model: nn.Module, total_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         from ..training import compiling
         from ..training.models import transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
-        kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(self.cfg, self.env.world_size)}
+        kwargs: dict = {"mesh": mesh}
         if self.precision.is_mixed:  # (--peft lora: a bf16 frozen base and fp32 adapters in one unit is fine, as FSDP2
             # wants one dtype among a unit's trainable parameters only, and gathers every parameter in param_dtype)
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
@@ -218,14 +240,17 @@ class FSDPStrategy(TorchOptimizerStrategy):
             model = model.to(self.env.device)
         compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
         blocks = transformer_blocks(model) if units(self.cfg, self.env.world_size) == "blocks" else []
-        for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        set_prefetch(blocks, self.cfg.strategy_options.fsdp_prefetch or 0)
+        reshard = reshard_after_forward(self.cfg, self.env.world_size)
+        groups = unit_groups(blocks, blocks_per_unit(self.cfg))
+        for i, group in enumerate(groups):
+            fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=unit_reshards(reshard, i, len(groups)), **kwargs)
+        fully_shard(model, reshard_after_forward=unit_reshards(reshard, None, len(groups)), **kwargs)
+        firsts = [group[0] for group in groups]  # a unit's modules share one FSDP state; its first one stands for it
+        set_prefetch(firsts, self.cfg.strategy_options.fsdp_prefetch or 0)
         if on_meta:  # sharded on meta: now allocate and fill only this rank's shards (CPU ones under offload)
             self._materialise(model, torch.device("cpu") if self.cpu_optimizer(self.cfg) else self.env.device)
         self.hf_model = model
-        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._units = [model, *firsts]  # the root first, then the blocks' units, as forward reaches them
         self.model = compiling.compile_module(model, self.cfg) if self.cfg.compile and not compiled_blocks else model
         offload = self.cpu_optimizer(self.cfg)
         self._build_optimizer(model, "cpu" if offload else self.env.device.type, total_steps, cpu_fused=offload)
@@ -253,6 +278,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
         where = "CPU" if self.cpu_optimizer(self.cfg) else "GPU"
         kept = "" if reshard_after_forward(self.cfg, self.env.world_size) else \
             "; not resharded after forward (gathered params kept until backward)"
-        unit = "one unit (the whole model)" if units(self.cfg, self.env.world_size) == "model" else "one unit per block + the root"
+        per = blocks_per_unit(self.cfg)
+        unit = "one unit (the whole model)" if units(self.cfg, self.env.world_size) == "model" else \
+            "one unit per block + the root" if per == 1 else f"one unit per {per} blocks + the root"
         early = "; next step's params gathered right after the optimizer step" if gather_after_step(self.cfg, self.env.world_size) else ""
         return f"FSDP2: parameters, gradients and optimizer states sharded across ranks, kept on {where}; {unit}{kept}{early}"

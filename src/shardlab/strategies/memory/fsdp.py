@@ -1,15 +1,16 @@
 """What `fsdp` and `fsdp_offload` (strategies/fsdp.py: FSDP2, MixedPrecisionPolicy) hold: fp32 sharded parameters,
 gradients and AdamW states (on the host under CPUOffloadPolicy), 16-bit unsharded copies of the units being computed
 and, while accumulating, the whole model's unsharded fp32 gradients. The engine's choices it follows
-(reshard_after_forward, units, accumulated_grad_bytes_per_param, random_init_by_module) are strategies/fsdp.py's."""
+(reshard_after_forward, units, blocks_per_unit, accumulated_grad_bytes_per_param, random_init_by_module) are
+strategies/fsdp.py's."""
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
 
-from ..fsdp import (accumulated_grad_bytes_per_param, by_module_build_bytes, params_gathered_through_backward,
-                    random_init_by_module, units)
+from ..fsdp import (accumulated_grad_bytes_per_param, blocks_per_unit, by_module_build_bytes,
+                    params_gathered_through_backward, random_init_by_module, units)
 from ...specs.registry import StrategySpec
 from . import EngineMemory, Held, Run, States, cpu_adamw_temp_bytes, pinned_bytes, torch_adam_bytes
 
@@ -37,23 +38,24 @@ class FSDPMemory(EngineMemory):
         if accumulated := accumulated_grad_bytes_per_param(run.accum) * n:
             h.backward["unsharded fp32 gradients accumulated between micro-batches (whole model)"] = accumulated
         upcast = 4 if run.mixed else 0
+        unit = min(blocks_per_unit(run.cfg), max(1, arch.layers)) * arch.block_params  # a unit's blocks gather together
         # No reshard after forward: every unit's 16-bit copy from its forward to its backward (the whole model at the
-        # start of backward), then a block's unsharded gradients and their fp32 upcast. Resharding frees every unit after
+        # start of backward), then a unit's unsharded gradients and their fp32 upcast. Resharding frees every unit after
         # its forward, the root's too: the root (embeddings, final norm, head) is gathered again when the gradient reaches
-        # the head, as is one block at a time in backward (params, 16-bit grads, their upcast, + the prefetched block).
+        # the head, as is one unit at a time in backward (params, 16-bit grads, their upcast, + the prefetched unit).
         if params_gathered_through_backward(run.cfg, d, run.spec.name):
             h.backward["unsharded params kept gathered from forward to backward (no reshard after forward)"] = float(lo * n)
-            h.at_head["unsharded block grads and their fp32 upcast (backward)"] = float((lo + upcast) * arch.block_params)
+            h.at_head["unsharded block grads and their fp32 upcast (backward)"] = float((lo + upcast) * unit)
         else:
             h.at_head["unsharded root params (gathered again for the head's backward)"] = float(lo * arch.root_params)
-            h.at_head["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + upcast) * arch.block_params)
+            h.at_head["unsharded block params/grads (backward, + prefetch)"] = float((2 * lo + upcast) * unit)
         h.at_head["the head's unsharded 16-bit weight gradient (root unit)"] = float(lo * arch.root_params)
         if units(run.cfg, d, run.spec.name) == "blocks":
             # The last unit reduced, the root (embeddings, tied head), reduces after the embedding's backward, when the
             # activations are gone: its unsharded 16-bit gradients, the fp32 reduce-scatter input they are copied into
             # (foreach_reduce), and every sharded gradient (the output becomes the root's shard). bloom-7b1 fsdp on two
             # H200s, micro 8, checkpointing: 59.2 GiB measured, 52.7 planned at the optimizer step without this moment.
-            h.after_backward.append((h.grads + (lo + 4.0) * max(arch.root_params, arch.block_params), REDUCE))
+            h.after_backward.append((h.grads + (lo + 4.0) * max(arch.root_params, unit), REDUCE))
         else:
             # one unit: its reduction runs once, at the end of backward, over the whole model: the fp32 (reduce_dtype)
             # input buffer beside the reduced output that becomes the sharded gradients

@@ -90,3 +90,22 @@ def test_plan_counts_the_one_unit_reduce_buffer():
     _, blocks = planned(fsdp_units="blocks")
     assert not [x for x in blocks.notes if x.startswith("fp32 reduce-scatter input")]
     assert one.gpu_peak == blocks.gpu_peak  # activations dominate: the same peak, as measured (17.25 GiB both)
+
+
+def test_blocks_per_unit_gives_each_unit_enough_work_on_several_ranks():
+    """On several ranks a unit holds blocks until it reaches UNIT_PARAM_TOKENS (parameters x a micro-batch's tokens):
+    gpt2-large's 19.7M-parameter blocks at 8 x 1024 tokens, host-bound one and two to a unit on an H200, go three to a
+    unit; llama-3.2-1b's 60.8M ones, which kept 97% on two H200s one to a unit, stay one."""
+    from shardlab.planning.arch import read_arch
+    from shardlab.strategies.fsdp import blocks_per_unit
+
+    cfg = RunConfig(model="gpt2-large", strategy="fsdp", seq_len=1024, micro_batch=8, precision="bf16")
+    large, llama = read_arch(cfg), read_arch(cfg.model_copy(update={"model": "llama-3.2-1b"}))
+    assert blocks_per_unit(cfg, 2, large.block_params, 8 * 1024, large.layers) == 3
+    assert blocks_per_unit(cfg, 2, llama.block_params, 8 * 1024, llama.layers) == 1
+    assert blocks_per_unit(cfg, 2, large.block_params, 32 * 1024, large.layers) == 1  # a larger micro-batch is work enough
+    assert blocks_per_unit(cfg, 1, large.block_params, 8 * 1024, large.layers) == 1  # one rank: nothing measured
+    assert blocks_per_unit(cfg, 4, 10, 10, 5) == 5  # never more than the model has
+    given = RunConfig(**{**cfg.model_dump(), "strategy_options": {"fsdp_blocks_per_unit": 2}})
+    assert blocks_per_unit(given, 2, large.block_params, 8 * 1024, large.layers) == 2
+

@@ -154,6 +154,8 @@ def test_two_rank_losses_match_dp(runs, strategy):
     if strategy == "zero3":  # block leaves on several ranks too: each block gathered and hooked as one module
         assert run.summary["zero_optimization"]["leaf_module"]["classes"][-1] == "GPT2Block"
         assert_zero3_norm_is_dps(run, runs.strategy("dp", gpus=2))
+    if strategy == "fsdp":  # tiny-gpt2's two blocks hold far fewer parameter-tokens than a unit is given: one unit
+        assert "one unit per 2 blocks + the root" in run.stdout + run.stderr
     if strategy == "zero2_offload":  # the workers read the config from a file and still size the buckets: hidden^2
         assert run.config["model"] == "tiny-gpt2" and run.summary["zero_optimization"]["reduce_bucket_size"] == 64**2
 
@@ -179,15 +181,22 @@ def test_fsdp_explicit_prefetch_matches_dp(runs):
     set_prefetch(blocks, 2)
     assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], None]  # the next two, in forward order
     assert [b.backward for b in blocks] == [None, [0], [1, 0], [2, 1]]  # the two before, in backward order
-    run = runs.get("fsdp-prefetch-2rank", train_args(strategy="fsdp", gpus=2, extra=["--set", "strategy_options.fsdp_prefetch=2"]))
+    run = runs.get("fsdp-prefetch-2rank", train_args(strategy="fsdp", gpus=2, extra=[
+        "--set", "strategy_options.fsdp_prefetch=2", "--set", "strategy_options.fsdp_blocks_per_unit=1"]))  # a unit a block
+    assert "one unit per block + the root" in run.stdout + run.stderr
     assert_same_losses(run, runs.strategy("dp", gpus=2))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("zero3", []), ("fsdp", ["--set", "strategy_options.fsdp_prefetch=1"])])
-def test_three_ranks_match_dp(runs, strategy, extra):
-    """Three ranks: ZeRO-3's block leaves and FSDP2's explicit prefetch with partitions that do not split evenly."""
-    run = runs.get(f"{strategy}-3rank", train_args(strategy=strategy, gpus=3, steps=10, extra=extra))
+@pytest.mark.parametrize("name, strategy, extra", [
+    ("zero3", "zero3", []),
+    ("fsdp", "fsdp", ["--set", "strategy_options.fsdp_prefetch=1", "--set", "strategy_options.fsdp_blocks_per_unit=1"]),
+    ("fsdp-grouped", "fsdp", []),  # both blocks in one unit (fsdp.blocks_per_unit)
+])
+def test_three_ranks_match_dp(runs, name, strategy, extra):
+    """Three ranks, with partitions that do not split evenly: ZeRO-3's block leaves, FSDP2's explicit prefetch (a unit
+    a block) and FSDP2's units of several blocks."""
+    run = runs.get(f"{name}-3rank", train_args(strategy=strategy, gpus=3, steps=10, extra=extra))
     dp = runs.get("dp-3rank", train_args(strategy="dp", gpus=3, steps=10))
     assert_same_losses(run, dp)
     if strategy == "zero3":

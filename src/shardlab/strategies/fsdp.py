@@ -10,6 +10,8 @@ weights and fp32 gradient reduction.
 from __future__ import annotations
 
 import contextlib
+import math
+
 import torch
 from torch import nn
 
@@ -89,11 +91,27 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
     return "model" if world_size == 1 and spec(strategy or cfg.strategy).offload_params != "cpu" else "blocks"
 
 
-def blocks_per_unit(cfg) -> int:
-    """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks: FSDP2 gathers, reduces and
-    runs its hooks once per unit (``fully_shard`` of the blocks' list), so a unit of several blocks divides that host
-    work per step. ``fsdp_blocks_per_unit`` given: as given; unset: 1."""
-    return cfg.strategy_options.fsdp_blocks_per_unit or 1
+# Parameters x tokens of a micro-batch that one unit should hold at least, so that its GPU work outlasts FSDP2's
+# host work per unit (hooks, gathers and reductions: ~1.1-1.5 ms each in forward, backward and reduction on an H200
+# host). gpt2-large's two-rank path on one H200 (19.7M parameters a block, 8 x 1024 tokens: 1.6e11 a block) ran
+# host-bound with units of 1 and 2 blocks (41.2k, 40.6k tok/s, medians of 3) and at the one-unit speed with 3 and 4
+# (48.2k, 48.2k; 47-48k for one unit); llama-3.2-1b (60.8M a block, 5.0e11) kept 97% of its speed on two H200s with
+# one block a unit (benchmarks/results/*-h200-fsdp-units).
+UNIT_PARAM_TOKENS = 4.5e11
+
+
+def blocks_per_unit(cfg, world_size: int, block_params: int, tokens: int, blocks: int) -> int:
+    """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks, in a run on ``world_size``
+    ranks whose blocks hold ``block_params`` parameters each and whose micro-batch holds ``tokens`` tokens. FSDP2
+    gathers, reduces and runs its hooks once per unit (``fully_shard`` of the blocks' list), so a unit of several
+    blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks, enough blocks for
+    UNIT_PARAM_TOKENS (at most all of them); on one rank (block units only under parameter offload) 1."""
+    given = cfg.strategy_options.fsdp_blocks_per_unit
+    if given:
+        return min(given, max(1, blocks))
+    if world_size <= 1 or blocks <= 1:
+        return 1
+    return max(1, min(blocks, math.ceil(UNIT_PARAM_TOKENS / max(1, block_params * tokens))))
 
 
 def unit_groups(blocks: list[nn.Module], per_unit: int) -> list[list[nn.Module]]:
@@ -241,7 +259,9 @@ class FSDPStrategy(TorchOptimizerStrategy):
         compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
         blocks = transformer_blocks(model) if units(self.cfg, self.env.world_size) == "blocks" else []
         reshard = reshard_after_forward(self.cfg, self.env.world_size)
-        groups = unit_groups(blocks, blocks_per_unit(self.cfg))
+        per_block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+        self._per_unit = blocks_per_unit(self.cfg, self.env.world_size, per_block, self.micro_batch * self.cfg.seq_len, len(blocks))
+        groups = unit_groups(blocks, self._per_unit)
         for i, group in enumerate(groups):
             fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=unit_reshards(reshard, i, len(groups)), **kwargs)
         fully_shard(model, reshard_after_forward=unit_reshards(reshard, None, len(groups)), **kwargs)
@@ -278,7 +298,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         where = "CPU" if self.cpu_optimizer(self.cfg) else "GPU"
         kept = "" if reshard_after_forward(self.cfg, self.env.world_size) else \
             "; not resharded after forward (gathered params kept until backward)"
-        per = blocks_per_unit(self.cfg)
+        per = getattr(self, "_per_unit", 1)
         unit = "one unit (the whole model)" if units(self.cfg, self.env.world_size) == "model" else \
             "one unit per block + the root" if per == 1 else f"one unit per {per} blocks + the root"
         early = "; next step's params gathered right after the optimizer step" if gather_after_step(self.cfg, self.env.world_size) else ""

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from shardlab.measure.compile_stats import found_every_graph
+
 
 def row(run: Path, name: str) -> str:
     path = run / "summary.json"
@@ -17,12 +19,15 @@ def row(run: Path, name: str) -> str:
     plan = s.get("plan") or {}
     cpu = s.get("cpu_monitor") or {}
     split = s.get("time_split") or {}
+    # a --compile run that found every graph in inductor's cache: the plan's figure for that (its workers compiled nothing)
+    cached = plan.get("cpu_gib_cached") is not None and found_every_graph(s.get("compile_cache"))
+    host_plan = f"{plan['cpu_gib_cached']:.1f} cached" if cached else f"{plan.get('cpu_gib') or 0:.1f}"
     cells = [
         name, s.get("strategy"), s.get("optimizer") or "", f"{s.get('micro_batch')} x {s.get('grad_accum')}",
         f"{s.get('tokens_per_step') or 0:,}", f"{s.get('useful_tokens_per_s') or 0:,.0f}",
         f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "-",
         f"{s.get('gpu_mem_peak_gib') or 0:.2f} / {plan.get('gpu_peak_gib') or 0:.2f}",
-        f"{((cpu.get('real_mb') or {}).get('peak') or 0) * 1e6 / 2**30:.1f} (rank {s.get('cpu_rss_peak_rank_gib') or 0:.1f}) / {plan.get('cpu_gib') or 0:.1f}",
+        f"{((cpu.get('real_mb') or {}).get('peak') or 0) * 1e6 / 2**30:.1f} (rank {s.get('cpu_rss_peak_rank_gib') or 0:.1f}) / {host_plan}",
         f"{s.get('final_train_loss') or 0:.3f}", f"{s.get('step_time_median_s') or 0:.2f}",
         f"{s.get('time_to_first_step_s') or 0:.0f}",
         (f"gpu {split.get('gpu_compute_s', 0):.2f} / cpu-opt {split.get('cpu_optimizer_s', 0):.2f} / idle "

@@ -105,7 +105,10 @@ def test_blocks_per_unit_gives_each_unit_enough_work_on_several_ranks():
     assert blocks_per_unit(cfg, 2, llama.block_params, 8 * 1024, llama.layers) == 1
     assert blocks_per_unit(cfg, 2, large.block_params, 32 * 1024, large.layers) == 1  # a larger micro-batch is work enough
     assert blocks_per_unit(cfg, 1, large.block_params, 8 * 1024, large.layers) == 1  # one rank: nothing measured
-    assert blocks_per_unit(cfg, 4, 10, 10, 5) == 5  # never more than the model has
+    assert blocks_per_unit(cfg, 4, 10, 10, 3) == 3  # never more than the model has
+    assert blocks_per_unit(cfg, 2, large.block_params, 512, large.layers) == 4  # nor more than the most measured
+    offload = RunConfig(**{**cfg.model_dump(), "strategy": "fsdp_offload"})
+    assert blocks_per_unit(offload, 2, large.block_params, 8 * 1024, large.layers) == 1  # a unit at a time on the GPU
     given = RunConfig(**{**cfg.model_dump(), "strategy_options": {"fsdp_blocks_per_unit": 2}})
     assert blocks_per_unit(given, 2, large.block_params, 8 * 1024, large.layers) == 2
 

@@ -25,8 +25,8 @@ from ..cachedir import cache_root
 
 # Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures.
 
-__all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "compile_pool_bytes",
-           "COMPILE_WORKER_RSS_BYTES", "COMPILE_POOL_RSS_BYTES", "INPROCESS_COMPILE_RSS_BYTES", "CompileClock",
+__all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "compile_pool_bytes", "found_every_graph",
+           "COMPILE_WORKER_RSS_BYTES", "COMPILE_POOL_RSS_BYTES", "COMPILE_GROWTH_BYTES", "INPROCESS_COMPILE_RSS_BYTES", "CompileClock",
            "process_start_time", "mark_start", "START_ENV"]
 
 # Wall-clock time (time.time()) at which the user's command started; the launcher sets it for its workers.
@@ -60,6 +60,11 @@ def use_persistent_cache(sdpa_backend: str = "auto") -> Path:
 # A flat 0.5 per worker, fitted to the H100 pools alone, put the H200 nodes 15-20% high.
 COMPILE_WORKER_RSS_BYTES = int(0.37 * 2**30)
 COMPILE_POOL_RSS_BYTES = int(1.55 * 2**30)
+# Of the fixed part, what the workers grow by as they compile (1.55 less the owner's 0.40): a run whose graphs are all in
+# inductor's cache compiles no kernel, and its pool stays that much smaller. Measured, the cold run's process tree less
+# the cached one's, the same configuration: 1.73 GiB (llama-3.2-1b fsdp, 32 workers, 2 x H200 host,
+# *-h200x2-scaling-bars), 1.32 GiB (gpt2-large fsdp, 16 workers, 1 H200, *-h200-fsdp-units).
+COMPILE_GROWTH_BYTES = int(1.15 * 2**30)
 # What compiling in the training process adds to its own resident memory (dynamo, inductor, Triton and the compiled
 # kernels): 8-bit AdamW runs on one H100, rank RSS minus the pinned copies the first step gave back, 2.20-2.23 GiB
 # against the 1.93 of an eager process (planning/host.GPU_PROCESS_RSS_BYTES): 13B 4.70 - 2.5, bloom-7b1 10.22 - 8.0 and
@@ -98,9 +103,19 @@ def compile_workers(compile_model: bool, cpus: int | None = None) -> int:
     return threads if threads > 1 else 0
 
 
-def compile_pool_bytes(workers: int) -> float:
-    """Host bytes of a pool of ``workers`` inductor compile workers (none: nothing)."""
-    return float(COMPILE_POOL_RSS_BYTES + workers * COMPILE_WORKER_RSS_BYTES) if workers else 0.0
+def compile_pool_bytes(workers: int, cached: bool = False) -> float:
+    """Host bytes of a pool of ``workers`` inductor compile workers (none: nothing); ``cached``: of a run whose graphs
+    are all in inductor's cache, so that the workers compile nothing."""
+    if not workers:
+        return 0.0
+    return float(COMPILE_POOL_RSS_BYTES - (COMPILE_GROWTH_BYTES if cached else 0) + workers * COMPILE_WORKER_RSS_BYTES)
+
+
+def found_every_graph(compile_cache: dict[str, Any] | None) -> bool:
+    """Whether a run's compile (its summary's ``compile_cache``) found every graph inductor would compile in the cache:
+    FX-graph hits and no miss, so its workers compiled no kernel. An AOTAutograd miss alone still finds the FX graph."""
+    cc = compile_cache or {}
+    return bool(cc.get("fx_graph_hit")) and not cc.get("fx_graph_miss")
 
 
 def process_start_time() -> float:

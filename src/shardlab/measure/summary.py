@@ -204,6 +204,7 @@ class PlanRecord(_Record):
     strategy: str | None = None
     device: str | None = None
     error: str | None = None
+    cpu_gib_cached: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

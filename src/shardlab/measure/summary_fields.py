@@ -124,6 +124,9 @@ FIELDS: dict[str, str] = {
     "plan.gpu_peak_gib": "predicted peak torch.cuda.max_memory_allocated per GPU, GiB (null on CPU): compare with "
                          "gpu_mem_peak_gib",
     "plan.cpu_gib": "predicted host memory per node, GiB (on CPU: the whole run, all ranks)",
+    "plan.cpu_gib_cached": "--compile runs on GPUs: the predicted host memory per node when inductor's cache already "
+                           "holds every graph, so its compile workers compile nothing (null without a compile pool); "
+                           "compare with the measured host of a run whose `compile_cache` shows no FX-graph miss",
     "plan.fits": "whether the prediction fits the GPU with the CUDA context and the fragmentation allowance (null on CPU)",
     "plan.strategy": "the strategy the prediction was made for",
     "plan.device": "cuda or cpu",

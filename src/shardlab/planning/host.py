@@ -28,10 +28,11 @@ LAUNCHER_RSS_BYTES = int(0.9 * GiB)
 GPU_BUILD_PROCESS_RSS_BYTES = int(1.46 * GiB)
 
 
-def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], float]:
-    """(host bytes per node, its detail, NVMe bytes per node) of a GPU or CPU run: the larger of the build moment and
-    the training moment, per rank, times the ranks of a node, and the process that launched them. What each rank holds
-    is its engine's (``model.host``, ``model.build``); the processes are this module's."""
+def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], float, float | None]:
+    """(host bytes per node, its detail, NVMe bytes per node, host bytes per node once inductor's cache holds the run's
+    graphs) of a GPU or CPU run: the larger of the build moment and the training moment, per rank, times the ranks of a
+    node, and the process that launched them. What each rank holds is its engine's (``model.host``, ``model.build``);
+    the processes are this module's. The last figure is None where no compile pool runs (it would be the first)."""
     cfg, g = run.cfg, run.gpus_per_node
     states = model.host(run)
     build_label, build = model.build(run)
@@ -47,12 +48,15 @@ def host_plan(run: Run, model: EngineMemory) -> tuple[float, dict[str, float], f
     detail[build_label] = build * g
     detail["process (python, torch, CUDA libs)"] = float(baseline * g)
     at_build = GPU_BUILD_PROCESS_RSS_BYTES if run.device == "cuda" else PROCESS_RSS_BYTES
-    total = g * max(at_build + build, baseline + sum(states.values()))
+    training = baseline + sum(states.values())
     launcher = launcher_bytes(run.device, g) if run.device == "cuda" else 0  # a CPU run's total: cpu_run_bytes
     if launcher:
         detail["the process that launched the ranks"] = float(launcher)
-        total += launcher
-    return total, detail, model.nvme(run)
+    total = g * max(at_build + build, training) + launcher
+    cached = None
+    if workers:  # the workers compile nothing once every graph is in the cache (compile_stats.COMPILE_GROWTH_BYTES)
+        cached = g * max(at_build + build, training - compile_pool_bytes(workers) + compile_pool_bytes(workers, cached=True)) + launcher
+    return total, detail, model.nvme(run), cached
 
 
 # Peak resident memory of one CPU training process besides what torch allocates for the run (python, torch,

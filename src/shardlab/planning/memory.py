@@ -433,3 +433,6 @@ class StrategyPlan:
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline: one entry per GPU of a pipeline
     # every moment of a step the plan weighed (bytes per GPU; the largest is gpu_peak); a pipeline's are in ``stages``
     moments: dict[str, float] = field(default_factory=dict)
+    # host per node of a --compile run whose graphs are all in inductor's cache (its workers compile nothing); None
+    # where no compile pool runs
+    cpu_per_node_cached: float | None = None

@@ -9,6 +9,7 @@ The record is written into the run's summary.json under ``plan`` (``PLAN_KEYS`` 
 report code; the rest is for people):
     gpu_peak_gib  predicted peak torch.cuda.max_memory_allocated per GPU (null on CPU)
     cpu_gib       predicted host memory per node (on CPU: of the whole run, all ranks)
+    cpu_gib_cached  --compile on GPUs: the same once inductor's cache holds every graph (its workers compile nothing)
     fits          GPU: fits with the CUDA context and the fragmentation allowance; null on CPU
     strategy      the strategy it was made for
 A planning failure never stops a run: the record then carries ``error`` and nulls.
@@ -108,6 +109,7 @@ def _predict(cfg: RunConfig, device_type: str, nproc: int, gpu_memory: float | N
     sp = p.strategies[cfg.strategy]
     out = {
         "gpu_peak_gib": _gib(sp.gpu_peak), "cpu_gib": _gib(sp.cpu_per_node), "fits": bool(sp.fits),
+        "cpu_gib_cached": None if sp.cpu_per_node_cached is None else _gib(sp.cpu_per_node_cached),
         "gpu_memory_gib": round(gpu_memory, 2), "host_ram_gib": round(host_ram, 2), "precision": precision,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "max_micro_batch": sp.max_micro_batch,
         "need_gib": _gib(sp.gpu_peak * RESERVED_OVER_ALLOCATED + CUDA_CONTEXT_BYTES),

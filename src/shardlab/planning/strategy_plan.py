@@ -131,11 +131,11 @@ def strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: 
         held = model.held(run) if ad is None else adapter_memory.held(run, model, ad)
         gpu = step_plan(run, held, model, act, mode, kernel, eval_rows)
     # an adapter run's host buffers are the engine's for the adapters (offloaded optimizer states)
-    cpu_total, cpu_detail, nvme = host_plan(run if ad is None else replace(run, arch=adapter_memory.trainable_arch(arch, ad)), model)
+    cpu_total, cpu_detail, nvme, cpu_cached = host_plan(run if ad is None else replace(run, arch=adapter_memory.trainable_arch(arch, ad)), model)
     paper, est = model.paper_bytes_per_param(s, run.world), model.estimate(run) or {}
     return StrategyPlan(
         strategy=strategy, gpu={**gpu.parts, "overhead (not in allocated)": float(CUDA_CONTEXT_BYTES)}, gpu_peak=gpu.peak,
-        peak_moment=gpu.moment, cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme,
+        peak_moment=gpu.moment, cpu_per_node=cpu_total, cpu_detail=cpu_detail, nvme_per_node=nvme, cpu_per_node_cached=cpu_cached,
         model_state_bytes_per_param=gpu.states_per_param, paper_bytes_per_param=None if paper is None else float(paper),
         deepspeed_gpu=est.get("gpu"), deepspeed_cpu=est.get("cpu"), notes=gpu.notes, micro_batch=micro, grad_accum=accum,
         stages=gpu.gpus, moments=gpu.moments,

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import tables as _tables
 from .load import Cell, Spread
-from .tables import Column, Table, basic_row, cell_status, cpu, gib_from_gb, group_by, med, nvml, torch_peak, where_ran
+from .tables import Column, Table, basic_row, cell_status, cpu, gib_from_gb, group_by, med, nvml, planned_host_gib, torch_peak, where_ran
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def plan_tables(cells: list[Cell]) -> list[Table]:
         host = gib_from_gb(cpu(c, "real_peak"))
         if p.gpu_peak_gib is not None:
             compared, predicted, measured = GPU_COMPARED, p.gpu_peak_gib, torch_peak(c)
-            extra = {"predicted_host_gib": p.cpu_gib, "measured_host_gib": host}
+            extra = {"predicted_host_gib": planned_host_gib(c), "measured_host_gib": host}
         else:
             compared, predicted, measured, extra = HOST_COMPARED, p.cpu_gib, host, {}
         m = med(measured)
@@ -123,7 +123,7 @@ def planned_row(c: Cell) -> dict[str, Any]:
     """``basic_row`` and the run's own plan beside it (summary.json ``plan``: GPU peak, host per node)."""
     row = basic_row(c)
     plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
-    row.update(predicted_gib=plan and plan.gpu_peak_gib, predicted_cpu_gib=plan and plan.cpu_gib)
+    row.update(predicted_gib=plan and plan.gpu_peak_gib, predicted_cpu_gib=planned_host_gib(c))
     return row
 
 

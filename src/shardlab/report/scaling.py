@@ -11,7 +11,7 @@ from typing import Any
 from ..specs.registry import lookup
 from .load import Cell, Run, Spread
 from .tables import (BATCH, FLAG, FOOTING, IGNORED, Column, Table, basic_row, cell_status, config_key, cpu, differences, gib_from_gb,
-                     group_by, med, nvml, ratio, tokens, torch_peak)
+                     group_by, med, nvml, planned_host_gib, ratio, tokens, torch_peak)
 
 # Weak scaling's equal footing: the per-GPU batch and the steps stay fixed while the global batch and tokens grow
 WEAK_FOOTING = ("precision", "micro_batch", "seq_len", "steps")
@@ -218,7 +218,7 @@ def _scaling_memory_table(ref: Cell, counts: list[int], rows: dict[tuple[str, st
                 continue
             plan = next((r.typed.plan for r in c.runs if r.typed.plan is not None), None)
             gpu_pred = plan.gpu_peak_gib if plan else None
-            host_pred = plan.cpu_gib if plan else None
+            host_pred = planned_host_gib(c)
             gpu_meas, host_meas = torch_peak(c), gib_from_gb(cpu(c, "real_peak"))
             out.append({"strategy": strategy, "mode": how, "gpus": n, "label": c.label, "predicted_gib": gpu_pred, "measured_gib": gpu_meas,
                         "error_pct": _error_pct(gpu_pred, gpu_meas), "predicted_host_gib": host_pred, "measured_host_gib": host_meas,
@@ -226,7 +226,8 @@ def _scaling_memory_table(ref: Cell, counts: list[int], rows: dict[tuple[str, st
     return Table("scaling-memory", _scaling_title(ref, "Weak scaling, planned vs measured peak memory"), SCALING_MEMORY_COLUMNS, out, [
         "Predicted = the run's own plan (summary.json `plan`, made by `shardlab train` before it started); GPU peak = torch "
         "max_memory_allocated per GPU, the busiest rank's; host = the process tree's peak RSS on the node (launcher and every "
-        "rank; on a CPU run the plan's host figure is the whole run). GiB = 2^30 bytes; error % = (predicted - measured) / measured, "
+        "rank; on a CPU run the plan's host figure is the whole run); a --compile run that found every graph in inductor's "
+        "cache is compared with the plan's figure for that (its compile workers compile nothing: `plan.cpu_gib_cached`). GiB = 2^30 bytes; error % = (predicted - measured) / measured, "
         "on the median over repeats.",
     ])
 

@@ -13,11 +13,13 @@ that does not fit) in memory.py: both build on this module, and report/__init__.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import yaml
 
+from ..measure.compile_stats import found_every_graph
 from ..specs.registry import lookup
 from .load import Cell, Run, Spread, spread
 
@@ -136,6 +138,20 @@ def nvml(c: Cell, what: str) -> Spread | None:
 
 def cpu(c: Cell, what: str) -> Spread | None:
     return c.stat(lambda r: (cpu_monitor_stats(r) or {})[what])
+
+
+def planned_host_gib(c: Cell) -> float | None:
+    """The plan's host memory per node for a cell, each run against the figure for its own compile: a run that found
+    every compiled graph in inductor's cache (its workers compiled nothing) against ``plan.cpu_gib_cached``, any other
+    against ``plan.cpu_gib``; the median over the runs."""
+    planned = []
+    for r in c.runs:
+        p = r.typed.plan
+        if p is None or p.cpu_gib is None:
+            continue
+        cached = p.cpu_gib_cached is not None and found_every_graph(r.typed.compile_cache)
+        planned.append(p.cpu_gib_cached if cached else p.cpu_gib)
+    return statistics.median(planned) if planned else None
 
 
 def med(s: Spread | None) -> float | None:

@@ -98,20 +98,25 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
 # (48.2k, 48.2k; 47-48k for one unit); llama-3.2-1b (60.8M a block, 5.0e11) kept 97% of its speed on two H200s with
 # one block a unit (benchmarks/results/*-h200-fsdp-units).
 UNIT_PARAM_TOKENS = 4.5e11
+# The most blocks the automatic choice puts in a unit (the most measured): a unit's gathered parameters and gradients
+# are held at once, so a small micro-batch (little work a block) must not gather half the model.
+MAX_BLOCKS_PER_UNIT = 4
 
 
-def blocks_per_unit(cfg, world_size: int, block_params: int, tokens: int, blocks: int) -> int:
+def blocks_per_unit(cfg, world_size: int, block_params: int, tokens: int, blocks: int, strategy: str | None = None) -> int:
     """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks, in a run on ``world_size``
-    ranks whose blocks hold ``block_params`` parameters each and whose micro-batch holds ``tokens`` tokens. FSDP2
+    ranks whose ``blocks`` blocks hold ``block_params`` parameters each and whose micro-batch holds ``tokens`` tokens
+    (``strategy`` as in ``reshard_after_forward``). FSDP2
     gathers, reduces and runs its hooks once per unit (``fully_shard`` of the blocks' list), so a unit of several
-    blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks, enough blocks for
-    UNIT_PARAM_TOKENS (at most all of them); on one rank (block units only under parameter offload) 1."""
+    blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks without parameter
+    offload, enough blocks for UNIT_PARAM_TOKENS, at most MAX_BLOCKS_PER_UNIT; else 1 (on one rank the units are blocks
+    only under parameter offload, where a unit is what is copied to the GPU at a time: the less, the better)."""
     given = cfg.strategy_options.fsdp_blocks_per_unit
     if given:
         return min(given, max(1, blocks))
-    if world_size <= 1 or blocks <= 1:
+    if world_size <= 1 or blocks <= 1 or spec(strategy or cfg.strategy).offload_params == "cpu":
         return 1
-    return max(1, min(blocks, math.ceil(UNIT_PARAM_TOKENS / max(1, block_params * tokens))))
+    return max(1, min(blocks, MAX_BLOCKS_PER_UNIT, math.ceil(UNIT_PARAM_TOKENS / max(1, block_params * tokens))))
 
 
 def unit_groups(blocks: list[nn.Module], per_unit: int) -> list[list[nn.Module]]:

@@ -38,7 +38,7 @@ class FSDPMemory(EngineMemory):
         if accumulated := accumulated_grad_bytes_per_param(run.accum) * n:
             h.backward["unsharded fp32 gradients accumulated between micro-batches (whole model)"] = accumulated
         upcast = 4 if run.mixed else 0
-        per_unit = blocks_per_unit(run.cfg, d, arch.block_params, run.micro * run.cfg.seq_len, arch.layers)
+        per_unit = blocks_per_unit(run.cfg, d, arch.block_params, run.micro * run.cfg.seq_len, arch.layers, run.spec.name)
         unit = per_unit * arch.block_params  # a unit's blocks gather and reduce together
         # No reshard after forward: every unit's 16-bit copy from its forward to its backward (the whole model at the
         # start of backward), then a unit's unsharded gradients and their fp32 upcast. Resharding frees every unit after

@@ -116,7 +116,8 @@ class StrategyOptions(_Strict):
         "parameter offload, where per-block units bound no memory and only add hooks and launches; 'blocks' otherwise")
     fsdp_blocks_per_unit: int | None = Field(
         None, ge=1, description="fsdp, fsdp_offload with block units: how many consecutive transformer blocks form one "
-        "fully_shard unit (one gather, one reduction and one set of hooks for all of them); default 1")
+        "fully_shard unit (one gather, one reduction and one set of hooks for all of them); default: on several ranks "
+        "without parameter offload, enough that a unit holds 4.5e11 parameters x micro-batch tokens (at most 4), else 1")
     fsdp_gather_after_step: bool | None = Field(
         None, description="fsdp, fsdp_offload: gather (unshard) the parameters for the next forward right after the "
         "optimizer step, while the GPU still runs it, instead of at the start of the next forward, where the GPU waits "

@@ -92,10 +92,10 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
 
 
 # Parameters x tokens of a micro-batch that one unit should hold at least, so that its GPU work outlasts FSDP2's
-# host work per unit (hooks, gathers and reductions: ~1.1-1.5 ms each in forward, backward and reduction on an H200
+# host work per unit (hooks, gathers and reductions: 1.0-1.6 ms each in forward, backward and reduction on an H200
 # host). gpt2-large's two-rank path on one H200 (19.7M parameters a block, 8 x 1024 tokens: 1.6e11 a block) ran
 # host-bound with units of 1 and 2 blocks (41.2k, 40.6k tok/s, medians of 3) and at the one-unit speed with 3 and 4
-# (48.2k, 48.2k; 47-48k for one unit); llama-3.2-1b (60.8M a block, 5.0e11) kept 97% of its speed on two H200s with
+# (48.2k, 48.2k, medians of 2; 46-47k for one unit); llama-3.2-1b (60.8M a block, 5.0e11) kept 97% of its speed on two H200s with
 # one block a unit (benchmarks/results/*-h200-fsdp-units).
 UNIT_PARAM_TOKENS = 4.5e11
 # The most blocks the automatic choice puts in a unit (the most measured): a unit's gathered parameters and gradients
@@ -106,9 +106,8 @@ MAX_BLOCKS_PER_UNIT = 4
 def blocks_per_unit(cfg, world_size: int, block_params: int, tokens: int, blocks: int, strategy: str | None = None) -> int:
     """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks, in a run on ``world_size``
     ranks whose ``blocks`` blocks hold ``block_params`` parameters each and whose micro-batch holds ``tokens`` tokens
-    (``strategy`` as in ``reshard_after_forward``). FSDP2
-    gathers, reduces and runs its hooks once per unit (``fully_shard`` of the blocks' list), so a unit of several
-    blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks without parameter
+    (``strategy`` as in ``reshard_after_forward``). FSDP2 gathers, reduces and runs its hooks once per unit
+    (``fully_shard`` of the blocks' list), so a unit of several blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks without parameter
     offload, enough blocks for UNIT_PARAM_TOKENS, at most MAX_BLOCKS_PER_UNIT; else 1 (on one rank the units are blocks
     only under parameter offload, where a unit is what is copied to the GPU at a time: the less, the better)."""
     given = cfg.strategy_options.fsdp_blocks_per_unit

@@ -197,6 +197,8 @@ def test_three_ranks_match_dp(runs, name, strategy, extra):
     """Three ranks, with partitions that do not split evenly: ZeRO-3's block leaves, FSDP2's explicit prefetch (a unit
     a block) and FSDP2's units of several blocks."""
     run = runs.get(f"{name}-3rank", train_args(strategy=strategy, gpus=3, steps=10, extra=extra))
+    if strategy == "fsdp":
+        assert ("one unit per 2 blocks" in run.stdout + run.stderr) is (name == "fsdp-grouped")
     dp = runs.get("dp-3rank", train_args(strategy="dp", gpus=3, steps=10))
     assert_same_losses(run, dp)
     if strategy == "zero3":

@@ -43,7 +43,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
     """Count parameters on the meta device and read the shape of ``hf_config``."""
     from transformers import AutoModelForCausalLM
 
-    from ..training.models import transformer_blocks
+    from ..training.models import block_params as largest_block, transformer_blocks
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
@@ -61,7 +61,7 @@ def arch_from_hf_config(hf_config: Any, *, name: str = "model", attn_impl: str =
             persistent += p.numel()
     largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     blocks = transformer_blocks(model)
-    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    block_params = largest_block(blocks)
     in_blocks = sum(p.numel() for p in {id(p): p for b in blocks for p in b.parameters()}.values())  # a shared one once
     family = model_family(hf_config)
     c = hf_config

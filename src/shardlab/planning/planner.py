@@ -91,7 +91,8 @@ from ..training.optim import arithmetic
 # *-h200x2-scaling-bars, eager, micro 8 per GPU, medians of 3 for llama-3.2-1b, 1-2 runs for gpt2-large), tok/s:
 # zero2 92.1k / 107.8k, zero1 92.4k / 107.2k, fsdp 92.8k / 59.6k, zero3 88.7k / 87.6k, dp 87.1k / 79.2k. zero2 before
 # zero1 (the same speed, less memory), fsdp before zero3 on llama-3.2-1b and bloom-7b1 (47.7% against 45.4% MFU
-# compiled), although gpt2-large's fsdp ran at 59.6k there (0.88 of two GPUs before; unexplained on that page). zero0
+# compiled), although gpt2-large's fsdp ran at 59.6k there (0.88 of two GPUs before): one H200 since found its per-block
+# path host-bound, at one-unit speed with 3 blocks a unit (*-h200-fsdp-units; strategies/fsdp.blocks_per_unit). zero0
 # placed after dp by reasoning; the offloads keep their one-GPU order after these.
 # Each strategy's rank is its spec's speed_rank and multi_gpu_speed_rank (specs/); these are read from there.
 SPEED_ORDER = speed_order()

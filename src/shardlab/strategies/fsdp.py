@@ -1,8 +1,9 @@
 """`fsdp`, and `fsdp_offload` (its spec: specs/fsdp_offload.py): PyTorch FSDP2 (`fully_shard`), the
 PyTorch-native peer of ZeRO-3. The offload fields of the run's spec choose CPUOffloadPolicy.
 
-Each transformer block is its own FSDP unit (so only one block's full weights live at a
-time), then the root; parameters become DTensors sharded on dim 0 across the mesh.
+On several ranks each unit is one or a few consecutive transformer blocks (``blocks_per_unit``: so only a unit's
+full weights live at a time), then the root; on one rank without offload the root alone (``units``). Parameters
+become DTensors sharded on dim 0 across the mesh.
 Mixed precision is FSDP's own policy: bf16/fp16 compute copies, fp32 sharded master
 weights and fp32 gradient reduction.
 """
@@ -107,9 +108,10 @@ def blocks_per_unit(cfg, world_size: int, block_params: int, tokens: int, blocks
     """Consecutive transformer blocks in one ``fully_shard`` unit where the units are blocks, in a run on ``world_size``
     ranks whose ``blocks`` blocks hold ``block_params`` parameters each and whose micro-batch holds ``tokens`` tokens
     (``strategy`` as in ``reshard_after_forward``). FSDP2 gathers, reduces and runs its hooks once per unit
-    (``fully_shard`` of the blocks' list), so a unit of several blocks divides that host work. ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks without parameter
-    offload, enough blocks for UNIT_PARAM_TOKENS, at most MAX_BLOCKS_PER_UNIT; else 1 (on one rank the units are blocks
-    only under parameter offload, where a unit is what is copied to the GPU at a time: the less, the better)."""
+    (``fully_shard`` of the blocks' list), so a unit of several blocks divides that host work.
+    ``fsdp_blocks_per_unit`` given: as given. Unset: on several ranks without parameter offload, enough blocks for
+    UNIT_PARAM_TOKENS, at most MAX_BLOCKS_PER_UNIT; else 1 (on one rank the units are blocks only under parameter
+    offload, where a unit is what is copied to the GPU at a time: the less, the better)."""
     given = cfg.strategy_options.fsdp_blocks_per_unit
     if given:
         return min(given, max(1, blocks))
@@ -246,7 +248,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         from ..training import compiling
-        from ..training.models import transformer_blocks
+        from ..training.models import block_params, transformer_blocks
 
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs: dict = {"mesh": mesh}
@@ -263,8 +265,8 @@ class FSDPStrategy(TorchOptimizerStrategy):
         compiled_blocks = compiling.compile_blocks(model, self.cfg)  # before sharding, as torchtitan
         blocks = transformer_blocks(model) if units(self.cfg, self.env.world_size) == "blocks" else []
         reshard = reshard_after_forward(self.cfg, self.env.world_size)
-        per_block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
-        self._per_unit = blocks_per_unit(self.cfg, self.env.world_size, per_block, self.micro_batch * self.cfg.seq_len, len(blocks))
+        self._per_unit = blocks_per_unit(self.cfg, self.env.world_size, block_params(blocks), self.micro_batch * self.cfg.seq_len,
+                                         len(blocks))
         groups = unit_groups(blocks, self._per_unit)
         for i, group in enumerate(groups):
             fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=unit_reshards(reshard, i, len(groups)), **kwargs)

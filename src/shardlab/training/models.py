@@ -375,6 +375,12 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(best) if best is not None else []
 
 
+def block_params(blocks: list[torch.nn.Module]) -> int:
+    """Parameters of the largest of ``blocks``: what the planner sizes a block by (planning/arch.py) and FSDP2 fills its
+    units by (strategies/fsdp.blocks_per_unit), so that the two count alike."""
+    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+
+
 def is_checkpointing(model: torch.nn.Module) -> bool:
     """Whether activation (gradient) checkpointing is on, across transformers versions."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

@@ -199,10 +199,11 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str, per_block: bool = 
 
     BLOOM's attention bias (compat/bloom_sdpa.py: ALiBi + mask, batch x heads x seq², compute dtype) is built once per
     forward and shared by the layers in eager runs and in one whole-model graph. With one graph per block
-    (``per_block``: compile scope 'blocks', or FSDP2 and ZeRO-3, whose hooks break even a whole-model compile at each
-    block: StrategySpec.graph_breaks_per_block) each block builds its own and saves it for backward, and none is shared:
-    traced on this CPU with FSDP2 on one gloo rank and the model compiled whole, as strategies/fsdp.py runs it, 44.4
-    s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). bloom-7b1 fsdp --compile micro 8, no
+    (``per_block``: compile scope 'blocks', or ZeRO-3 and FSDP2 with units of blocks, whose hooks break even a
+    whole-model compile at each block: EngineMemory.graphs_per_block) each block builds its own and saves it for
+    backward, and none is shared: traced on this CPU with FSDP2 per block on one gloo rank and the model compiled
+    whole, 44.4 s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). FSDP2's one unit on one rank leaves one
+    graph: bloom-1b7 fsdp --compile on one H200 peaked at its eager figure (*-h200x2-units). bloom-7b1 fsdp --compile micro 8, no
     checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured, planned 83.13 with
     the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same way: 101.94 GiB
     measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 GiB measured, 107.50 planned

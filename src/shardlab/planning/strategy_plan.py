@@ -118,7 +118,8 @@ def strategy_plan(strategy: str, arch: Arch, cfg: RunConfig, micro: int, accum: 
     mode = compute_mode(strategy, cfg, precision)
     kernel = "hf" if s.own_loss else resolve_loss_kernel(cfg.loss_kernel, device)
     compiled = cfg.compile and s.supports_compile
-    per_block = s.graph_breaks_per_block or scope(cfg, strategy=strategy) == "blocks"  # one compiled graph per block
+    per_block = (model.graphs_per_block(s, cfg, gpus_per_node * nodes)  # one compiled graph per block
+                 or scope(cfg, strategy=strategy) == "blocks")
     act = activation_bytes(arch, micro, cfg.seq_len, mode, device, checkpointing, kernel, compiled, per_block)
     ad = None
     if cfg.peft.method:  # a frozen base and trainable adapters (planning/adapters.py)

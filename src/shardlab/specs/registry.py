@@ -60,7 +60,8 @@ class StrategySpec:
     supports_compile: bool = True
     compile_per_block: bool = False  # --compile's 'auto' scope compiles each block apart (training/compiling.py)
     # the engine's hooks around each decoder block split even a whole-model torch.compile into one graph per block
-    # (FSDP2's fully_shard per block): what a graph saves for backward is then per block (planning/memory.py)
+    # (FSDP2's fully_shard per block, where its units are blocks: EngineMemory.graphs_per_block decides per run): what
+    # a graph saves for backward is then per block (planning/memory.py)
     graph_breaks_per_block: bool = False
     uses_autocast: bool = True  # False where the engine casts weights itself (DeepSpeed, FSDP2)
     own_loss: bool = False  # the strategy computes the loss itself (pipeline's last stage): no loss_kernel

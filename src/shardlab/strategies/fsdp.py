@@ -97,7 +97,9 @@ def units(cfg, world_size: int, strategy: str | None = None) -> str:
 # host). gpt2-large's two-rank path on one H200 (19.7M parameters a block, 8 x 1024 tokens: 1.6e11 a block) ran
 # host-bound with units of 1 and 2 blocks (41.2k, 40.6k tok/s, medians of 3) and at the one-unit speed with 3 and 4
 # (48.2k, 48.2k, medians of 2; 46-47k for one unit); llama-3.2-1b (60.8M a block, 5.0e11) kept 97% of its speed on two H200s with
-# one block a unit (benchmarks/results/*-h200-fsdp-units).
+# one block a unit (benchmarks/results/*-h200-fsdp-units). On two H200s gpt2-large's units of 3 ran as units of 1 did
+# (one round 78k against 84k tok/s, one 68.5k against 68.7k: *-h200x2-units, call 1): unconfirmed there, not refuted;
+# bloom-1b7 (50M a block: units of 2) kept 97.3% there.
 UNIT_PARAM_TOKENS = 4.5e11
 # The most blocks the automatic choice puts in a unit (the most measured): a unit's gathered parameters and gradients
 # are held at once, so a small micro-batch (little work a block) must not gather half the model.

@@ -199,6 +199,11 @@ class EngineMemory:
     def nvme(self, run: Run) -> float:
         return 0.0
 
+    def graphs_per_block(self, s: StrategySpec, cfg: RunConfig, world: int) -> bool:
+        """Whether the engine's hooks split a whole-model ``torch.compile`` into one graph per block in a run of ``cfg``
+        on ``world`` ranks (what a graph saves for backward is then per block: planning/memory.py)."""
+        return s.graph_breaks_per_block
+
     def optimizer_shapes(self, run: Run) -> set[int]:
         """Elements of each tensor one rank's optimizer steps (the 8-bit step is compiled once per shape)."""
         return {k for k, _ in run.arch.param_sizes} or {run.arch.largest_param}

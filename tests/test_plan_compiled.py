@@ -165,8 +165,8 @@ def test_the_compiled_layer_count_holds_on_a_shape_the_fit_never_saw():
 @pytest.mark.slow
 def test_bloom_per_block_graphs_save_the_bias_per_layer():
     """BLOOM (bf16) under FSDP2 per block on one gloo rank with the model compiled whole, as strategies/fsdp.py runs it
-    on several ranks: each
-    block's graph saves its own ALiBi bias (the planner's ``per_block`` count), against one whole graph that shares it.
+    on several ranks: each block's graph saves its own ALiBi bias (the planner's ``per_block`` count), against one
+    whole graph that shares it.
     Hidden 64: at the script's default 192 the bias has the size of a qkv weight, which the trace leaves out."""
     trace = _trace_module()
     hidden, heads = 64, 4

@@ -202,12 +202,12 @@ def _compiled_layer_bytes(arch: Arch, mode: str, device: str, per_block: bool = 
     (``per_block``: compile scope 'blocks', or ZeRO-3 and FSDP2 with units of blocks, whose hooks break even a
     whole-model compile at each block: EngineMemory.graphs_per_block) each block builds its own and saves it for
     backward, and none is shared: traced on this CPU with FSDP2 per block on one gloo rank and the model compiled
-    whole, 44.4 s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). FSDP2's one unit on one rank leaves one
-    graph: bloom-1b7 fsdp --compile on one H200 peaked at its eager figure (*-h200x2-units). bloom-7b1 fsdp --compile micro 8, no
-    checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured, planned 83.13 with
-    the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same way: 101.94 GiB
-    measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 GiB measured, 107.50 planned
-    (*-h200x2-scaling-bars). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
+    whole, 44.4 s·b·h bytes per layer against 32.4 as one graph (one bf16 bias). FSDP2's one unit on one rank leaves
+    one graph: bloom-1b7 fsdp --compile on one H200 peaked at its eager figure (*-h200x2-units). bloom-7b1 fsdp
+    --compile micro 8, no checkpointing, two H200s (benchmarks/results/*-h200x2-scaling, call 6): 92.82 GiB measured,
+    planned 83.13 with the cached count and a shared bias, 93.88 now. Llama's count is unchanged (llama-2-13b the same
+    way: 101.94 GiB measured, 101.90 planned); bloom-7b1 zero3 --compile the same way: 107.53 GiB measured, 107.50
+    planned (*-h200x2-scaling-bars). The peak moment counts these the same way as eager ones; tests/test_plan_compiled.py
     traces a shape the fit never saw."""
     if not compiled_layers_modelled(arch):  # not traced: the eager count is the safe side
         return _layer_bytes(arch, mode, device)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from shardlab.measure.compile_stats import found_every_graph
+from shardlab.measure.compile_stats import compared_with_cached_plan
 
 
 def row(run: Path, name: str) -> str:
@@ -20,7 +20,7 @@ def row(run: Path, name: str) -> str:
     cpu = s.get("cpu_monitor") or {}
     split = s.get("time_split") or {}
     # a --compile run that found every graph in inductor's cache: the plan's figure for that (its workers compiled nothing)
-    cached = plan.get("cpu_gib_cached") is not None and found_every_graph(s.get("compile_cache"))
+    cached = compared_with_cached_plan(plan.get("cpu_gib_cached"), s.get("compile_cache"))
     host_plan = f"{plan['cpu_gib_cached']:.1f} cached" if cached else f"{plan.get('cpu_gib') or 0:.1f}"
     cells = [
         name, s.get("strategy"), s.get("optimizer") or "", f"{s.get('micro_batch')} x {s.get('grad_accum')}",

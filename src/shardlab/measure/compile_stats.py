@@ -26,6 +26,7 @@ from ..cachedir import cache_root
 # Lazy imports below: torch._dynamo is slow to import even after torch, and only compiled runs read its figures.
 
 __all__ = ["use_persistent_cache", "limit_compile_workers", "compile_workers", "compile_pool_bytes", "found_every_graph",
+           "compared_with_cached_plan",
            "COMPILE_WORKER_RSS_BYTES", "COMPILE_POOL_RSS_BYTES", "COMPILE_GROWTH_BYTES", "INPROCESS_COMPILE_RSS_BYTES", "CompileClock",
            "process_start_time", "mark_start", "START_ENV"]
 
@@ -116,6 +117,12 @@ def found_every_graph(compile_cache: dict[str, Any] | None) -> bool:
     FX-graph hits and no miss, so its workers compiled no kernel. An AOTAutograd miss alone still finds the FX graph."""
     cc = compile_cache or {}
     return bool(cc.get("fx_graph_hit")) and not cc.get("fx_graph_miss")
+
+
+def compared_with_cached_plan(cpu_gib_cached: float | None, compile_cache: dict[str, Any] | None) -> bool:
+    """Whether a run's measured host memory compares with its plan's cached figure (``plan.cpu_gib_cached``, given
+    where a compile pool runs) rather than ``plan.cpu_gib``: it found every graph in the cache (``found_every_graph``)."""
+    return cpu_gib_cached is not None and found_every_graph(compile_cache)
 
 
 def process_start_time() -> float:

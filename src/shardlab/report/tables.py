@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import yaml
 
-from ..measure.compile_stats import found_every_graph
+from ..measure.compile_stats import compared_with_cached_plan
 from ..specs.registry import lookup
 from .load import Cell, Run, Spread, spread
 
@@ -149,8 +149,7 @@ def planned_host_gib(c: Cell) -> float | None:
         p = r.typed.plan
         if p is None or p.cpu_gib is None:
             continue
-        cached = p.cpu_gib_cached is not None and found_every_graph(r.typed.compile_cache)
-        planned.append(p.cpu_gib_cached if cached else p.cpu_gib)
+        planned.append(p.cpu_gib_cached if compared_with_cached_plan(p.cpu_gib_cached, r.typed.compile_cache) else p.cpu_gib)
     return statistics.median(planned) if planned else None
 
 

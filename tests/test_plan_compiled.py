@@ -115,16 +115,20 @@ def test_bloom_bias_is_per_layer_only_in_per_block_graphs():
     assert activations("fsdp") == pytest.approx(whole)
 
 
-# bloom-1b7's weak-scaling bench on two H200s, every cell at 1 and 2 GPUs, three repeats each
-BLOOM_1B7_BENCH = RESULTS / "2026-11-29-h200x2-units/bloom-1b7/runs"
+# Weak-scaling benches on two H200s, every cell at 1 and 2 GPUs, three repeats each: bloom-1b7 at micro 8, gpt2-large
+# at micro 16, and dp on llama-3.2-1b and bloom-1b7 at micro 16.
+SCALING_BENCHES = [RESULTS / "2026-11-29-h200x2-units/bloom-1b7/runs",
+                   RESULTS / "2026-11-29-h200x2-micro16/gpt2-large/runs",
+                   RESULTS / "2026-11-29-h200x2-micro16/dp-llama-bloom/runs"]
 
 
-@pytest.mark.parametrize("cell", sorted(p.name for p in BLOOM_1B7_BENCH.iterdir()))
-def test_every_cell_of_the_bloom_1b7_scaling_bench_is_planned_within_5_percent(cell):
+@pytest.mark.parametrize("cell", sorted(c for bench in SCALING_BENCHES for c in bench.iterdir()),
+                         ids=lambda c: f"{c.parent.parent.name}/{c.name}")
+def test_every_cell_of_the_two_gpu_scaling_benches_is_planned_within_5_percent(cell):
     """Replanned from each run's own config: the GPU peak within the issue's 5% of the measured one (the same in
-    every repeat). fsdp --compile on one GPU was planned 48.22 GiB against 42.51: 23 ALiBi biases of per-block graphs
-    counted where one unit's hooks leave one whole-model graph that shares one."""
-    runs = sorted((BLOOM_1B7_BENCH / cell).iterdir())
+    every repeat). bloom-1b7's fsdp --compile on one GPU was planned 48.22 GiB against 42.51: 23 ALiBi biases of
+    per-block graphs counted where one unit's hooks leave one whole-model graph that shares one."""
+    runs = sorted(cell.iterdir())
     measured = {round(json.loads((r / "summary.json").read_text())["gpu_mem_peak_gib"], 2) for r in runs}
     assert len(runs) == 3 and len(measured) == 1
     given = yaml.safe_load((runs[0] / "config.yaml").read_text())

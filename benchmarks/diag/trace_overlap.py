@@ -73,8 +73,8 @@ def gaps(path, min_gap_us=500.0):
         s0, s1 = st["ts"], st["ts"] + st["dur"]
         ks = [k for k in kernels if s0 <= k["ts"] < s1]
         busy = union([(k["ts"], k["ts"] + k["dur"]) for k in ks])
-        edges = [(s0, None)] + [(e, None) for _, e in busy]
-        for (start, _), nxt in zip(edges, [b[0] for b in busy] + [s1]):
+        # the gaps: step start to the first busy interval, between busy intervals, the last one to the step's end
+        for start, nxt in zip([s0] + [e for _, e in busy], [s for s, _ in busy] + [s1]):
             if nxt - start < min_gap_us:
                 continue
             before = [k for k in ks if k["ts"] + k["dur"] <= start + 1e-3]

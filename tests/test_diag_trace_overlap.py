@@ -40,7 +40,8 @@ def trace(tmp_path):
 
 
 def test_an_idle_gap_is_charged_to_the_cpu_code_that_launched_the_kernel_ending_it(trace):
-    found = _load().gaps(str(trace), min_gap_us=500)
+    mod = _load()
+    found = mod.gaps(mod.load(trace), min_gap_us=500)
     assert len(found) == 2
     step, at, dur, before, after, launcher, late = found[0]
     assert (step, at, dur) == ("ProfilerStep#4", 4_000, 2_000)
@@ -50,7 +51,8 @@ def test_an_idle_gap_is_charged_to_the_cpu_code_that_launched_the_kernel_ending_
 
 
 def test_shorter_gaps_than_asked_are_left_out(trace):
-    assert len(_load().gaps(str(trace), min_gap_us=1_500)) == 1
+    mod = _load()
+    assert len(mod.gaps(mod.load(trace), min_gap_us=1_500)) == 1
 
 
 def test_the_summary_prints_compute_nccl_and_idle(trace, capsys):

@@ -56,12 +56,22 @@ def _launcher_path(launch, cpu_ops, depth=3):
     return " > ".join(names[-depth:]) or "(no CPU op around the launch)"
 
 
-def gaps(path, min_gap_us=500.0):
+def load(path):
+    """The trace's events (a trace of a few steps can be hundreds of MB: read it once)."""
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def steps_and_kernels(ev):
+    """(the ProfilerStep ranges, the GPU's kernels, copies and memsets sorted by start)."""
+    steps = [e for e in _complete(ev, "user_annotation") if str(e.get("name", "")).startswith("ProfilerStep")]
+    return steps, sorted(_complete(ev, "kernel", "gpu_memcpy", "gpu_memset"), key=lambda k: k["ts"])
+
+
+def gaps(ev, min_gap_us=500.0):
     """[(step name, gap start offset in the step (us), gap (us), kernel before, kernel after, launcher path, launch
     lateness (us: the launch call's start minus the gap's start))] for every idle gap of at least `min_gap_us`."""
-    ev = json.load(open(path))["traceEvents"]
-    steps = [e for e in _complete(ev, "user_annotation") if str(e.get("name", "")).startswith("ProfilerStep")]
-    kernels = sorted(_complete(ev, "kernel", "gpu_memcpy", "gpu_memset"), key=lambda k: k["ts"])
+    steps, kernels = steps_and_kernels(ev)
     launches = {e["args"]["correlation"]: e for e in _complete(ev, "cuda_runtime", "cuda_driver")
                 if "correlation" in e.get("args", {})}
     cpu_ops = defaultdict(list)
@@ -77,11 +87,10 @@ def gaps(path, min_gap_us=500.0):
         for start, nxt in zip([s0] + [e for _, e in busy], [s for s, _ in busy] + [s1]):
             if nxt - start < min_gap_us:
                 continue
-            before = [k for k in ks if k["ts"] + k["dur"] <= start + 1e-3]
-            after = [k for k in ks if k["ts"] >= nxt - 1e-3]
-            k_after = after[0] if after else None
+            before = max((k for k in ks if k["ts"] + k["dur"] <= start + 1e-3), key=lambda k: k["ts"] + k["dur"], default=None)
+            k_after = next((k for k in ks if k["ts"] >= nxt - 1e-3), None)
             launch = launches.get(k_after.get("args", {}).get("correlation")) if k_after else None
-            out.append((st["name"], start - s0, nxt - start, before[-1]["name"][:50] if before else "(step start)",
+            out.append((st["name"], start - s0, nxt - start, before["name"][:50] if before else "(step start)",
                         k_after["name"][:50] if k_after else "(step end)",
                         _launcher_path(launch, cpu_ops) if launch else "(no launch found)",
                         (launch["ts"] - start) if launch else float("nan")))
@@ -89,9 +98,8 @@ def gaps(path, min_gap_us=500.0):
 
 
 def main(path, min_gap_us=500.0):
-    ev = json.load(open(path))["traceEvents"]
-    steps = [e for e in _complete(ev, "user_annotation") if str(e.get("name", "")).startswith("ProfilerStep")]
-    kernels = _complete(ev, "kernel", "gpu_memcpy", "gpu_memset")
+    ev = load(path)
+    steps, kernels = steps_and_kernels(ev)
     for st in steps:
         s0, s1 = st["ts"], st["ts"] + st["dur"]
         ks = [k for k in kernels if s0 <= k["ts"] < s1]
@@ -107,7 +115,7 @@ def main(path, min_gap_us=500.0):
             names[n] = names.get(n, 0) + k["dur"]
     for n, d in sorted(names.items(), key=lambda x: -x[1])[:6]:
         print(f"  nccl {n}: {d/1e3/max(1, len(steps)):.1f} ms/step")
-    found = gaps(path, min_gap_us)
+    found = gaps(ev, min_gap_us)
     if not found:
         return
     by_launcher = defaultdict(lambda: [0.0, 0])

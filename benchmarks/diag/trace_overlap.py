@@ -68,10 +68,18 @@ def steps_and_kernels(ev):
     return steps, sorted(_complete(ev, "kernel", "gpu_memcpy", "gpu_memset"), key=lambda k: k["ts"])
 
 
-def gaps(ev, min_gap_us=500.0):
+def per_step(steps, kernels):
+    """Each step with its start, its end and the kernels that start within it."""
+    for st in steps:
+        s0, s1 = st["ts"], st["ts"] + st["dur"]
+        yield st, s0, s1, [k for k in kernels if s0 <= k["ts"] < s1]
+
+
+def gaps(ev, min_gap_us=500.0, extracted=None):
     """[(step name, gap start offset in the step (us), gap (us), kernel before, kernel after, launcher path, launch
-    lateness (us: the launch call's start minus the gap's start))] for every idle gap of at least `min_gap_us`."""
-    steps, kernels = steps_and_kernels(ev)
+    lateness (us: the launch call's start minus the gap's start))] for every idle gap of at least `min_gap_us`.
+    `extracted`: steps_and_kernels(ev), where the caller has it already."""
+    steps, kernels = extracted or steps_and_kernels(ev)
     launches = {e["args"]["correlation"]: e for e in _complete(ev, "cuda_runtime", "cuda_driver")
                 if "correlation" in e.get("args", {})}
     cpu_ops = defaultdict(list)
@@ -79,9 +87,7 @@ def gaps(ev, min_gap_us=500.0):
         if not str(o.get("name", "")).startswith("ProfilerStep"):
             cpu_ops[o.get("tid")].append(o)
     out = []
-    for st in steps:
-        s0, s1 = st["ts"], st["ts"] + st["dur"]
-        ks = [k for k in kernels if s0 <= k["ts"] < s1]
+    for st, s0, s1, ks in per_step(steps, kernels):
         busy = union([(k["ts"], k["ts"] + k["dur"]) for k in ks])
         # the gaps: step start to the first busy interval, between busy intervals, the last one to the step's end
         for start, nxt in zip([s0] + [e for _, e in busy], [s for s, _ in busy] + [s1]):
@@ -100,9 +106,7 @@ def gaps(ev, min_gap_us=500.0):
 def main(path, min_gap_us=500.0):
     ev = load(path)
     steps, kernels = steps_and_kernels(ev)
-    for st in steps:
-        s0, s1 = st["ts"], st["ts"] + st["dur"]
-        ks = [k for k in kernels if s0 <= k["ts"] < s1]
+    for st, _, _, ks in per_step(steps, kernels):
         nccl = union([(k["ts"], k["ts"] + k["dur"]) for k in ks if "nccl" in k["name"].lower()])
         comp = union([(k["ts"], k["ts"] + k["dur"]) for k in ks if "nccl" not in k["name"].lower()])
         busy = union(nccl + comp)
@@ -115,7 +119,7 @@ def main(path, min_gap_us=500.0):
             names[n] = names.get(n, 0) + k["dur"]
     for n, d in sorted(names.items(), key=lambda x: -x[1])[:6]:
         print(f"  nccl {n}: {d/1e3/max(1, len(steps)):.1f} ms/step")
-    found = gaps(ev, min_gap_us)
+    found = gaps(ev, min_gap_us, (steps, kernels))
     if not found:
         return
     by_launcher = defaultdict(lambda: [0.0, 0])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,16 +68,22 @@ def test_reuse_can_be_switched_off():
 
 def test_an_in_process_run_leaves_the_environment_as_it_found_it_and_runs_again(tmp_path):
     """A notebook's second `shardlab.train()` must not inherit the first one's RANK/WORLD_SIZE/MASTER_PORT (a
-    multi-rank run launched after it would take itself for rank 0 of a running job) and must train the same."""
+    multi-rank run launched after it would take itself for rank 0 of a running job) and must train the same; each
+    call's time to the first step counts from that call."""
     before = dict(os.environ)
     losses = []
     for attempt in range(2):
         cfg = shardlab.RunConfig(model="tiny-gpt2", device="cpu", dataset={"source": "synthetic", "eval_samples": 1},
                                  seq_len=32, micro_batch=2, max_steps=2, seed=7, precision="fp32", export=False,
                                  eval_at_start=False, output_dir=str(tmp_path / f"run{attempt}"))
+        called = time.time()
         result = shardlab.train(cfg)
+        returned = time.time()
         assert dict(os.environ) == before, sorted(set(os.environ.items()) ^ set(before.items()))
         losses.append(result.summary["final_train_loss"])
+        # the start-up clock runs from this call, not from this (long-lived) process's creation
+        assert 0 < result.summary["time_to_first_step_s"] <= returned - called
+        assert sum(result.summary["startup_s"].values()) <= returned - called
     assert losses[0] == losses[1]
 
 

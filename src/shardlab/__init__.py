@@ -28,9 +28,12 @@ from .errors import UserError  # noqa: E402,F401
 
 def train(cfg: RunConfig):
     """Train as `shardlab train` does: in this process (returns a RunResult) or across spawned workers."""
+    import time
+
+    started = time.time()  # the run's clock starts at this call, its imports included, not at the interpreter's start
     from .launch.launcher import train as _train  # torch and the engines load only when training
 
-    return _train(cfg)
+    return _train(cfg, started=started)
 
 
 def plan(cfg: RunConfig, **kwargs):

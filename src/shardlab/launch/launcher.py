@@ -122,10 +122,11 @@ def check_tokenizer(cfg: RunConfig) -> None:
         raise problem
 
 
-def train(cfg: RunConfig, force: bool = False):
+def train(cfg: RunConfig, force: bool = False, started: float | None = None):
     """Run training: in this process, or across freshly spawned workers. Returns the RunResult when in-process.
 
-    ``force``: start even when the plan predicts more host RAM than this node has.
+    ``force``: start even when the plan predicts more host RAM than this node has. ``started``: when the command
+    started (time.time()), for time_to_first_step_s; by default this process's creation, as for `shardlab train`.
 
     The process's environment is restored afterwards. A run sets variables for itself and the workers it spawns
     (RANK, WORLD_SIZE, MASTER_PORT for a world-1 run in this process, the start time, the compile cache); left
@@ -133,14 +134,14 @@ def train(cfg: RunConfig, force: bool = False):
     would take its own launcher for rank 0 of a running job."""
     saved = dict(os.environ)
     try:
-        return _train(cfg, force)
+        return _train(cfg, force, started)
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _train(cfg: RunConfig, force: bool):
-    mark_start()  # time_to_first_step_s counts from this command's start, in the workers too
+def _train(cfg: RunConfig, force: bool, started: float | None):
+    mark_start(started)  # time_to_first_step_s counts from this command's start, in the workers too
     use_persistent_cache(cfg.sdpa_backend)  # compiled graphs outlive /tmp: the workers inherit the directory
     os.environ.update(bytecode_env(os.environ))  # spawned workers keep their imports' bytecode (launch/bytecode.py)
     limit_compile_workers(cfg.compile)  # no pool of inductor processes for the small graphs of runs without --compile

@@ -134,10 +134,12 @@ def process_start_time() -> float:
     return psutil.Process(os.getpid()).create_time()
 
 
-def mark_start() -> None:
-    """Record this process's start for the workers it spawns (no-op when a launcher above already did)."""
+def mark_start(at: float | None = None) -> None:
+    """Record the command's start for this process and the workers it spawns (no-op when a launcher above already
+    did): ``at`` (time.time() scale), else this process's creation. A library call passes its own start: a notebook's
+    process may have been created hours before."""
     if not os.environ.get(START_ENV):
-        os.environ[START_ENV] = repr(process_start_time())
+        os.environ[START_ENV] = repr(process_start_time() if at is None else at)
 
 
 def _compile_seconds() -> float:

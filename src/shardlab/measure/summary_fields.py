@@ -36,7 +36,8 @@ FIELDS: dict[str, str] = {
     "compile_scope": "with --compile: `model` (one graph) or `blocks` (one per decoder block)",
     "compile_mode": "with --compile: torch.compile's mode",
     "sdpa_backend": "the attention kernel SDPA tried first (`auto`: torch's order)",
-    "time_to_first_step_s": "seconds from the command's start to the end of the first optimizer step",
+    "time_to_first_step_s": "seconds from the command's start (a library call's: `shardlab.train()`) to the end of the "
+                            "first optimizer step",
     "startup_s": "time_to_first_step_s split into phases: launch_and_imports, data, model_build, engine_setup, "
                  "optimizer_compile, initial_eval, first_step (seconds each)",
     "compile_time_s": "seconds torch spent compiling (torch's own compile metrics); excluded from epoch_time_s",

@@ -116,12 +116,14 @@ def test_bloom_bias_is_per_layer_only_in_per_block_graphs():
 
 
 # Weak-scaling benches on two H200s, every cell at 1 and 2 GPUs, three repeats each: bloom-1b7 at micro 8, gpt2-large
-# at micro 16, dp on llama-3.2-1b and bloom-1b7 at micro 16, smollm2-1.7b at micro 16, and llama-3.2-1b at micro 32.
+# at micro 16, dp on llama-3.2-1b and bloom-1b7 at micro 16, smollm2-1.7b at micro 16 (dp also at 24), and llama-3.2-1b
+# at micro 32.
 SCALING_BENCHES = [RESULTS / "2026-11-29-h200x2-units/bloom-1b7/runs",
                    RESULTS / "2026-11-29-h200x2-micro16/gpt2-large/runs",
                    RESULTS / "2026-11-29-h200x2-micro16/dp-llama-bloom/runs",
                    RESULTS / "2026-11-29-h200x2-smollm2/smollm2-1.7b/runs",
-                   RESULTS / "2026-11-30-h200x2-llama-m32/llama-3.2-1b/runs"]
+                   RESULTS / "2026-11-30-h200x2-llama-m32/llama-3.2-1b/runs",
+                   RESULTS / "2026-11-30-h200x2-llama-m32/smollm2-1.7b-dp-m24/runs"]
 
 
 @pytest.mark.parametrize("cell", sorted(c for bench in SCALING_BENCHES for c in bench.iterdir()),

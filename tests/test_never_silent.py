@@ -70,6 +70,16 @@ def test_supervisor_passes_the_childs_exit_status_through_silently(tmp_path, cap
     assert capfd.readouterr().err == ""
 
 
+def test_the_supervised_command_times_its_start_up_from_the_supervisors_start(tmp_path, capfd):
+    """`shardlab train` runs again as the supervisor's child: the child's time_to_first_step_s counts from the command's
+    start (the supervisor's, or a launcher's above it), not from the child's own creation."""
+    from shardlab.measure.compile_stats import START_ENV, process_start_time
+
+    shown = f"import os; print(os.environ[{START_ENV!r}])"
+    assert supervise(str(tmp_path), "dp", [sys.executable, "-c", shown]) == 0
+    assert float(capfd.readouterr().out) == process_start_time()
+
+
 @pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGABRT, 3])
 def test_the_supervisor_ends_as_its_child_ended(code):
     proc = subprocess.run([sys.executable, "-c", f"import sys; from shardlab.launch.supervise import exit_as; sys.exit(exit_as({code}))"],

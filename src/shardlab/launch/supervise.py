@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import say
+from ..measure.compile_stats import START_ENV, process_start_time
 from ..measure.records import read_json, write_text_atomic
 from ..specs.registry import find, lookup
 from .bytecode import bytecode_env
@@ -136,7 +137,8 @@ def supervise(output_dir: str, strategy: str | None, command: list[str] | None =
     with tempfile.TemporaryDirectory(prefix="shardlab-watch-") as tmp:
         plan_file = Path(tmp) / "plan.json"
         before = oom_kills()
-        env = {**os.environ, **bytecode_env(os.environ), SUPERVISED_ENV: str(plan_file)}  # bytecode.py: start-up halved
+        env = {**os.environ, **bytecode_env(os.environ), SUPERVISED_ENV: str(plan_file),  # bytecode.py: start-up halved
+               START_ENV: repr(process_start_time())}  # the child's start-up clock runs from the command's start, not its own
         child = subprocess.Popen(command or [sys.executable, *sys.orig_argv[1:]], env=env,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         # Ctrl-C reaches the child from the terminal itself; a SIGINT sent to this pid alone (an IDE's stop button, a
